@@ -1,0 +1,44 @@
+"""Which implementation runs an op: the Triton kernels or the pure-PyTorch reference.
+
+Choose per call with ``backend=`` or for the process with ``FP8LINEAR_BACKEND`` =
+``auto`` (default: Triton for CUDA/ROCm tensors, reference elsewhere), ``triton`` or
+``reference``. Forcing Triton on CPU tensors needs ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .ops import HAS_TRITON
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "resolve_backend"]
+
+BACKENDS = ("auto", "triton", "reference")
+BACKEND_ENV = "FP8LINEAR_BACKEND"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Return 'triton' or 'reference' for tensors on `device`; clear error if a forced backend cannot run."""
+    requested = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
+    if requested not in BACKENDS:
+        source = "backend argument" if backend else BACKEND_ENV
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {requested!r}")
+    if requested == "reference":
+        return "reference"
+    triton_ok = HAS_TRITON and (device.type == "cuda" or _interpreting())
+    if requested == "auto":
+        return "triton" if triton_ok else "reference"
+    if not HAS_TRITON:
+        raise RuntimeError("backend 'triton' was requested but Triton is not installed (pip install triton)")
+    if not triton_ok:
+        raise RuntimeError(
+            f"backend 'triton' needs CUDA/ROCm tensors, got tensors on {device}; "
+            "set TRITON_INTERPRET=1 to run the Triton kernels on CPU (slow), or use backend='reference'"
+        )
+    return "triton"

@@ -1,0 +1,222 @@
+"""Public FP8 ops: validation, backend dispatch and `torch.library` custom ops.
+
+Every public function validates its inputs here (clear ValueError/TypeError) and then runs
+either the Triton kernels (:mod:`fp8linear.ops`) or the reference (:mod:`fp8linear.reference`).
+The Triton paths are registered as custom ops with fake implementations, so `torch.compile`
+traces them and CUDA graphs capture them (no host synchronisation on the forward path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import resolve_backend
+from .formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from .ops import HAS_TRITON
+from .reference import (
+    GRANULARITIES,
+    block_fp8_matmul_ref,
+    dequantize_weight_ref,
+    quantize_activation_ref,
+    quantize_weight_ref,
+    weight_granularity,
+)
+
+__all__ = [
+    "OUT_DTYPES",
+    "quantize_activation",
+    "quantize_weight",
+    "dequantize_weight",
+    "block_fp8_matmul",
+    "fp8_linear",
+]
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- custom ops
+if HAS_TRITON:
+
+    @torch.library.custom_op("fp8linear::act_quant", mutates_args=())
+    def _act_quant_op(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        from .ops.quant import act_quant
+
+        return act_quant(x, fp8_dtype)
+
+    @_act_quant_op.register_fake
+    def _(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        m, k = x.shape
+        return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, -(-k // GROUP_SIZE)), dtype=SCALE_DTYPE)
+
+    @torch.library.custom_op("fp8linear::block_fp8_gemm", mutates_args=())
+    def _gemm_op(
+        x_q: torch.Tensor,
+        x_s: torch.Tensor,
+        w_q: torch.Tensor,
+        w_s: torch.Tensor,
+        granularity: str,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from .ops.gemm import block_fp8_gemm
+
+        return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias)
+
+    @_gemm_op.register_fake
+    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias):
+        return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_fp8(name: str, t: torch.Tensor) -> None:
+    if not is_fp8_dtype(t.dtype):
+        raise TypeError(f"{name} must be float8_e4m3fn or float8_e4m3fnuz, got {t.dtype}")
+
+
+def _check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+
+
+def _check_group_size(group_size: int) -> None:
+    if group_size != GROUP_SIZE:
+        raise ValueError(f"group_size must be {GROUP_SIZE} (the only size the kernels support), got {group_size}")
+
+
+# ----------------------------------------------------------------------------- public ops
+def quantize_activation(
+    x: torch.Tensor,
+    group_size: int = GROUP_SIZE,
+    fp8_dtype: torch.dtype | str | None = None,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize `x` (..., K) per token in 1x128 groups -> (x_q (..., K) fp8, x_s (..., ceil(K/128)) fp32)."""
+    _check_tensor("x", x)
+    _check_group_size(group_size)
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least 1 dimension (..., K), got shape {tuple(x.shape)}")
+    fp8_dtype = resolve_fp8_dtype(fp8_dtype, x.device)
+    if resolve_backend(backend, x.device) == "reference":
+        return quantize_activation_ref(x, fp8_dtype, group_size)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if k > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    x_q, x_s = _act_quant_op(x2, fp8_dtype)
+    return x_q.reshape(*lead, k), x_s.reshape(*lead, x_s.shape[-1])
+
+
+def quantize_weight(
+    w: torch.Tensor,
+    granularity: str = "block",
+    fp8_dtype: torch.dtype | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight (N, K), or a stack (..., N, K), to FP8 -> (w_q, w_s).
+
+    Scale shapes: 'block' (..., ceil(N/128), ceil(K/128)); 'row' (..., N, ceil(K/128));
+    'tensor' (...) (a 0-d tensor for a 2-D weight). Runs on the weight's device.
+    """
+    _check_tensor("w", w)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if w.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"w must be bfloat16, float16 or float32 (not already quantized), got {w.dtype}")
+    if w.dim() < 2:
+        raise ValueError(f"w must be 2-D (N, K) or a stack (..., N, K), got shape {tuple(w.shape)}")
+    return quantize_weight_ref(w, granularity, resolve_fp8_dtype(fp8_dtype, w.device))
+
+
+def dequantize_weight(w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize (..., N, K) FP8 weights; the granularity is read from the scale's shape."""
+    _check_tensor("w_q", w_q)
+    _check_tensor("w_s", w_s)
+    _check_fp8("w_q", w_q)
+    if w_q.dim() < 2:
+        raise ValueError(f"w_q must be 2-D (N, K) or a stack (..., N, K), got shape {tuple(w_q.shape)}")
+    weight_granularity(w_q.shape, w_s.shape)
+    return dequantize_weight_ref(w_q, w_s).to(dtype)
+
+
+def _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias) -> str:
+    for name, t in (("x_q", x_q), ("x_s", x_s), ("w_q", w_q), ("w_s", w_s)):
+        _check_tensor(name, t)
+    _check_fp8("x_q", x_q)
+    _check_fp8("w_q", w_q)
+    if x_q.dtype != w_q.dtype:
+        raise TypeError(f"x_q and w_q must have the same FP8 dtype, got {x_q.dtype} and {w_q.dtype}")
+    if x_q.dim() != 2:
+        raise ValueError(f"x_q must be 2-D (M, K), got shape {tuple(x_q.shape)}; flatten leading dims first")
+    if w_q.dim() != 2:
+        raise ValueError(f"w_q must be 2-D (N, K), got shape {tuple(w_q.shape)}")
+    m, k = x_q.shape
+    n, kw = w_q.shape
+    if k != kw:
+        raise ValueError(f"K mismatch: x_q is (M={m}, K={k}) but w_q is (N={n}, K={kw})")
+    groups = -(-k // GROUP_SIZE)
+    if tuple(x_s.shape) != (m, groups):
+        raise ValueError(f"x_s must have shape (M, ceil(K/128)) = {(m, groups)}, got {tuple(x_s.shape)}")
+    for name, t in (("x_s", x_s), ("w_s", w_s)):
+        if t.dtype != SCALE_DTYPE:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+    granularity = weight_granularity(w_q.shape, w_s.shape)
+    _check_out_dtype(out_dtype)
+    if bias is not None:
+        _check_tensor("bias", bias)
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias must have shape (N,) = {(n,)}, got {tuple(bias.shape)}")
+    devices = {t.device for t in (x_q, x_s, w_q, w_s) + ((bias,) if bias is not None else ())}
+    if len(devices) > 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}")
+    return granularity
+
+
+def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def block_fp8_matmul(
+    x_q: torch.Tensor,
+    x_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias), fp32 accumulation, shape (M, N)."""
+    granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
+    if resolve_backend(backend, x_q.device) == "reference":
+        return block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype, bias)
+    w_s = w_s.reshape(()) if granularity == "tensor" else w_s.contiguous()
+    return _gemm_op(_k_contiguous(x_q), x_s.contiguous(), _k_contiguous(w_q), w_s, granularity, out_dtype, bias)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N)."""
+    _check_tensor("x", x)
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x must have shape (..., K={weight.shape[-1]}), got {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    x_q, x_s = quantize_activation(x.reshape(-1, x.shape[-1]), fp8_dtype=weight.dtype, backend=backend)
+    y = block_fp8_matmul(x_q, x_s, weight, weight_scale_inv, x.dtype, bias, backend=backend)
+    return y.reshape(*lead, weight.shape[0])

@@ -1,0 +1,51 @@
+"""Launch configurations for the blockwise FP8 GEMM: a dataclass and the heuristic that picks one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..formats import GROUP_SIZE
+
+__all__ = ["GemmConfig", "heuristic_config", "select_config"]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int = GROUP_SIZE
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+        if GROUP_SIZE % self.block_k:
+            raise ValueError(f"GemmConfig.block_k must divide {GROUP_SIZE}, got {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemmConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1 or self.group_m < 1:
+            raise ValueError(f"num_stages and group_m must be >= 1, got {self.num_stages}, {self.group_m}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
+    """A config that is good without tuning (Hopper-first: 128x128 tiles, 8 warps for prefill)."""
+    if m <= 16:  # decode: stream W, smallest tensor-core M tile
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=5)
+    if m <= 64:
+        return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=5)
+    if m <= 256:
+        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+
+
+def select_config(device: torch.device, m: int, n: int, k: int) -> GemmConfig:
+    return heuristic_config(m, n, k)

@@ -1,0 +1,76 @@
+"""Per-token 1x128 activation quantization (Triton)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
+from ..reference import AMAX_FLOOR
+
+__all__ = ["act_quant", "round_to_fp8_grid"]
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def round_to_fp8_grid(v, MIN_EXP: tl.constexpr):
+    """Triton twin of reference.round_to_fp8_grid: round fp32 to the FP8 grid, ties to even."""
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(exponent, MIN_EXP) - 3
+    up = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    down = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
+    y = v * up
+    # |y| < 16 here, so adding and subtracting 1.5 * 2**23 rounds it to an integer, ties to even.
+    r = ((y + 12582912.0) - 12582912.0) * down
+    return tl.where(r == 0.0, 0.0, r)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr,
+    M, K,
+    stride_xm, stride_qm, stride_sm,
+    qmax, amax_floor,
+    MIN_EXP: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_k = pid_g * GROUP + tl.arange(0, GROUP)
+    row_ok = offs_m < M
+    mask = row_ok[:, None] & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Same order as reference._quantize_groups; NaN propagates through max and clamp.
+    amax = tl.reduce(tl.abs(x), 1, _nan_max)
+    amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -qmax, propagate_nan=tl.PropagateNan.ALL), qmax, propagate_nan=tl.PropagateNan.ALL)
+    q = round_to_fp8_grid(q, MIN_EXP)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + pid_g, scale, mask=row_ok)
+
+
+def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D `x` (M, K) with unit stride along K -> (x_q (M, K), x_s (M, ceil(K/128)))."""
+    m, k = x.shape
+    groups = triton.cdiv(k, GROUP_SIZE)
+    x_q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    x_s = torch.empty((m, groups), dtype=SCALE_DTYPE, device=x.device)
+    if m == 0 or k == 0:
+        return x_q, x_s
+    block_m = 16  # 16 rows x 128 columns per program: 4 KB of bf16 in flight, enough to saturate HBM
+    grid = (triton.cdiv(m, block_m), groups)
+    _act_quant_kernel[grid](
+        x, x_q, x_s, m, k,
+        x.stride(0), x_q.stride(0), x_s.stride(0),
+        activation_max(fp8_dtype), AMAX_FLOOR,
+        MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE,
+        num_warps=4,
+    )
+    return x_q, x_s
