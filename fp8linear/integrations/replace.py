@@ -1,0 +1,290 @@
+"""Swap a model's linear layers and fused MoE experts for FP8 modules, generically.
+
+One walk over ``model.named_modules()``; no per-architecture code. What is replaced:
+
+- every ``nn.Linear`` -> :class:`fp8linear.Fp8BlockLinear`, except the output head
+  (``lm_head`` / ``model.get_output_embeddings()``), MoE routers and gates (a module named
+  ``gate`` or ``router``, anything inside one, ``shared_expert_gate``) and names matching
+  an ``ignore`` regex;
+- every fused experts module (3-D ``gate_up_proj`` / ``down_proj`` parameters, as transformers
+  5.x stores MoE experts) -> :class:`fp8linear.integrations.experts.Fp8Experts`.
+
+Works on materialised models (weights are quantized on their own device) and on models
+built on the meta device (empty FP8 modules of the right shapes are created, to be filled
+by a loader).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..formats import is_fp8_dtype, resolve_fp8_dtype
+from ..module import Fp8BlockLinear
+from ..reference import GRANULARITIES
+
+__all__ = [
+    "DEFAULT_SKIP_PATTERNS",
+    "QuantizeReport",
+    "quantize_model_",
+    "checkpoint_quantization_config",
+    "module_state_bytes",
+    "compile_patterns",
+    "experts_api",
+    "keep_experts_fused_on_save",
+]
+
+# Linear layers kept in high precision by default: the output head, MoE routers/gates
+# (`mlp.gate`, `router`, anything inside one) and Qwen-MoE's 1-wide `shared_expert_gate`.
+DEFAULT_SKIP_PATTERNS: tuple[str, ...] = (
+    r"(^|\.)lm_head$",
+    r"(^|\.)(gate|router)(\.|$)",
+    r"(^|\.)shared_expert_gate$",
+)
+
+# `weight_block_size` written to `quantization_config` for each granularity (HF "fp8" format).
+_BLOCK_SIZE: dict[str, list[int] | None] = {"block": [128, 128], "row": [1, 128], "tensor": None}
+
+
+def experts_api() -> tuple[type[nn.Module], Callable[[nn.Module], bool]]:
+    """(Fp8Experts, is_fused_experts_module) from the experts module (imported lazily)."""
+    from .experts import Fp8Experts, is_fused_experts_module
+
+    return Fp8Experts, is_fused_experts_module
+
+
+def compile_patterns(patterns: Iterable[str] | str | None, what: str = "ignore") -> list[re.Pattern[str]]:
+    """Compile regexes; a single string counts as one pattern. TypeError/ValueError on bad input."""
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    out = []
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"{what} patterns must be strings (regexes), got {type(p).__name__}: {p!r}")
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"{what} pattern {p!r} is not a valid regex: {e}") from None
+    return out
+
+
+def module_state_bytes(module: nn.Module) -> int:
+    """Bytes of all parameters and buffers (meta tensors count at their dtype's size)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+@dataclass
+class QuantizeReport:
+    """What :func:`quantize_model_` did.
+
+    ``replaced`` counts replaced modules by kind (the original class name), ``kept`` lists
+    the linear / experts modules left in high precision, bytes are over all parameters and
+    buffers of the model (before and after), ``quantized_bytes_*`` only over replaced modules.
+    """
+
+    granularity: str
+    fp8_dtype: torch.dtype
+    replaced: dict[str, int] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    quantized_bytes_before: int = 0
+    quantized_bytes_after: int = 0
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if not is_fp8_dtype(self.fp8_dtype):
+            raise TypeError(f"fp8_dtype must be an FP8 dtype, got {self.fp8_dtype}")
+
+    @property
+    def num_replaced(self) -> int:
+        return sum(self.replaced.values())
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_after / self.bytes_before if self.bytes_before else 1.0
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.replaced.items())) or "nothing"
+        dtype = str(self.fp8_dtype).removeprefix("torch.")
+        lines = [
+            f"FP8 quantization ({self.granularity}, {dtype}): replaced {self.num_replaced} modules ({kinds})",
+            f"  kept in high precision: {len(self.kept)} modules"
+            + (f" ({', '.join(self.kept[:4])}{', ...' if len(self.kept) > 4 else ''})" if self.kept else ""),
+            f"  replaced modules: {_fmt_bytes(self.quantized_bytes_before)} -> {_fmt_bytes(self.quantized_bytes_after)}",
+            f"  whole model:      {_fmt_bytes(self.bytes_before)} -> {_fmt_bytes(self.bytes_after)}"
+            f" ({self.ratio:.3f}x)",
+        ]
+        return "\n".join(lines)
+
+
+def checkpoint_quantization_config(
+    granularity: str, modules_to_not_convert: Iterable[str] = (), fp8_dtype: torch.dtype = torch.float8_e4m3fn
+) -> dict:
+    """The config.json ``quantization_config`` of the shared checkpoint format (HF ``quant_method: "fp8"``)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    cfg = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": _BLOCK_SIZE[granularity],
+        "modules_to_not_convert": sorted(modules_to_not_convert),
+    }
+    if fp8_dtype == torch.float8_e4m3fnuz:
+        cfg["fp8_dtype"] = "e4m3fnuz"
+    return cfg
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _empty_fp8_linear(linear: nn.Linear, granularity: str, fp8_dtype: torch.dtype, backend: str | None) -> Fp8BlockLinear:
+    bias_dtype = linear.bias.dtype if linear.bias is not None else torch.bfloat16
+    return Fp8BlockLinear(
+        linear.in_features, linear.out_features, bias=linear.bias is not None, granularity=granularity,
+        device="meta", fp8_dtype=fp8_dtype, dtype=bias_dtype, backend=backend,
+    )
+
+
+def _output_head_ids(model: nn.Module) -> set[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return {id(head)} if isinstance(head, nn.Module) else set()
+
+
+def quantize_model_(
+    model: nn.Module,
+    granularity: str = "block",
+    ignore: Iterable[str] | str = (),
+    fp8_dtype: torch.dtype | str | None = None,
+    backend: str | None = None,
+    *,
+    skip_defaults: bool = True,
+    experts: bool = True,
+    set_config: bool = True,
+) -> QuantizeReport:
+    """Replace eligible linear layers and fused experts of `model` with FP8 modules, in place.
+
+    Args:
+        model: any ``nn.Module`` (typically a transformers ``PreTrainedModel``).
+        granularity: weight scaling, ``"block"`` (128x128), ``"row"`` (1x128) or ``"tensor"``.
+        ignore: regexes (``re.search`` on the module's qualified name) of modules to keep.
+        fp8_dtype: FP8 dtype; default: the one of each module's device (e4m3fnuz on MI300).
+        backend: forced backend for the new modules (``"triton"``/``"reference"``), default auto.
+        skip_defaults: also keep the output head and MoE routers/gates (:data:`DEFAULT_SKIP_PATTERNS`).
+        experts: also replace fused MoE experts modules.
+        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict, so
+            ``model.save_pretrained`` writes a checkpoint that :func:`from_pretrained` reloads.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    patterns = compile_patterns(ignore)
+    skip = compile_patterns(DEFAULT_SKIP_PATTERNS) if skip_defaults else []
+    head_ids = _output_head_ids(model) if skip_defaults else set()
+    is_experts: Callable[[nn.Module], bool] = lambda m: False  # noqa: E731
+    fp8_experts_cls = None
+    if experts:
+        fp8_experts_cls, is_experts = experts_api()
+
+    bytes_before = module_state_bytes(model)
+    plan: list[tuple[str, nn.Module, str]] = []  # (name, module, kind)
+    kept: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            kind = "linear"
+        elif experts and is_experts(module):
+            kind = "experts"
+        else:
+            continue
+        if any(p.search(name) for p in patterns) or (
+            kind == "linear" and (id(module) in head_ids or any(p.search(name) for p in skip))
+        ):
+            kept.append(name)
+            continue
+        plan.append((name, module, kind))
+
+    replaced: Counter[str] = Counter()
+    q_before = q_after = 0
+    chosen_dtype: torch.dtype | None = None
+    for name, module, kind in plan:
+        w = module.weight if kind == "linear" else next(module.parameters())
+        dtype = resolve_fp8_dtype(fp8_dtype, w.device if w.device.type != "meta" else None)
+        chosen_dtype = chosen_dtype or dtype
+        q_before += module_state_bytes(module)
+        if kind == "linear":
+            if w.device.type == "meta":
+                new = _empty_fp8_linear(module, granularity, dtype, backend)
+            else:
+                new = Fp8BlockLinear.from_linear(module, granularity=granularity, fp8_dtype=dtype, backend=backend)
+                new.train(module.training)
+        else:
+            new = fp8_experts_cls.from_experts(module, granularity=granularity, fp8_dtype=dtype, backend=backend)
+        q_after += module_state_bytes(new)
+        _set_submodule(model, name, new)
+        replaced[type(module).__name__] += 1
+
+    chosen_dtype = chosen_dtype or resolve_fp8_dtype(fp8_dtype, None)
+    report = QuantizeReport(
+        granularity=granularity,
+        fp8_dtype=chosen_dtype,
+        replaced=dict(replaced),
+        kept=kept,
+        bytes_before=bytes_before,
+        bytes_after=module_state_bytes(model),
+        quantized_bytes_before=q_before,
+        quantized_bytes_after=q_after,
+    )
+    config = getattr(model, "config", None)
+    if set_config and config is not None and plan:
+        config.quantization_config = checkpoint_quantization_config(granularity, kept, chosen_dtype)
+        if any(kind == "experts" for _, _, kind in plan):
+            keep_experts_fused_on_save(model)
+    return report
+
+
+def keep_experts_fused_on_save(model: nn.Module) -> None:
+    """Make transformers' ``save_pretrained`` write FP8 experts fused (``P`` + ``P_scale_inv``).
+
+    transformers 5.x un-fuses ``experts.gate_up_proj`` into per-expert tensors when saving
+    (the reverse of its load-time merge) but knows nothing of the scale grids, which would
+    leave a mix of per-expert weights and fused scales. Keeping only the key renamings as the
+    model's conversions saves the FP8 experts in the fused layout of the checkpoint format.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # transformers < 5 never un-fuses
+        return
+    current = getattr(model, "_weight_conversions", None)
+    if current is None:
+        current = get_model_conversion_mapping(model, add_legacy=False)
+    model._weight_conversions = [t for t in current if isinstance(t, WeightRenaming)]
