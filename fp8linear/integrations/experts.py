@@ -1,0 +1,595 @@
+"""FP8 fused mixture-of-experts: a drop-in replacement for transformers 5.x experts modules.
+
+transformers 5.x keeps a MoE layer's routed experts in one module with 3-D parameters
+(``DeepseekV3Experts``, ``DeepseekV2Experts``, ``Qwen2MoeExperts``, ``Qwen3MoeExperts``,
+``MixtralExperts``, ...): ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) (or their
+transposes when the class is declared ``is_transposed``; ``up_proj`` instead of
+``gate_up_proj`` for gate-less experts; optional ``*_bias``), an ``act_fn``, and
+``forward(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)``.
+
+:class:`Fp8Experts` keeps one FP8 weight and one scale grid per expert, stored as the
+checkpoint names them (parameter P and ``P_scale_inv``, always (E, out, in)), and runs:
+
+1. quantize the T token rows once (1x128 per token);
+2. one grouped FP8 GEMM launch for gate/up over all (token, expert) pairs;
+3. the module's own gate (``act_fn(gate) * up``, or the class's ``_apply_gate``);
+4. quantize, one grouped FP8 GEMM launch for down, routing weight applied in the epilogue;
+5. sum of the top_k rows of each token in fp32.
+
+On the Triton backend nothing synchronises with the host (CUDA-graph capturable) and the
+GEMM is a ``torch.library`` custom op with a fake implementation (``torch.compile`` traces it).
+The reference backend computes the same numerics in PyTorch with a loop over experts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..backend import resolve_backend
+from ..formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from ..functional import dequantize_weight, quantize_activation, quantize_weight
+from ..ops import HAS_TRITON
+from ..reference import (
+    GRANULARITIES,
+    dequantize_activation_ref,
+    dequantize_weight_ref,
+    weight_granularity,
+    weight_scale_shape,
+)
+
+__all__ = [
+    "Fp8Experts",
+    "ExpertsLayout",
+    "experts_layout",
+    "is_fused_experts_module",
+    "grouped_fp8_matmul",
+]
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Experts quantized per chunk in from_experts: bounds the fp32 temporaries to a few experts.
+_QUANT_CHUNK = 8
+
+
+# ----------------------------------------------------------------------------- custom op
+if HAS_TRITON:
+
+    @torch.library.custom_op("fp8linear::grouped_fp8_gemm", mutates_args=())
+    def _grouped_gemm_op(
+        a_q: torch.Tensor,
+        a_s: torch.Tensor,
+        w_q: torch.Tensor,
+        w_s: torch.Tensor,
+        sorted_pair_ids: torch.Tensor,
+        block_expert: torch.Tensor,
+        num_pairs: int,
+        a_row_div: int,
+        granularity: str,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from ..ops.grouped_gemm import grouped_fp8_gemm
+
+        return grouped_fp8_gemm(
+            a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div,
+            granularity, out_dtype, bias, topk_weights,
+        )
+
+    @_grouped_gemm_op.register_fake
+    def _(a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div, granularity, out_dtype,
+          bias, topk_weights):
+        return a_q.new_empty((num_pairs, w_q.shape[1]), dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- grouped matmul
+def _grouped_ref(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    pair_expert: torch.Tensor,
+    a_row_div: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Reference: same order as the kernel (fp32 GEMM, + bias, * routing weight, cast)."""
+    num_experts, n, _ = w_q.shape
+    num_pairs = pair_expert.shape[0]
+    a = dequantize_activation_ref(a_q, a_s)
+    out = torch.zeros((num_pairs, n), dtype=torch.float32, device=a_q.device)
+    for e in range(num_experts):  # reference path only: the Triton path is one launch
+        pairs = (pair_expert == e).nonzero().squeeze(1)
+        if pairs.numel() == 0:
+            continue
+        y = a[pairs // a_row_div] @ dequantize_weight_ref(w_q[e], w_s[e]).transpose(0, 1)
+        if bias is not None:
+            y = y + bias[e].float()
+        out[pairs] = y
+    if topk_weights is not None:
+        out = out * topk_weights.float()[:, None]
+    return out.to(out_dtype)
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def grouped_fp8_matmul(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    top_k_index: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    per_token_rows: bool = True,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    backend: str | None = None,
+    _routing: object | None = None,
+) -> torch.Tensor:
+    """Per (token, expert) pair: y[p] = (dequant(a[row]) @ dequant(w[e]).T + bias[e]) * topk_weights[p].
+
+    Pairs are numbered ``p = token * top_k + slot`` with e = top_k_index[token, slot]; ids
+    outside [0, E) give zero rows. ``per_token_rows=True``: `a_q` is (T, K), one row per token
+    (row = p // top_k); False: `a_q` is (T * top_k, K), one row per pair. `w_q` (E, N, K) FP8
+    with scales (E, ...) of any granularity; `bias` (E, N); `topk_weights` (T, top_k) or (S,).
+    Returns (T * top_k, N) in `out_dtype`.
+    """
+    for name, t in (("a_q", a_q), ("a_s", a_s), ("w_q", w_q), ("w_s", w_s), ("top_k_index", top_k_index)):
+        _check_tensor(name, t)
+    for name, t in (("a_q", a_q), ("w_q", w_q)):
+        if not is_fp8_dtype(t.dtype):
+            raise TypeError(f"{name} must be float8_e4m3fn or float8_e4m3fnuz, got {t.dtype}")
+    if a_q.dtype != w_q.dtype:
+        raise TypeError(f"a_q and w_q must have the same FP8 dtype, got {a_q.dtype} and {w_q.dtype}")
+    if w_q.dim() != 3:
+        raise ValueError(f"w_q must be 3-D (E, N, K), got shape {tuple(w_q.shape)}")
+    if a_q.dim() != 2:
+        raise ValueError(f"a_q must be 2-D (rows, K), got shape {tuple(a_q.shape)}")
+    if top_k_index.dim() != 2 or top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"top_k_index must be a 2-D (T, top_k) int32/int64 tensor, got {top_k_index.dtype} {tuple(top_k_index.shape)}"
+        )
+    num_experts, n, k = w_q.shape
+    t, top_k = top_k_index.shape
+    num_pairs = t * top_k
+    rows = t if per_token_rows else num_pairs
+    if tuple(a_q.shape) != (rows, k):
+        what = "(T, K)" if per_token_rows else "(T * top_k, K)"
+        raise ValueError(f"a_q must have shape {what} = {(rows, k)}, got {tuple(a_q.shape)}")
+    groups = -(-k // 128)  # 1x128 activation groups
+    if tuple(a_s.shape) != (rows, groups):
+        raise ValueError(f"a_s must have shape (rows, ceil(K/128)) = {(rows, groups)}, got {tuple(a_s.shape)}")
+    for name, s in (("a_s", a_s), ("w_s", w_s)):
+        if s.dtype != SCALE_DTYPE:
+            raise TypeError(f"{name} must be float32, got {s.dtype}")
+    granularity = weight_granularity(w_q.shape, w_s.shape)
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if bias is not None and tuple(_check_tensor("bias", bias).shape) != (num_experts, n):
+        raise ValueError(f"bias must have shape (E, N) = {(num_experts, n)}, got {tuple(bias.shape)}")
+    if topk_weights is not None:
+        _check_tensor("topk_weights", topk_weights)
+        if topk_weights.numel() != num_pairs:
+            raise ValueError(
+                f"topk_weights must have T * top_k = {num_pairs} elements (shape of top_k_index "
+                f"{tuple(top_k_index.shape)}), got shape {tuple(topk_weights.shape)}"
+            )
+        topk_weights = topk_weights.reshape(num_pairs)
+    a_row_div = top_k if per_token_rows else 1
+
+    if resolve_backend(backend, a_q.device) == "reference":
+        return _grouped_ref(
+            a_q, a_s, w_q, w_s, top_k_index.reshape(-1), a_row_div, out_dtype, bias, topk_weights
+        )
+    from ..ops.grouped_gemm import grouped_config, moe_align_block_size
+
+    routing = _routing
+    if routing is None:
+        routing = moe_align_block_size(top_k_index, num_experts, grouped_config(num_pairs, num_experts, n, k).block_m)
+    w_s = w_s.reshape(num_experts) if granularity == "tensor" else w_s.contiguous()
+    if a_q.shape[-1] > 1 and a_q.stride(-1) != 1:
+        a_q = a_q.contiguous()
+    if w_q.stride(-1) != 1:
+        w_q = w_q.contiguous()
+    return _grouped_gemm_op(
+        a_q, a_s.contiguous(), w_q, w_s, routing.sorted_pair_ids, routing.block_expert, num_pairs, a_row_div,
+        granularity, out_dtype,
+        bias.contiguous() if bias is not None else None,
+        topk_weights.float().contiguous() if topk_weights is not None else None,
+    )
+
+
+# ----------------------------------------------------------------------------- detection
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How a transformers experts module stores its weights (read from the module at runtime)."""
+
+    num_experts: int
+    hidden_dim: int
+    intermediate_dim: int
+    has_gate: bool  # gate_up_proj (E, 2I, H) vs up_proj (E, I, H)
+    has_bias: bool
+    is_transposed: bool  # weights stored (E, in, out) instead of (E, out, in)
+    custom_gate: bool  # the class defines its own _apply_gate
+    has_post_expert_norm: bool
+
+    @property
+    def up_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+
+def _param3d(module: nn.Module, name: str) -> torch.Tensor | None:
+    t = getattr(module, name, None)
+    return t if isinstance(t, torch.Tensor) and t.dim() == 3 else None
+
+
+def _forward_takes_routing(module: nn.Module) -> bool:
+    """forward(hidden_states, top_k_index, top_k_weights): three positional inputs (or *args)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _has_custom_gate(module: nn.Module) -> bool:
+    fn = getattr(type(module), "_apply_gate", None)
+    return callable(fn) and getattr(fn, "__name__", "") != "_default_apply_gate"
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout | None:
+    """The storage layout of a fused experts module, or None if `module` is not one.
+
+    Generic: looks for 3-D ``down_proj`` and ``gate_up_proj`` (or ``up_proj``) parameters with
+    consistent shapes and a forward taking (hidden_states, top_k_index, top_k_weights). The
+    ``is_transposed`` / ``has_gate`` / ``has_bias`` attributes that transformers' experts
+    decorator sets are used when present and checked against the shapes; older classes without
+    them are read from the shapes alone.
+    """
+    if not isinstance(module, nn.Module) or isinstance(module, Fp8Experts):
+        return None
+    down = _param3d(module, "down_proj")
+    has_gate = _param3d(module, "gate_up_proj") is not None
+    up = _param3d(module, "gate_up_proj" if has_gate else "up_proj")
+    if down is None or up is None or up.shape[0] != down.shape[0]:
+        return None
+    if not (down.dtype.is_floating_point and up.dtype.is_floating_point) or is_fp8_dtype(down.dtype):
+        return None
+    if not _forward_takes_routing(module):
+        return None
+    g = 2 if has_gate else 1
+    _, u1, u2 = up.shape
+    _, d1, d2 = down.shape
+    fits_plain = u2 == d1 and u1 == g * d2  # up (E, g*I, H), down (E, H, I)
+    fits_transposed = u1 == d2 and u2 == g * d1  # up (E, H, g*I), down (E, I, H)
+    declared = getattr(module, "is_transposed", None)
+    if isinstance(declared, bool):
+        if not (fits_transposed if declared else fits_plain):
+            return None
+        transposed = declared
+    elif fits_plain and fits_transposed:  # only possible without a gate and H == I: trust hidden_dim if set
+        hidden = getattr(module, "hidden_dim", getattr(module, "hidden_size", None))
+        transposed = hidden == u1 and hidden != u2
+    elif fits_plain or fits_transposed:
+        transposed = fits_transposed
+    else:
+        return None
+    hidden_dim, inter = (u1, d1) if transposed else (u2, d2)
+    bias_name = "gate_up_proj_bias" if has_gate else "up_proj_bias"
+    has_bias = isinstance(getattr(module, bias_name, None), torch.Tensor)
+    return ExpertsLayout(
+        num_experts=up.shape[0], hidden_dim=hidden_dim, intermediate_dim=inter, has_gate=has_gate,
+        has_bias=has_bias, is_transposed=transposed, custom_gate=_has_custom_gate(module),
+        has_post_expert_norm=bool(getattr(module, "has_post_expert_norm", False))
+        and isinstance(getattr(module, "post_expert_norm", None), nn.Module),
+    )
+
+
+def is_fused_experts_module(module: nn.Module) -> bool:
+    """True for a transformers-style fused experts module (3-D expert weights, routed forward)."""
+    return experts_layout(module) is not None
+
+
+def _shadow(module: nn.Module) -> nn.Module:
+    """A parameter-free copy of `module` (same class, attributes and small submodules).
+
+    Keeps the class's own gate (``_apply_gate`` and the attributes it reads, e.g. GPT-OSS
+    alpha/limit) and lets `to_experts` rebuild the original class without knowing its config.
+    """
+    shadow = type(module).__new__(type(module))
+    # Copy the per-instance dicts (hooks, buffers, submodules) so the copy never shares them.
+    state = {k: (type(v)(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+    state["_parameters"] = {}
+    shadow.__dict__.update(state)
+    return shadow
+
+
+# ----------------------------------------------------------------------------- module
+class Fp8Experts(nn.Module):
+    """Routed MoE experts with FP8 weights, one grouped FP8 GEMM launch per projection.
+
+    Parameters (checkpoint names; always stored (E, out, in), K contiguous):
+      - ``gate_up_proj`` FP8 (E, 2I, H) and ``gate_up_proj_scale_inv`` fp32 (E, ...)
+        (``up_proj`` / ``up_proj_scale_inv`` (E, I, H) for gate-less experts)
+      - ``down_proj`` FP8 (E, H, I) and ``down_proj_scale_inv`` fp32 (E, ...)
+      - ``gate_up_proj_bias`` (E, 2I) and ``down_proj_bias`` (E, H) when ``has_bias``
+    Scale shapes per expert: 'block' (ceil(N/128), ceil(K/128)), 'row' (N, ceil(K/128)),
+    'tensor' () -> (E,). forward(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_dim: int,
+        intermediate_dim: int,
+        *,
+        granularity: str = "block",
+        act_fn: nn.Module | Callable[[torch.Tensor], torch.Tensor] | str | None = None,
+        has_gate: bool = True,
+        has_bias: bool = False,
+        fp8_dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        for name, v in (("num_experts", num_experts), ("hidden_dim", hidden_dim), ("intermediate_dim", intermediate_dim)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.has_gate = has_gate
+        self.has_bias = has_bias
+        self.is_transposed = False  # our storage is always (E, out, in)
+        self.has_post_expert_norm = False
+        self.backend = backend
+        self._source: nn.Module | None = None  # parameter-free copy of the replaced module (not a submodule)
+        self._source_transposed = False  # whether the replaced module stored (E, in, out)
+        self.act_fn = _resolve_act(act_fn)
+
+        up_out = (2 if has_gate else 1) * intermediate_dim
+        for name, (n, k) in ((self.up_name, (up_out, hidden_dim)), ("down_proj", (hidden_dim, intermediate_dim))):
+            w = torch.empty((num_experts, n, k), dtype=fp8_dtype, device=device)
+            s = torch.ones(weight_scale_shape(w.shape, granularity), dtype=SCALE_DTYPE, device=device)
+            self.register_parameter(name, nn.Parameter(w, requires_grad=False))
+            self.register_parameter(f"{name}_scale_inv", nn.Parameter(s, requires_grad=False))
+            bias = torch.zeros((num_experts, n), dtype=dtype, device=device) if has_bias else None
+            self.register_parameter(f"{name}_bias", nn.Parameter(bias, requires_grad=False) if has_bias else None)
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def up_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    @property
+    def granularity(self) -> str:
+        return weight_granularity(self.down_proj.shape, self.down_proj_scale_inv.shape)
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.down_proj.dtype
+
+    # -- conversion ---------------------------------------------------------------------------
+    @classmethod
+    def from_experts(
+        cls,
+        module: nn.Module,
+        granularity: str = "block",
+        fp8_dtype: torch.dtype | str | None = None,
+        backend: str | None = None,
+    ) -> "Fp8Experts":
+        """Quantize a transformers fused experts module (on its own device; meta gives an empty shell)."""
+        layout = experts_layout(module)
+        if layout is None:
+            raise TypeError(
+                "from_experts expects a fused experts module with 3-D gate_up_proj/up_proj and down_proj "
+                f"parameters and forward(hidden_states, top_k_index, top_k_weights), got {type(module).__name__}"
+            )
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        up_src = getattr(module, layout.up_name)
+        device = up_src.device
+        fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+        mod = cls(
+            layout.num_experts, layout.hidden_dim, layout.intermediate_dim, granularity=granularity,
+            act_fn=getattr(module, "act_fn", None), has_gate=layout.has_gate, has_bias=layout.has_bias,
+            fp8_dtype=fp8_dtype, device="meta", dtype=up_src.dtype, backend=backend,
+        )
+        object.__setattr__(mod, "_source", _shadow(module))  # kept out of submodules and state_dict
+        mod._source_transposed = layout.is_transposed
+        if hasattr(module, "config"):
+            mod.config = module.config
+        if layout.has_post_expert_norm:
+            mod.has_post_expert_norm = True
+            mod.post_expert_norm = module.post_expert_norm
+        for name in (layout.up_name, "down_proj"):
+            src = getattr(module, name).detach()
+            if layout.is_transposed:
+                src = src.transpose(1, 2)
+            if device.type == "meta":
+                w_q = torch.empty(src.shape, dtype=fp8_dtype, device=device)
+                w_s = torch.ones(weight_scale_shape(src.shape, granularity), dtype=SCALE_DTYPE, device=device)
+            else:
+                parts = [
+                    quantize_weight(src[i : i + _QUANT_CHUNK].contiguous(), granularity, fp8_dtype)
+                    for i in range(0, src.shape[0], _QUANT_CHUNK)
+                ]
+                w_q = torch.cat([p[0] for p in parts])
+                w_s = torch.cat([p[1] for p in parts])
+            setattr(mod, name, nn.Parameter(w_q, requires_grad=False))
+            setattr(mod, f"{name}_scale_inv", nn.Parameter(w_s, requires_grad=False))
+            if layout.has_bias:
+                bias = getattr(module, f"{name}_bias").detach().clone()
+                setattr(mod, f"{name}_bias", nn.Parameter(bias, requires_grad=False))
+        return mod
+
+    def dequantized_weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """{'gate_up_proj' (or 'up_proj'): (E, out, in), 'down_proj': (E, H, I)} dequantized to `dtype`."""
+        return {
+            name: dequantize_weight(getattr(self, name), getattr(self, f"{name}_scale_inv"), dtype)
+            for name in (self.up_name, "down_proj")
+        }
+
+    def to_experts(self, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+        """A high-precision experts module with the dequantized weights.
+
+        The original transformers class (same attributes, layout and gate) when this module came
+        from :meth:`from_experts`; otherwise a plain eager experts module of the same interface.
+        """
+        weights = self.dequantized_weights(dtype)
+        if self._source is not None:
+            out = _shadow(self._source)
+            transposed = self._source_transposed
+        else:
+            out = _EagerExperts(self.act_fn, self.has_gate)
+            transposed = False
+        for name, w in weights.items():
+            out.register_parameter(name, nn.Parameter(w.transpose(1, 2).contiguous() if transposed else w))
+            if self.has_bias:
+                out.register_parameter(f"{name}_bias", nn.Parameter(getattr(self, f"{name}_bias").detach().to(dtype)))
+        return out
+
+    # -- forward ------------------------------------------------------------------------------
+    def _gate(self, h: torch.Tensor) -> torch.Tensor:
+        if self._source is not None and _has_custom_gate(self._source):
+            return self._source._apply_gate(h)
+        if not self.has_gate:
+            return self.act_fn(h)
+        gate, up = h.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        _check_tensor("hidden_states", hidden_states)
+        _check_tensor("top_k_index", top_k_index)
+        _check_tensor("top_k_weights", top_k_weights)
+        if hidden_states.dtype not in _OUT_DTYPES:
+            raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {hidden_states.dtype}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_dim:
+            raise ValueError(f"hidden_states must have shape (..., H={self.hidden_dim}), got {tuple(hidden_states.shape)}")
+        lead = hidden_states.shape[:-1]
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        t = x.shape[0]
+        if top_k_index.dim() != 2 or top_k_index.shape[0] != t:
+            raise ValueError(f"top_k_index must have shape (T={t}, top_k), got {tuple(top_k_index.shape)}")
+        if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+            raise ValueError(
+                f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}"
+            )
+        if not is_fp8_dtype(self.down_proj.dtype):
+            raise TypeError(f"Fp8Experts weights must be FP8, got {self.down_proj.dtype}")
+        top_k = top_k_index.shape[1]
+        backend = resolve_backend(self.backend, x.device)
+        dtype = x.dtype
+        w_up, w_down = getattr(self, self.up_name), self.down_proj
+        routing = None
+        if backend == "triton":
+            from ..ops.grouped_gemm import grouped_config, moe_align_block_size
+
+            # block_m depends only on pairs per expert, so one routing serves both GEMMs.
+            block_m = grouped_config(t * top_k, self.num_experts, w_up.shape[1], self.hidden_dim).block_m
+            routing = moe_align_block_size(top_k_index, self.num_experts, block_m)
+
+        x_q, x_s = quantize_activation(x, fp8_dtype=self.fp8_dtype, backend=backend)
+        h = grouped_fp8_matmul(
+            x_q, x_s, w_up, getattr(self, f"{self.up_name}_scale_inv"), top_k_index, dtype,
+            per_token_rows=True, bias=getattr(self, f"{self.up_name}_bias"), backend=backend, _routing=routing,
+        )
+        h = self._gate(h)
+        h_q, h_s = quantize_activation(h.to(dtype), fp8_dtype=self.fp8_dtype, backend=backend)
+        fuse_weights = not self.has_post_expert_norm
+        y = grouped_fp8_matmul(
+            h_q, h_s, w_down, self.down_proj_scale_inv, top_k_index, dtype,
+            per_token_rows=False, bias=self.down_proj_bias,
+            topk_weights=top_k_weights if fuse_weights else None, backend=backend, _routing=routing,
+        )
+        if not fuse_weights:
+            y = self.post_expert_norm(y)
+            y = (y.float() * top_k_weights.reshape(-1, 1).float()).to(dtype)
+        out = y.view(t, top_k, self.hidden_dim).sum(dim=1, dtype=torch.float32)
+        return out.to(dtype).reshape(*lead, self.hidden_dim)
+
+    # -- state dict ---------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # A checkpoint of another granularity: adopt its scale shape when it fits the weight.
+        for name in (self.up_name, "down_proj"):
+            key = f"{prefix}{name}_scale_inv"
+            incoming = state_dict.get(key)
+            current = getattr(self, f"{name}_scale_inv")
+            if isinstance(incoming, torch.Tensor) and incoming.shape != current.shape:
+                try:
+                    weight_granularity(getattr(self, name).shape, incoming.shape)
+                except ValueError:
+                    continue  # let the default loader report the mismatch
+                setattr(self, f"{name}_scale_inv", nn.Parameter(
+                    torch.empty(incoming.shape, dtype=SCALE_DTYPE, device=current.device), requires_grad=False
+                ))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        act = type(self.act_fn).__name__ if isinstance(self.act_fn, nn.Module) else getattr(self.act_fn, "__name__", "?")
+        return (
+            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
+            f"{self.up_name}={tuple(getattr(self, self.up_name).shape)}, granularity={self.granularity}, "
+            f"fp8_dtype={str(self.fp8_dtype).removeprefix('torch.')}, has_bias={self.has_bias}, act_fn={act}"
+        )
+
+
+def _resolve_act(act_fn: nn.Module | Callable | str | None) -> nn.Module | Callable:
+    if act_fn is None:
+        return nn.SiLU()
+    if isinstance(act_fn, str):
+        try:
+            from transformers.activations import ACT2FN
+        except ImportError as exc:
+            raise ValueError(f"act_fn={act_fn!r} given by name needs transformers installed") from exc
+        if act_fn not in ACT2FN:
+            raise ValueError(f"unknown act_fn {act_fn!r}; expected a transformers ACT2FN name such as 'silu'")
+        return ACT2FN[act_fn]
+    if not callable(act_fn):
+        raise TypeError(f"act_fn must be an nn.Module, a callable or a name, got {type(act_fn).__name__}")
+    return act_fn
+
+
+class _EagerExperts(nn.Module):
+    """Plain high-precision experts with transformers' interface (for to_experts without a source class)."""
+
+    def __init__(self, act_fn: nn.Module | Callable, has_gate: bool) -> None:
+        super().__init__()
+        self.act_fn = act_fn
+        self.has_gate = has_gate
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        up = self.gate_up_proj if self.has_gate else self.up_proj
+        up_bias = getattr(self, "gate_up_proj_bias" if self.has_gate else "up_proj_bias", None)
+        down_bias = getattr(self, "down_proj_bias", None)
+        out = torch.zeros_like(hidden_states)
+        for e in range(up.shape[0]):
+            token, slot = (top_k_index == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            h = nn.functional.linear(hidden_states[token], up[e], None if up_bias is None else up_bias[e])
+            if self.has_gate:
+                gate, u = h.chunk(2, dim=-1)
+                h = self.act_fn(gate) * u
+            else:
+                h = self.act_fn(h)
+            y = nn.functional.linear(h, self.down_proj[e], None if down_bias is None else down_bias[e])
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out

@@ -1,0 +1,227 @@
+"""Grouped blockwise-scaled FP8 GEMM for mixture-of-experts (Triton), one launch for all experts.
+
+Routing layout (the vLLM ``moe_align_block_size`` scheme, built with device-side torch ops):
+the S = T * top_k (token, expert) pairs are numbered ``pair = token * top_k + slot``, sorted
+by expert, and each expert's list is padded to a multiple of BLOCK_M with the sentinel S.
+Every BLOCK_M-row block therefore belongs to exactly one expert, recorded in
+``block_expert``. The buffers are sized from static upper bounds (no host synchronisation):
+
+    capacity = S + min(S, E + 1) * (BLOCK_M - 1)        rows in ``sorted_pair_ids``
+    blocks   = capacity // BLOCK_M                      programs along M
+
+Blocks past the used ones carry ``block_expert = E + 1`` and exit at once. Pairs routed to an
+expert id outside ``[0, E)`` (expert-parallel sentinels) form a "null expert" E whose blocks
+skip the K loop and store zeros, so every output row is written.
+
+The kernel computes, for each pair p in a block of expert e,
+
+    C[p, :] = (dequant(A[p // A_ROW_DIV]) @ dequant(W[e]).T + bias[e]) * topk_weight[p]
+
+with the numerics of :mod:`fp8linear.ops.gemm`: each 128-wide K step is multiplied on the FP8
+tensor cores into a fresh fp32 tile, scaled by ``a_s[row] * w_s[e, n]`` and added to the fp32
+accumulator. ``A_ROW_DIV = top_k`` lets the gate/up GEMM read the token's activation row
+(quantized once per token); the down GEMM reads the pair's own row (``A_ROW_DIV = 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import GROUP_SIZE
+from .configs import GemmConfig
+
+__all__ = ["MoeRouting", "grouped_config", "moe_align_block_size", "grouped_fp8_gemm"]
+
+
+class MoeRouting(NamedTuple):
+    """Expert-sorted, block-padded routing (all int32 device tensors, sizes from static bounds)."""
+
+    sorted_pair_ids: torch.Tensor  # (capacity,) pair index, or S for padding
+    block_expert: torch.Tensor  # (capacity // block_m,) expert of each block; E = null, E + 1 = unused
+    block_m: int
+    num_pairs: int  # S = T * top_k
+    top_k: int
+
+
+def grouped_config(num_pairs: int, num_experts: int, n: int, k: int) -> GemmConfig:
+    """Tile config from the average number of rows per expert (a static, host-known quantity)."""
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert <= 16:  # decode: each block is ~one expert's few rows; stream W with the smallest M tile
+        return GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 48:
+        return GemmConfig(block_m=32, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 128:
+        return GemmConfig(block_m=64, block_n=128, block_k=128, group_m=4, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
+
+
+def moe_align_block_size(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
+    """Sort the (token, expert) pairs of `top_k_index` (T, top_k) by expert, pad each expert to `block_m`.
+
+    Device-side torch ops only (sort, scatter_add, cumsum, searchsorted, scatter): no `.item()`,
+    no `nonzero`, no `bincount` (its output size depends on the data), so it is CUDA-graph safe.
+    """
+    if top_k_index.dim() != 2:
+        raise ValueError(f"top_k_index must be 2-D (T, top_k), got shape {tuple(top_k_index.shape)}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"top_k_index must be int32 or int64, got {top_k_index.dtype}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"num_experts and block_m must be >= 1, got {num_experts} and {block_m}")
+    device = top_k_index.device
+    top_k = top_k_index.shape[1]
+    num_pairs = top_k_index.numel()
+    null = num_experts  # ids outside [0, E) go to a null expert whose rows are written as zeros
+    expert = top_k_index.reshape(-1).to(torch.int64)
+    expert = torch.where((expert >= 0) & (expert < num_experts), expert, torch.full_like(expert, null))
+
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+
+    sorted_expert, order = torch.sort(expert, stable=True)
+    rank = torch.arange(num_pairs, device=device) - count_start[sorted_expert]
+    dest = padded_start[sorted_expert] + rank
+
+    # At most min(S, E + 1) experts are non-empty, each wasting at most block_m - 1 padding rows.
+    capacity = num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
+    num_blocks = triton.cdiv(capacity, block_m)
+    sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pair_ids.scatter_(0, dest, order)
+    block_start = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
+    # Expert owning each block: the first expert whose padded range ends after the block start.
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    return MoeRouting(
+        sorted_pair_ids.to(torch.int32), block_expert.to(torch.int32), block_m, num_pairs, top_k
+    )
+
+
+@triton.jit
+def _grouped_fp8_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, bias_ptr, topk_w_ptr,
+    sorted_ids_ptr, block_expert_ptr,
+    N, K, num_pairs, num_experts, num_blocks,
+    stride_am, stride_asm,
+    stride_we, stride_wn,
+    stride_wse, stride_wsn, stride_wsk,
+    stride_cm, stride_be,
+    A_ROW_DIV: tl.constexpr, WS_GROUP_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped tile order: GROUP_M row-blocks (often of one expert) share W's columns in L2.
+    pids_per_group = GROUP_M * num_pid_n
+    group_id = pid // pids_per_group
+    first_m = group_id * GROUP_M
+    group_m = min(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_m
+    pid_n = (pid % pids_per_group) // group_m
+
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert > num_experts:  # block past the padded end of the last expert: no work
+        return
+    is_real = expert < num_experts
+    safe_e = tl.where(is_real, expert, 0).to(tl.int64)
+
+    offs_bm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_bm)
+    pair_ok = pair < num_pairs
+    # Padding rows read row 0 (always valid) and are masked on store.
+    a_row = tl.where(pair_ok, pair // A_ROW_DIV, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + safe_e * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]
+    as_ptrs = as_ptr + a_row * stride_asm
+    ws_ptrs = ws_ptr + safe_e * stride_wse + (safe_n // WS_GROUP_N) * stride_wsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The null expert runs no K steps and stores zeros.
+    k_steps = tl.where(is_real, tl.cdiv(K, BLOCK_K), 0)
+    for k_step in range(0, k_steps):
+        k_left = K - k_step * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
+        a_s = tl.load(as_ptrs + k_group)
+        w_s = tl.load(ws_ptrs + k_group * stride_wsk)
+        acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + safe_e * stride_be + safe_n).to(tl.float32)
+        acc += tl.where(is_real, bias, 0.0)[None, :]
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(topk_w_ptr + tl.where(pair_ok, pair, 0)).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n[None, :] < N))
+
+
+def grouped_fp8_gemm(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    sorted_pair_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_pairs: int,
+    a_row_div: int,
+    granularity: str,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """Launch on validated operands -> C (num_pairs, N); row p is pair p's output.
+
+    a_q (rows, K) fp8 with unit K stride, a_s (rows, ceil(K/128)); w_q (E, N, K) with unit K
+    stride; w_s (E, ...) per granularity ('tensor': (E,)); bias (E, N) or None; topk_weights
+    (num_pairs,) fp32 or None. `sorted_pair_ids` / `block_expert` come from
+    :func:`moe_align_block_size` with the same block_m as `config` (block_m is read from their
+    sizes; a given `config` must agree with it).
+    """
+    num_experts, n, k = w_q.shape
+    c = torch.empty((num_pairs, n), dtype=out_dtype, device=a_q.device)
+    num_blocks = block_expert.shape[0]
+    if num_pairs == 0 or n == 0 or num_blocks == 0:
+        return c
+    block_m = sorted_pair_ids.shape[0] // num_blocks
+    cfg = config or replace(grouped_config(num_pairs, num_experts, n, k), block_m=block_m)
+    if cfg.block_m != block_m:
+        raise ValueError(f"config.block_m={cfg.block_m} does not match the routing's block_m={block_m}")
+    if granularity == "tensor":
+        ws_group_n, stride_wse, stride_wsn, stride_wsk = 1, w_s.stride(0), 0, 0
+    else:
+        ws_group_n = GROUP_SIZE if granularity == "block" else 1
+        stride_wse, stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1), w_s.stride(2)
+    grid = (num_blocks * triton.cdiv(n, cfg.block_n),)
+    _grouped_fp8_gemm_kernel[grid](
+        a_q, a_s, w_q, w_s, c,
+        bias if bias is not None else c,
+        topk_weights if topk_weights is not None else c,
+        sorted_pair_ids, block_expert,
+        n, k, num_pairs, num_experts, num_blocks,
+        a_q.stride(0), a_s.stride(0),
+        w_q.stride(0), w_q.stride(1),
+        stride_wse, stride_wsn, stride_wsk,
+        c.stride(0), bias.stride(0) if bias is not None else 0,
+        A_ROW_DIV=a_row_div, WS_GROUP_N=ws_group_n,
+        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return c
