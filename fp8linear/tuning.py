@@ -1,0 +1,772 @@
+"""Tuned launch configs for the blockwise FP8 GEMM: per-device tables, an autotune cache, `fp8linear tune`.
+
+Where a config comes from (first hit wins; :func:`lookup_config` only *reads*):
+
+1. ``$FP8LINEAR_GEMM_TABLE``: an explicit table file (e.g. the output of ``fp8linear tune --out``);
+2. the autotune cache, ``$FP8LINEAR_CACHE_DIR`` or ``~/.cache/fp8linear`` (``$XDG_CACHE_HOME``
+   respected), one file per device, written by :func:`autotune_config` and ``fp8linear tune``;
+3. the tables shipped in the package, ``fp8linear/configs/<device>.json``.
+
+Every source uses one JSON format (see :class:`ConfigTable`), keyed by device name, (N, K)
+and an M bucket (powers of two 1..4096; 4096 stands for 4096 and above). A miss returns
+``None`` and the caller falls back to its heuristic. Tuning itself (:func:`autotune_config`)
+launches kernels and times them, so it refuses to run inside a CUDA-graph capture or a
+``torch.compile`` trace; run it (or ``fp8linear tune``) ahead of serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # GemmConfig is imported lazily at run time: ops.configs imports this module
+    from .ops.configs import GemmConfig
+
+__all__ = [
+    "TABLE_FORMAT",
+    "TABLE_VERSION",
+    "M_BUCKETS",
+    "CACHE_DIR_ENV",
+    "TABLE_ENV",
+    "GRANULARITY_KEYS",
+    "ConfigTable",
+    "TuneResult",
+    "m_bucket",
+    "table_filename",
+    "shipped_table_path",
+    "cache_dir",
+    "cache_table_path",
+    "load_table",
+    "save_table",
+    "device_name",
+    "lookup_config",
+    "clear_lookup_cache",
+    "candidate_configs",
+    "refine_candidates",
+    "autotune_config",
+    "tune_shape",
+    "add_arguments",
+    "run",
+]
+
+# Identifies a table file; bump TABLE_VERSION on incompatible changes to the layout.
+TABLE_FORMAT = "fp8linear-gemm-configs"
+TABLE_VERSION = 1
+# M buckets: a GEMM with M rows uses the bucket of the next power of two, capped at 4096
+# (prefill tiles are saturated by then; 4096 is the largest M of the issue-3 benchmark).
+M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# A missing bucket borrows a tuned neighbour at most this many buckets (a factor 4 in M) away.
+MAX_BUCKET_DISTANCE = 2
+CACHE_DIR_ENV = "FP8LINEAR_CACHE_DIR"
+TABLE_ENV = "FP8LINEAR_GEMM_TABLE"
+# Weight granularities with their own entries; 'block' is the default key "N,K".
+GRANULARITY_KEYS = ("block", "row", "tensor")
+_SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
+_CONFIG_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+# Measurement fields an entry may carry besides the config (informational, never required).
+_INFO_FIELDS = ("us", "heuristic_us", "tried")
+
+
+# ----------------------------------------------------------------------------- keys
+def m_bucket(m: int) -> int:
+    """The M bucket of a GEMM with `m` rows: next power of two, clamped to [1, 4096]."""
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    b = 1 << (int(m) - 1).bit_length()
+    return min(b, M_BUCKETS[-1])
+
+
+def _shape_key(n: int, k: int, granularity: str = "block") -> str:
+    if granularity not in GRANULARITY_KEYS:
+        raise ValueError(f"granularity must be one of {GRANULARITY_KEYS}, got {granularity!r}")
+    return f"{n},{k}" if granularity == "block" else f"{n},{k},{granularity}"
+
+
+def _parse_shape_key(key: str) -> tuple[int, int, str]:
+    parts = key.split(",")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"shape key must be 'N,K' or 'N,K,granularity', got {key!r}")
+    gran = parts[2] if len(parts) == 3 else "block"
+    if gran not in GRANULARITY_KEYS:
+        raise ValueError(f"unknown granularity {gran!r} in shape key {key!r}")
+    n, k = int(parts[0]), int(parts[1])
+    if n < 1 or k < 1:
+        raise ValueError(f"N and K must be positive in shape key {key!r}")
+    return n, k, gran
+
+
+def table_filename(device: str) -> str:
+    """File name of a device's table: 'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3.json'."""
+    stem = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_")
+    if not stem:
+        raise ValueError(f"device name {device!r} has no usable characters")
+    return stem + ".json"
+
+
+def shipped_table_path(device: str) -> Path:
+    return _SHIPPED_DIR / table_filename(device)
+
+
+def cache_dir() -> Path:
+    """The autotune cache folder: $FP8LINEAR_CACHE_DIR, else $XDG_CACHE_HOME/fp8linear, else ~/.cache/fp8linear."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "fp8linear"
+
+
+def cache_table_path(device: str, directory: Path | None = None) -> Path:
+    return (directory if directory is not None else cache_dir()) / table_filename(device)
+
+
+# ----------------------------------------------------------------------------- tables
+def _config_from_entry(entry: Mapping[str, Any]) -> GemmConfig:
+    from .ops.configs import GemmConfig
+
+    unknown = set(entry) - set(_CONFIG_FIELDS) - set(_INFO_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)} in table entry {dict(entry)}")
+    return GemmConfig(**{f: int(entry[f]) for f in _CONFIG_FIELDS if f in entry})
+
+
+@dataclass
+class ConfigTable:
+    """One device's tuned configs.
+
+    JSON layout::
+
+        {"format": "fp8linear-gemm-configs", "version": 1, "device": "NVIDIA H100 80GB HBM3",
+         "meta": {...free-form: versions, date, tool...},
+         "shapes": {"18432,7168": {"1": {"block_m": 16, "block_n": 64, "block_k": 128,
+                                          "group_m": 8, "num_warps": 4, "num_stages": 5,
+                                          "us": 55.0, "heuristic_us": 61.2, "tried": 21},
+                                    "4096": {...}},
+                    "576,7168,row": {...}}}
+
+    Shape keys are "N,K" (128x128 weights, also used for other granularities without an
+    entry of their own) or "N,K,row" / "N,K,tensor"; bucket keys are the M buckets as strings.
+    """
+
+    device: str
+    shapes: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"ConfigTable.device must be a non-empty string, got {self.device!r}")
+        for key, buckets in self.shapes.items():
+            _parse_shape_key(key)
+            for bucket, entry in buckets.items():
+                if bucket not in M_BUCKETS:
+                    raise ValueError(f"M bucket {bucket} of shape {key} is not one of {M_BUCKETS}")
+                _config_from_entry(entry)
+
+    def set(
+        self, n: int, k: int, bucket: int, config: GemmConfig, granularity: str = "block", **info: Any
+    ) -> None:
+        """Store `config` for (N, K, bucket) with optional measurements (us=, heuristic_us=, tried=)."""
+        if bucket not in M_BUCKETS:
+            raise ValueError(f"bucket must be one of {M_BUCKETS}, got {bucket}")
+        bad = set(info) - set(_INFO_FIELDS)
+        if bad:
+            raise ValueError(f"unknown info fields {sorted(bad)}; allowed: {_INFO_FIELDS}")
+        entry = {f: getattr(config, f) for f in _CONFIG_FIELDS}
+        entry.update({k_: v for k_, v in info.items() if v is not None})
+        self.shapes.setdefault(_shape_key(n, k, granularity), {})[bucket] = entry
+
+    def get(self, n: int, k: int, bucket: int, granularity: str = "block") -> GemmConfig | None:
+        entry = self.shapes.get(_shape_key(n, k, granularity), {}).get(bucket)
+        return None if entry is None else _config_from_entry(entry)
+
+    def merge(self, other: ConfigTable) -> None:
+        """Take every entry of `other` (same device), replacing ours where both have one."""
+        if other.device != self.device:
+            raise ValueError(f"cannot merge a table for {other.device!r} into one for {self.device!r}")
+        for key, buckets in other.shapes.items():
+            self.shapes.setdefault(key, {}).update({b: dict(e) for b, e in buckets.items()})
+
+    def to_json(self) -> dict[str, Any]:
+        shapes = {
+            key: {str(b): self.shapes[key][b] for b in sorted(self.shapes[key])}
+            for key in sorted(self.shapes, key=lambda s: _parse_shape_key(s))
+        }
+        return {
+            "format": TABLE_FORMAT,
+            "version": TABLE_VERSION,
+            "device": self.device,
+            "meta": self.meta,
+            "shapes": shapes,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ConfigTable:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a config table must be a JSON object, got {type(data).__name__}")
+        if data.get("format") != TABLE_FORMAT:
+            raise ValueError(f"not a {TABLE_FORMAT} table (format={data.get('format')!r})")
+        if data.get("version") != TABLE_VERSION:
+            raise ValueError(f"table version {data.get('version')!r} is not supported (expected {TABLE_VERSION})")
+        shapes_in = data.get("shapes", {})
+        if not isinstance(shapes_in, Mapping):
+            raise ValueError("table 'shapes' must be an object")
+        shapes = {
+            str(key): {int(b): dict(e) for b, e in buckets.items()} for key, buckets in shapes_in.items()
+        }
+        return cls(device=str(data.get("device", "")), shapes=shapes, meta=dict(data.get("meta", {})))
+
+
+def load_table(path: str | os.PathLike[str]) -> ConfigTable:
+    """Read and validate a table file (ValueError on a malformed one, OSError if unreadable)."""
+    with open(path, encoding="utf-8") as f:
+        return ConfigTable.from_json(json.load(f))
+
+
+def save_table(table: ConfigTable, path: str | os.PathLike[str]) -> Path:
+    """Write `table` atomically: a temp file in the same folder, fsync, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(table.to_json(), f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    clear_lookup_cache()
+    return path
+
+
+@lru_cache(maxsize=64)
+def _read_table_entries(path: str, device: str) -> Mapping[str, Mapping[int, GemmConfig]]:
+    """Parsed configs of one table file, or {} if it is missing, broken or for another device."""
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    try:
+        table = load_table(p)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        warnings.warn(f"fp8linear: ignoring unreadable GEMM config table {p}: {e}", RuntimeWarning, stacklevel=3)
+        return {}
+    if table.device not in (device, "any"):
+        return {}
+    return {
+        key: {b: _config_from_entry(e) for b, e in buckets.items()} for key, buckets in table.shapes.items()
+    }
+
+
+def _nearest_bucket(buckets: Mapping[int, GemmConfig], bucket: int) -> GemmConfig | None:
+    if bucket in buckets:
+        return buckets[bucket]
+    i = M_BUCKETS.index(bucket)
+    best: tuple[int, int] | None = None  # (distance, -bucket): ties prefer the larger M
+    for b in buckets:
+        d = abs(M_BUCKETS.index(b) - i)
+        if d <= MAX_BUCKET_DISTANCE and (best is None or (d, -b) < best):
+            best = (d, -b)
+    return None if best is None else buckets[-best[1]]
+
+
+@lru_cache(maxsize=8192)
+def _lookup(
+    device: str, bucket: int, n: int, k: int, granularity: str, env_table: str, cache_path: str
+) -> GemmConfig | None:
+    sources = [p for p in (env_table, cache_path, str(shipped_table_path(device))) if p]
+    keys = [_shape_key(n, k, granularity)] if granularity == "block" else [
+        _shape_key(n, k, granularity), _shape_key(n, k, "block")
+    ]
+    for key in keys:  # a granularity's own entry beats the block entry, in any source
+        for src in sources:
+            buckets = _read_table_entries(src, device).get(key)
+            if buckets:
+                cfg = _nearest_bucket(buckets, bucket)
+                if cfg is not None:
+                    return cfg
+    return None
+
+
+def lookup_config(device_name: str, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig | None:
+    """The tuned config for an (M, N, K) GEMM on `device_name`, or None if no table has one.
+
+    Reads only (never tunes, never launches); parsed tables and results are cached, so a
+    repeated call costs a dictionary lookup. Safe inside CUDA-graph capture and torch.compile.
+    """
+    if m < 1 or n < 1 or k < 1:
+        return None
+    try:
+        cache_path = str(cache_table_path(device_name))
+    except (RuntimeError, ValueError):  # no home directory to find a cache in, or an unusable name
+        return None
+    return _lookup(device_name, m_bucket(m), n, k, granularity, os.environ.get(TABLE_ENV, ""), cache_path)
+
+
+def clear_lookup_cache() -> None:
+    """Forget parsed tables and lookup results (done automatically after :func:`save_table`)."""
+    _lookup.cache_clear()
+    _read_table_entries.cache_clear()
+
+
+@lru_cache(maxsize=16)
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device | str | int | None = None) -> str:
+    """The name tables are keyed by: torch.cuda.get_device_name (cached), 'cpu' for CPU devices."""
+    if isinstance(device, int):
+        return _cuda_device_name(device)
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return dev.type
+    return _cuda_device_name(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+# ----------------------------------------------------------------------------- candidates
+# Hopper register budget: the fp32 accumulator plus the fresh per-K-step dot tile must fit
+# in 255 registers/thread, so accumulator elements per thread are capped at 128; below 2 a
+# warp has too little work per tensor-core instruction to be worth timing.
+_MAX_ACC_PER_THREAD = 128
+_MIN_ACC_PER_THREAD = 2
+# Shared memory for the pipelined FP8 operand tiles; H100/H200 allow 227 KiB per block,
+# minus room for the epilogue/layout conversion scratch.
+_SMEM_BUDGET = 200 * 1024
+# Phase-two (block_k, num_stages) variations; half-size K steps need deeper pipelines.
+_REFINE_STEPS = ((128, 3), (128, 5), (128, 6), (64, 4), (64, 6), (64, 8))
+# Phase two refines this many of the fastest phase-one configs.
+_REFINE_TOP = 3
+
+
+def _fits(bm: int, bn: int, bk: int, warps: int, stages: int) -> bool:
+    acc = bm * bn // (32 * warps)
+    return _MIN_ACC_PER_THREAD <= acc <= _MAX_ACC_PER_THREAD and stages * (bm + bn) * bk <= _SMEM_BUDGET
+
+
+def candidate_configs(m: int, n: int, k: int) -> list[GemmConfig]:
+    """Phase-one candidates for an (M, N, K) GEMM: tile shapes and warps at a default pipeline depth.
+
+    Decode (M <= 64): block_m 16/32/64 (no larger than M needs), block_n 32-256, 4 or 8
+    warps. Prefill: block_m 64/128/256 x block_n 64/128/256 with 4 or 8 warps, as far as the
+    accumulator fits in registers. block_k is 128 (one scale group per step) here; 64 and the
+    pipeline depth are explored by :func:`refine_candidates`.
+    """
+    from .ops.configs import GemmConfig, heuristic_config
+
+    pow2_m = 1 << max(int(m) - 1, 0).bit_length()
+    if m <= 64:  # memory bound: enough CTAs to stream W matters more than tile efficiency
+        bms = [b for b in (16, 32, 64) if b <= max(16, pow2_m)]
+        bns = (64, 128, 32, 256)
+    elif m <= 256:
+        bms = [128, 64]
+        bns = (128, 256, 64)
+    else:  # compute bound: large tiles first
+        bms = [128, 256, 64]
+        bns = (128, 256, 64)
+    max_bn = max(32, 1 << (int(n) - 1).bit_length())  # no tile wider than N rounded up
+    found: list[GemmConfig] = []
+    for bm in bms:
+        for bn in bns:
+            if bn > max_bn:
+                continue
+            for warps in (8, 4) if bm * bn >= 128 * 128 else (4, 8):
+                stages = 4
+                while stages > 2 and not _fits(bm, bn, 128, warps, stages):
+                    stages -= 1
+                if _fits(bm, bn, 128, warps, stages):
+                    found.append(GemmConfig(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages))
+    if m > 256:  # biggest tiles first, so a short budget still sees the likely winners
+        found.sort(key=lambda c: -c.block_m * c.block_n)
+    out = [heuristic_config(m, n, k)]
+    out += [c for c in found if c not in out]
+    return out
+
+
+def refine_candidates(best: Sequence[GemmConfig]) -> list[GemmConfig]:
+    """Phase-two candidates around the fastest configs: other pipeline depths, and block_k=64."""
+    from .ops.configs import GemmConfig
+
+    out: list[GemmConfig] = []
+    for cfg in best:
+        for bk, stages in _REFINE_STEPS:
+            if not _fits(cfg.block_m, cfg.block_n, bk, cfg.num_warps, stages):
+                continue
+            c = GemmConfig(
+                block_m=cfg.block_m, block_n=cfg.block_n, block_k=bk,
+                group_m=cfg.group_m, num_warps=cfg.num_warps, num_stages=stages,
+            )
+            if c not in out and c not in best:
+                out.append(c)
+    return out
+
+
+# ----------------------------------------------------------------------------- autotuning
+@dataclass(frozen=True)
+class TuneResult:
+    """Outcome of tuning one (N, K, M bucket): the winner, its time and the heuristic's."""
+
+    n: int
+    k: int
+    bucket: int
+    granularity: str
+    config: GemmConfig
+    us: float
+    heuristic_us: float | None
+    tried: int
+    failed: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.bucket not in M_BUCKETS:
+            raise ValueError(f"bucket must be one of {M_BUCKETS}, got {self.bucket}")
+        if self.granularity not in GRANULARITY_KEYS:
+            raise ValueError(f"granularity must be one of {GRANULARITY_KEYS}, got {self.granularity!r}")
+        if not (self.us > 0 and math.isfinite(self.us)):
+            raise ValueError(f"us must be a positive finite time, got {self.us}")
+
+
+def _check_can_tune() -> None:
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "fp8linear autotuning cannot run inside a torch.compile trace; tune ahead of time "
+            "(fp8linear tune, or fp8linear.tuning.autotune_config before compiling)"
+        )
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "fp8linear autotuning cannot run inside a CUDA-graph capture; tune before capturing"
+        )
+
+
+def _candidate_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions a candidate config may raise (too much shared memory, compile failure, ...)."""
+    errs: list[type[BaseException]] = [RuntimeError, ValueError, AssertionError]
+    try:
+        from triton.runtime.errors import OutOfResources
+
+        errs.append(OutOfResources)
+    except ImportError:  # older/newer Triton layouts: RuntimeError still covers launch failures
+        pass
+    try:
+        from triton.compiler.errors import CompilationError
+
+        errs.append(CompilationError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+# do_bench warm-up and measurement windows (ms): short, since a tuning run times many configs;
+# do_bench flushes L2 before every call, so each call reads its operands from HBM.
+_BENCH_WARMUP_MS = 5
+_BENCH_REP_MS = 25
+# A candidate whose output differs from the heuristic's by more than this is rejected
+# (configs only change the fp32 summation order, which moves bf16 outputs ~1e-3 at most).
+_MAX_CANDIDATE_DIFF = 1e-2
+
+
+def _default_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Median microseconds of one call: triton.testing.do_bench on a GPU, wall clock on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        def gpu_timer(fn: Callable[[], object]) -> float:
+            return 1e3 * float(do_bench(fn, warmup=_BENCH_WARMUP_MS, rep=_BENCH_REP_MS, return_mode="median"))
+
+        return gpu_timer
+
+    def wall_timer(fn: Callable[[], object]) -> float:  # CPU / Triton interpreter dry runs
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(times)
+
+    return wall_timer
+
+
+def _make_weight(n: int, k: int, granularity: str, device: torch.device, seed: int = 0):
+    from .functional import quantize_weight
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+    w_q, w_s = quantize_weight(w, granularity)
+    return w_q, (w_s.reshape(()) if granularity == "tensor" else w_s.contiguous())
+
+
+def _make_activation(m: int, k: int, device: torch.device, seed: int = 1):
+    from .functional import quantize_activation
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    x_q, x_s = quantize_activation(x, backend="reference")
+    return x_q, x_s.contiguous()
+
+
+def tune_shape(
+    n: int,
+    k: int,
+    ms: Iterable[int] = M_BUCKETS,
+    device: torch.device | str | None = None,
+    *,
+    granularity: str = "block",
+    budget_s: float = 30.0,
+    max_candidates: int | None = None,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[TuneResult]:
+    """Tune one (N, K) for the buckets of `ms` within about `budget_s` seconds.
+
+    Each bucket gets an equal share of what is left of the budget: the heuristic config is
+    always timed first, then phase-one candidates, then (if time is left) refinements of the
+    fastest three. A bucket can overrun its share by one compile (a few seconds).
+    """
+    _check_can_tune()
+    from .ops.configs import heuristic_config
+    from .ops.gemm import block_fp8_gemm
+
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    timer = timer or _default_timer(dev)
+    errors = _candidate_errors()
+    buckets = sorted({m_bucket(m) for m in ms})
+    start = time.monotonic()
+    deadline = start + budget_s
+    results: list[TuneResult] = []
+    w_q, w_s = _make_weight(n, k, granularity, dev)
+    for i, bucket in enumerate(buckets):
+        t_bucket = time.monotonic()
+        bucket_deadline = t_bucket + max(0.0, deadline - t_bucket) / (len(buckets) - i)
+        x_q, x_s = _make_activation(bucket, k, dev)
+        times: dict[GemmConfig, float] = {}
+        failed = 0
+        reference = None
+
+        def measure(cfg: GemmConfig) -> None:
+            nonlocal failed, reference
+
+            def call() -> torch.Tensor:
+                return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.bfloat16, None, config=cfg)
+
+            try:
+                y = call()
+                if reference is None:
+                    reference = y.float()
+                else:
+                    diff = ((y.float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+                    if not diff <= _MAX_CANDIDATE_DIFF:
+                        raise ValueError(f"output differs from the heuristic config's by {diff:.3g}")
+                times[cfg] = timer(call)
+            except errors as e:
+                failed += 1
+                if log:
+                    log(f"    {_cfg_str(cfg)}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+
+        heuristic = heuristic_config(bucket, n, k)
+        phase1 = candidate_configs(bucket, n, k)
+        if max_candidates is not None:
+            phase1 = phase1[: max(1, max_candidates)]
+        for cfg in phase1:  # phase1[0] is the heuristic: always timed
+            if times and time.monotonic() > bucket_deadline:
+                break
+            measure(cfg)
+        if times and time.monotonic() < bucket_deadline:
+            top = sorted(times, key=times.__getitem__)[:_REFINE_TOP]
+            phase2 = [c for c in refine_candidates(top) if c not in times]
+            if max_candidates is not None:
+                phase2 = phase2[: max(0, max_candidates - len(phase1))]
+            for cfg in phase2:
+                if time.monotonic() > bucket_deadline:
+                    break
+                measure(cfg)
+        if not times:
+            if log:
+                log(f"  ({n},{k}) M={bucket}: no candidate ran; keeping the heuristic (no entry written)")
+            continue
+        best = min(times, key=times.__getitem__)
+        res = TuneResult(
+            n=n, k=k, bucket=bucket, granularity=granularity, config=best, us=times[best],
+            heuristic_us=times.get(heuristic), tried=len(times), failed=failed,
+            seconds=time.monotonic() - t_bucket,
+        )
+        results.append(res)
+        if log:
+            h = f"{res.heuristic_us:9.1f}" if res.heuristic_us is not None else "        -"
+            log(
+                f"  ({n},{k}) M={bucket:<5d} best {_cfg_str(best):28s} {res.us:9.1f} us  heuristic {h} us"
+                f"  [{res.tried} timed, {failed} failed, {res.seconds:.1f}s]"
+            )
+    return results
+
+
+def _cfg_str(cfg: GemmConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"
+
+
+def _table_meta() -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "tool": "fp8linear tune",
+        "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    return meta
+
+
+def _store_results(results: Sequence[TuneResult], device: str, path: Path, base: ConfigTable | None = None) -> Path:
+    """Merge `results` into the table at `path` (or `base`) and write it atomically."""
+    table = ConfigTable(device=device)
+    if path.is_file():
+        try:
+            table.merge(load_table(path))
+        except (OSError, ValueError) as e:
+            warnings.warn(f"fp8linear: replacing unreadable table {path}: {e}", RuntimeWarning, stacklevel=2)
+    if base is not None:
+        table.merge(base)
+    for r in results:
+        table.set(r.n, r.k, r.bucket, r.config, r.granularity, us=round(r.us, 3),
+                  heuristic_us=None if r.heuristic_us is None else round(r.heuristic_us, 3), tried=r.tried)
+    table.meta.update(_table_meta())
+    return save_table(table, path)
+
+
+def autotune_config(
+    m: int,
+    n: int,
+    k: int,
+    device: torch.device | str | None = None,
+    *,
+    granularity: str = "block",
+    budget_s: float = 10.0,
+    store: bool = True,
+    path: str | os.PathLike[str] | None = None,
+) -> GemmConfig:
+    """Time candidate configs for an (M, N, K) GEMM, store the winner in the autotune cache, return it.
+
+    The result lands in :func:`cache_table_path` (or `path`), where :func:`lookup_config`
+    finds it from then on, in this process and later ones. Raises RuntimeError inside a
+    CUDA-graph capture or a torch.compile trace.
+    """
+    _check_can_tune()
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    results = tune_shape(n, k, [m], dev, granularity=granularity, budget_s=budget_s)
+    if not results:
+        raise RuntimeError(f"no GEMM config could be launched for M={m}, N={n}, K={k} on {dev}")
+    if store:
+        name = device_name(dev)
+        _store_results(results, name, Path(path) if path is not None else cache_table_path(name))
+    return results[0].config
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", metavar="N,K", default=None,
+                        help="weight shapes (N=out_features, K=in_features); default: the issue-3 set "
+                             "(DeepSeek-V3 + extra shapes)")
+    parser.add_argument("--hf-config", metavar="PATH", default=None,
+                        help="a Hugging Face config.json (or its folder): tune the shapes of its linear layers")
+    parser.add_argument("--m", nargs="+", type=int, default=None, metavar="M",
+                        help=f"M values; tuned per bucket {list(M_BUCKETS)} (default: all buckets)")
+    parser.add_argument("--granularity", choices=GRANULARITY_KEYS, default="block",
+                        help="weight scale granularity to tune for (default: block = 128x128)")
+    parser.add_argument("--out", metavar="FILE", default=None,
+                        help="table to write (merged into if it exists); default: this device's autotune cache")
+    parser.add_argument("--base", metavar="FILE", default=None,
+                        help="start from this table (e.g. a shipped one) and add the new results")
+    parser.add_argument("--budget-s", type=float, default=30.0,
+                        help="seconds per (N, K) shape, split over its M buckets (default 30)")
+    parser.add_argument("--total-budget-s", type=float, default=540.0,
+                        help="stop starting new shapes after this many seconds (default 540)")
+    parser.add_argument("--max-candidates", type=int, default=None,
+                        help="time at most this many configs per bucket (for quick or CPU dry runs)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda; cpu needs TRITON_INTERPRET=1)")
+
+
+def _resolve_shapes(args: argparse.Namespace) -> list[tuple[int, int, str]]:
+    from .bench import default_shapes, parse_shape, shapes_from_hf_config
+
+    shapes = []
+    if args.shapes:
+        shapes += [parse_shape(s) for s in args.shapes]
+    if args.hf_config:
+        shapes += shapes_from_hf_config(args.hf_config)
+    if not shapes:
+        shapes = default_shapes()
+    seen: dict[tuple[int, int], str] = {}
+    for s in shapes:
+        seen.setdefault((s.n, s.k), s.name)
+    return [(n, k, name) for (n, k), name in seen.items()]
+
+
+def run(args: argparse.Namespace) -> int:
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        log("fp8linear tune: needs a CUDA/ROCm GPU (set TRITON_INTERPRET=1 for a slow CPU dry run)")
+        return 2
+    from .ops import HAS_TRITON
+
+    if not HAS_TRITON:
+        log("fp8linear tune: Triton is not installed (pip install triton)")
+        return 2
+    try:
+        shapes = _resolve_shapes(args)
+    except (OSError, ValueError) as e:
+        log(f"fp8linear tune: {e}")
+        return 2
+    name = device_name(dev) if dev.type == "cuda" else "cpu"
+    out = Path(args.out) if args.out else cache_table_path(name)
+    base = load_table(args.base) if args.base else None
+    if base is not None and base.device != name:
+        log(f"fp8linear tune: --base is a table for {base.device!r}, this device is {name!r}")
+        return 2
+    ms = args.m or list(M_BUCKETS)
+    if any(m < 1 for m in ms):
+        log("fp8linear tune: --m values must be >= 1")
+        return 2
+    log(f"tuning {len(shapes)} shapes x M buckets {sorted({m_bucket(m) for m in ms})} on {name}; "
+        f"{args.budget_s:.0f}s per shape, writing {out}")
+    t0 = time.monotonic()
+    all_results: list[TuneResult] = []
+    for n, k, shape_name in shapes:
+        if time.monotonic() - t0 > args.total_budget_s:
+            log(f"total budget of {args.total_budget_s:.0f}s spent: skipping ({n},{k}) and the rest")
+            continue
+        log(f"({n},{k}) {shape_name}")
+        results = tune_shape(n, k, ms, dev, granularity=args.granularity, budget_s=args.budget_s,
+                             max_candidates=args.max_candidates, log=log)
+        all_results += results
+        _store_results(results, name, out, base)  # after every shape: a kill keeps what is done
+        base = None
+    gains = [r.heuristic_us / r.us for r in all_results if r.heuristic_us]
+    if gains:
+        gm = math.exp(sum(map(math.log, gains)) / len(gains))
+        log(f"tuned {len(all_results)} (shape, bucket) pairs in {time.monotonic() - t0:.0f}s; "
+            f"geomean speedup over the heuristic {gm:.3f}x; table: {out}")
+    print(out)
+    return 0 if all_results else 1
