@@ -458,7 +458,10 @@ def _describe_config(m: int, n: int, k: int, device: torch.device) -> str:
         from .ops.configs import select_config
     except ImportError:
         return ""
-    c = select_config(device, m, n, k)
+    try:
+        c = select_config(device, m, n, k)
+    except (TypeError, ValueError, RuntimeError):  # informational only: never fail a row over it
+        return ""
     return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
 
 
@@ -490,15 +493,15 @@ def _make_shape_operands(shape: Shape, device: torch.device, gen: torch.Generato
 def _method_setup(
     method: str, x: torch.Tensor, ops: _ShapeOperands, fp8_dtype: torch.dtype, cfg: BenchConfig,
     cublas_layout: str = "plain",
-) -> tuple[Callable[..., torch.Tensor], tuple, int]:
-    """(fn, args of one set, bytes one call moves: weight + scales + activation + output)."""
+) -> tuple[Callable[..., torch.Tensor], tuple, int, int]:
+    """(fn, args of one set, bytes one call moves (weight + scales + activation + output), output bytes)."""
     from .functional import block_fp8_matmul, fp8_linear, quantize_activation
 
     m, k = x.shape
     n = ops.w.shape[0]
     out_bytes = m * n * 2  # bf16 output
     if method == "bf16":
-        return (lambda a, b: torch.matmul(a, b.t())), (x, ops.w), 2 * (n * k + m * k) + out_bytes
+        return (lambda a, b: torch.matmul(a, b.t())), (x, ops.w), 2 * (n * k + m * k) + out_bytes, out_bytes
     if method == "cublas_tensor":
         x_q, x_s = _per_tensor_quant(x, fp8_dtype)
         w_q, w_s = ops.quant["tensor"]
@@ -507,7 +510,7 @@ def _method_setup(
         def per_tensor(a, sa, b, sb):
             return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
-        return per_tensor, (x_q, x_s, w_q, w_s), n * k + m * k + 8 + out_bytes
+        return per_tensor, (x_q, x_s, w_q, w_s), n * k + m * k + 8 + out_bytes, out_bytes
     x_q, x_s = quantize_activation(x, fp8_dtype=fp8_dtype, backend=cfg.backend)
     act_bytes = m * k + x_s.numel() * 4
     if method == "cublas_block":
@@ -518,14 +521,14 @@ def _method_setup(
         def cublas_block(a, sa, b, sb):
             return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
-        return cublas_block, (x_q, scale_a, w_q, scale_b), n * k + w_s.numel() * 4 + act_bytes + out_bytes
+        return cublas_block, (x_q, scale_a, w_q, scale_b), n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
     if method in ("ours_block", "ours_row"):
         w_q, w_s = ops.quant["block" if method == "ours_block" else "row"]
 
         def ours(a, sa, b, sb):
             return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=cfg.backend)
 
-        return ours, (x_q, x_s, w_q, w_s), n * k + w_s.numel() * 4 + act_bytes + out_bytes
+        return ours, (x_q, x_s, w_q, w_s), n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
     if method == "ours_forward":
         w_q, w_s = ops.quant["block"]
         bias = ops.bias if cfg.bias else None
@@ -534,7 +537,7 @@ def _method_setup(
             return fp8_linear(a, b, sb, bb, backend=cfg.backend)
 
         extra = n * 2 if bias is not None else 0
-        return forward, (x, w_q, w_s, bias), n * k + w_s.numel() * 4 + m * k * 2 + extra + out_bytes
+        return forward, (x, w_q, w_s, bias), n * k + w_s.numel() * 4 + m * k * 2 + extra + out_bytes, out_bytes
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -575,28 +578,28 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, l2: int
                 continue
             try:
                 layouts = ("plain", "padded") if method == "cublas_block" and shape.k % 512 else ("plain",)
-                fn = args = None
-                refusal = None
+                refusals: list[str] = []
                 for layout in layouts:  # find a scale layout cuBLAS accepts
-                    fn, args, nbytes = _method_setup(method, x, ops, fp8_dtype, cfg, layout)
+                    fn, args, nbytes, out_bytes = _method_setup(method, x, ops, fp8_dtype, cfg, layout)
                     try:
                         y = fn(*args)
-                        if method == "cublas_block" and layout != "plain":
-                            row.note = "scale_b row stride padded to 16 bytes"
-                        refusal = None
-                        break
                     except (RuntimeError, ValueError) as e:
                         if not method.startswith("cublas"):
                             raise
-                        refusal = e
-                if refusal is not None:
-                    row.status, row.note = "refused", _first_line(refusal)
+                        refusals.append((f"{layout} scales: " if len(layouts) > 1 else "") + _first_line(e, 200))
+                        continue
+                    if layout != "plain":
+                        row.note = "accepted only with scale_b rows padded to 16 bytes"
+                    break
+                else:
+                    row.status, row.note = "refused", " | ".join(refusals)
                     continue
                 row.rel_err = _rel_err(y[:rows_err], ref_bias if method == "ours_forward" else ref)
                 if not row.rel_err < _SUSPICIOUS_ERR:
                     row.note = (row.note + "; " if row.note else "") + "SUSPICIOUS ERROR"
                 del y
-                sets = [args] + [_clone_set(args) for _ in range(_n_sets(nbytes, l2) - 1)]
+                # the output is written, not read: only inputs count towards exceeding L2
+                sets = [args] + [_clone_set(args) for _ in range(_n_sets(nbytes - out_bytes, l2) - 1)]
                 if cfg.timer == "wall":
                     us, used = _time_wall(fn, sets, cfg)
                 else:

@@ -71,6 +71,7 @@ TABLE_VERSION = 1
 # M buckets: a GEMM with M rows uses the bucket of the next power of two, capped at 4096
 # (prefill tiles are saturated by then; 4096 is the largest M of the issue-3 benchmark).
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_MAX_BUCKET = M_BUCKETS[-1]
 # A missing bucket borrows a tuned neighbour at most this many buckets (a factor 4 in M) away.
 MAX_BUCKET_DISTANCE = 2
 CACHE_DIR_ENV = "FP8LINEAR_CACHE_DIR"
@@ -125,11 +126,7 @@ def shipped_table_path(device: str) -> Path:
 
 def cache_dir() -> Path:
     """The autotune cache folder: $FP8LINEAR_CACHE_DIR, else $XDG_CACHE_HOME/fp8linear, else ~/.cache/fp8linear."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "fp8linear"
+    return _cache_dir_from(os.environ.get(CACHE_DIR_ENV, ""), os.environ.get("XDG_CACHE_HOME", ""))
 
 
 def cache_table_path(device: str, directory: Path | None = None) -> Path:
@@ -287,11 +284,21 @@ def _nearest_bucket(buckets: Mapping[int, GemmConfig], bucket: int) -> GemmConfi
     return None if best is None else buckets[-best[1]]
 
 
+def _cache_dir_from(env_dir: str, xdg: str) -> Path:
+    if env_dir:
+        return Path(env_dir).expanduser()
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "fp8linear"
+
+
 @lru_cache(maxsize=8192)
-def _lookup(
-    device: str, bucket: int, n: int, k: int, granularity: str, env_table: str, cache_path: str
-) -> GemmConfig | None:
-    sources = [p for p in (env_table, cache_path, str(shipped_table_path(device))) if p]
+def _lookup(device: str, bucket: int, n: int, k: int, granularity: str) -> GemmConfig | None:
+    env_table = os.environ.get(TABLE_ENV, "")
+    try:
+        cache_path = str(cache_table_path(device))
+        shipped = str(shipped_table_path(device))
+    except (RuntimeError, ValueError):  # no home directory for a cache, or an unusable device name
+        return None
+    sources = [p for p in (env_table, cache_path, shipped) if p]
     keys = [_shape_key(n, k, granularity)] if granularity == "block" else [
         _shape_key(n, k, granularity), _shape_key(n, k, "block")
     ]
@@ -309,15 +316,14 @@ def lookup_config(device_name: str, m: int, n: int, k: int, granularity: str = "
     """The tuned config for an (M, N, K) GEMM on `device_name`, or None if no table has one.
 
     Reads only (never tunes, never launches); parsed tables and results are cached, so a
-    repeated call costs a dictionary lookup. Safe inside CUDA-graph capture and torch.compile.
+    repeated call costs one cached-dict hit (~1 µs). $FP8LINEAR_GEMM_TABLE and the cache
+    folder's variables are read on a cache miss: call :func:`clear_lookup_cache` after
+    changing them. Safe inside CUDA-graph capture and torch.compile tracing.
     """
     if m < 1 or n < 1 or k < 1:
         return None
-    try:
-        cache_path = str(cache_table_path(device_name))
-    except (RuntimeError, ValueError):  # no home directory to find a cache in, or an unusable name
-        return None
-    return _lookup(device_name, m_bucket(m), n, k, granularity, os.environ.get(TABLE_ENV, ""), cache_path)
+    bucket = min(1 << (m - 1).bit_length(), _MAX_BUCKET)  # m_bucket(m), inlined: this is a hot path
+    return _lookup(device_name, bucket, n, k, granularity)
 
 
 def clear_lookup_cache() -> None:

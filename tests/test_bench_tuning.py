@@ -185,6 +185,7 @@ def test_lookup_granularity_and_source_priority(isolated, monkeypatch):
     env = tuning.ConfigTable(device=DEVICE)
     env.set(18432, 7168, 4096, cfg(128, 64, 4, 6))
     monkeypatch.setenv(tuning.TABLE_ENV, str(tuning.save_table(env, isolated / "env.json")))
+    tuning.clear_lookup_cache()  # the environment is read on a cache miss
     assert tuning.lookup_config(DEVICE, 4096, 18432, 7168) == cfg(128, 64, 4, 6)
 
 
