@@ -313,10 +313,19 @@ def _assign(module: nn.Module, attr: str, tensor: torch.Tensor, is_buffer: bool)
         module._parameters[attr] = nn.Parameter(tensor, requires_grad=requires_grad)
 
 
-def _cast(t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if t.dtype == target.dtype or is_fp8_dtype(t.dtype) or is_fp8_dtype(target.dtype):
+def _cast(t: torch.Tensor, target: torch.Tensor, keep_fp32: bool = False) -> torch.Tensor:
+    if is_fp8_dtype(t.dtype) or is_fp8_dtype(target.dtype) or not t.is_floating_point():
         return t
-    return t.to(target.dtype)
+    dtype = torch.float32 if keep_fp32 else target.dtype
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Module-name fragments transformers keeps in float32 (``_keep_in_fp32_modules[_strict]``)."""
+    names = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:  # the non-strict list only applies to fp16, as in transformers
+        names += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return names
 
 
 def _fp8_pair(w: torch.Tensor, s: torch.Tensor, fp8_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,21 +342,34 @@ def _load_fused_experts(
     fp8_dtype: torch.dtype | None, used: set[str],
 ) -> None:
     """Fill an Fp8Experts module from fused (`P`, `P_scale_inv`) or per-expert checkpoint tensors."""
-    fused = index.get(f"{name}.gate_up_proj")
-    if fused is not None:
-        for p in ("gate_up_proj", "down_proj"):
-            w_info, s_info = index.get(f"{name}.{p}"), index.get(f"{name}.{p}{SCALE_SUFFIX}")
-            if w_info is None or s_info is None:
-                raise ValueError(f"checkpoint has {fused.name!r} but not both {name}.{p} and {name}.{p}{SCALE_SUFFIX}")
-            target_w, target_s = getattr(module, p), getattr(module, p + SCALE_SUFFIX)
-            _expected_shape(f"{name}.{p}", w_info, tuple(target_w.shape))
-            _expected_shape(f"{name}.{p}{SCALE_SUFFIX}", s_info, tuple(target_s.shape))
-            w, s = _fp8_pair(reader.read(w_info, device), reader.read(s_info, device), fp8_dtype)
-            _assign(module, p, w, False)
-            _assign(module, p + SCALE_SUFFIX, s, False)
-            used.update((w_info.name, s_info.name))
+    fused_params = [a for a, t in module._parameters.items() if t is not None]
+    if index.get(f"{name}.down_proj") is not None:
+        weights = [a for a in fused_params if is_fp8_dtype(module._parameters[a].dtype)]
+        for attr in fused_params:
+            if attr.endswith(SCALE_SUFFIX):
+                continue
+            info = index.get(f"{name}.{attr}")
+            if info is None:
+                raise ValueError(f"checkpoint has {name}.down_proj but lacks {name}.{attr} (fused experts {name})")
+            target = module._parameters[attr]
+            _expected_shape(f"{name}.{attr}", info, tuple(target.shape))
+            t = _cast(reader.read(info, device), target)
+            used.add(info.name)
+            if attr in weights:
+                s_info = index.get(f"{name}.{attr}{SCALE_SUFFIX}")
+                if s_info is None:
+                    raise ValueError(f"checkpoint lacks {name}.{attr}{SCALE_SUFFIX}, the scales of FP8 {info.name!r}")
+                _expected_shape(f"{name}.{attr}{SCALE_SUFFIX}", s_info, tuple(module._parameters[attr + SCALE_SUFFIX].shape))
+                t, s = _fp8_pair(t, reader.read(s_info, device), fp8_dtype)
+                used.add(s_info.name)
+                _assign(module, attr + SCALE_SUFFIX, s, False)
+            _assign(module, attr, t, False)
         return
 
+    if not getattr(module, "has_gate", True) or getattr(module, "has_bias", False):
+        raise ValueError(
+            f"per-expert checkpoint tensors for {name} are only supported for experts with a gate and no bias"
+        )
     names = _per_expert_names(index, name)
     assert names is not None  # _replace_fp8_modules only swaps modules that have one of the layouts
     gate_n, up_n, down_n = names
@@ -406,9 +428,11 @@ def load_fp8_state_(
     device_map: dict[str, torch.device],
     fp8_dtype: torch.dtype | None = None,
     ignore_unexpected: Iterable[str] = (),
+    dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """Fill every parameter and persistent buffer of a (meta) `model` from the checkpoint, in place."""
     ignore_re = [re.compile(p) for p in ignore_unexpected]
+    fp32_names = _fp32_patterns(model, dtype)
     fused_names: dict[str, nn.Module] = {}
     try:
         fp8_experts_cls, _ = experts_api()
@@ -436,7 +460,7 @@ def load_fp8_state_(
                 if info is None:
                     continue  # missing; tied weights are filled below, the rest reported
                 _expected_shape(full, info, tuple(target.shape))
-                t = _cast(reader.read(info, device), target)
+                t = _cast(reader.read(info, device), target, any(f in full for f in fp32_names))
                 used.add(info.name)
                 if isinstance(module, Fp8BlockLinear) and attr in ("weight", "weight" + SCALE_SUFFIX):
                     pairs[attr] = t
@@ -529,7 +553,7 @@ def from_pretrained(
         raise ValueError(f"{root}: no FP8 tensors found (no '*{SCALE_SUFFIX}'); is this an FP8 checkpoint?")
     dmap = _normalize_device_map(model, device_map, dtype)
     ignore = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-    load_fp8_state_(model, index, dmap, fp8, ignore_unexpected=ignore)
+    load_fp8_state_(model, index, dmap, fp8, ignore_unexpected=ignore, dtype=dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     missing = _missing(model)
