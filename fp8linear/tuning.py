@@ -704,8 +704,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from this table (e.g. a shipped one) and add the new results")
     parser.add_argument("--budget-s", type=float, default=30.0,
                         help="seconds per (N, K) shape, split over its M buckets (default 30)")
-    parser.add_argument("--total-budget-s", type=float, default=540.0,
-                        help="stop starting new shapes after this many seconds (default 540)")
+    parser.add_argument("--total-budget-s", type=float, default=450.0,
+                        help="stop starting new shapes after this many seconds (default 450, so the default run fits in 10 minutes)")
     parser.add_argument("--max-candidates", type=int, default=None,
                         help="time at most this many configs per bucket (for quick or CPU dry runs)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda; cpu needs TRITON_INTERPRET=1)")
