@@ -2,7 +2,8 @@
 
 Choose per call with ``backend=`` or for the process with ``FP8LINEAR_BACKEND`` =
 ``auto`` (default: Triton for CUDA/ROCm tensors, reference elsewhere), ``triton`` or
-``reference``. Forcing Triton on CPU tensors needs ``TRITON_INTERPRET=1``.
+``reference``. Forcing Triton on CPU tensors needs ``TRITON_INTERPRET=1`` (set before the
+kernels are first used); ``auto`` never picks the slow interpreter.
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"{source} must be one of {BACKENDS}, got {requested!r}")
     if requested == "reference":
         return "reference"
-    triton_ok = HAS_TRITON and (device.type == "cuda" or _interpreting())
     if requested == "auto":
-        return "triton" if triton_ok else "reference"
+        return "triton" if HAS_TRITON and device.type == "cuda" else "reference"
     if not HAS_TRITON:
         raise RuntimeError("backend 'triton' was requested but Triton is not installed (pip install triton)")
-    if not triton_ok:
+    if device.type != "cuda" and not _interpreting():
         raise RuntimeError(
             f"backend 'triton' needs CUDA/ROCm tensors, got tensors on {device}; "
             "set TRITON_INTERPRET=1 to run the Triton kernels on CPU (slow), or use backend='reference'"

@@ -2,7 +2,8 @@
 
 Where a config comes from (first hit wins; :func:`lookup_config` only *reads*):
 
-1. ``$FP8LINEAR_GEMM_TABLE``: an explicit table file (e.g. the output of ``fp8linear tune --out``);
+1. ``$FP8LINEAR_GEMM_TABLE``: an explicit table file (e.g. the output of ``fp8linear tune --out``),
+   or ``off`` to use no table at all (the heuristic only);
 2. the autotune cache, ``$FP8LINEAR_CACHE_DIR`` or ``~/.cache/fp8linear`` (``$XDG_CACHE_HOME``
    respected), one file per device, written by :func:`autotune_config` and ``fp8linear tune``;
 3. the tables shipped in the package, ``fp8linear/configs/<device>.json``.
@@ -44,6 +45,7 @@ __all__ = [
     "M_BUCKETS",
     "CACHE_DIR_ENV",
     "TABLE_ENV",
+    "TABLES_OFF",
     "GRANULARITY_KEYS",
     "ConfigTable",
     "TuneResult",
@@ -76,6 +78,8 @@ _MAX_BUCKET = M_BUCKETS[-1]
 MAX_BUCKET_DISTANCE = 2
 CACHE_DIR_ENV = "FP8LINEAR_CACHE_DIR"
 TABLE_ENV = "FP8LINEAR_GEMM_TABLE"
+# $FP8LINEAR_GEMM_TABLE values that switch every table off (heuristic only, e.g. for A/B runs).
+TABLES_OFF = ("off", "none", "0")
 # Weight granularities with their own entries; 'block' is the default key "N,K".
 GRANULARITY_KEYS = ("block", "row", "tensor")
 _SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
@@ -293,6 +297,8 @@ def _cache_dir_from(env_dir: str, xdg: str) -> Path:
 @lru_cache(maxsize=8192)
 def _lookup(device: str, bucket: int, n: int, k: int, granularity: str) -> GemmConfig | None:
     env_table = os.environ.get(TABLE_ENV, "")
+    if env_table.lower() in TABLES_OFF:
+        return None
     try:
         cache_path = str(cache_table_path(device))
         shipped = str(shipped_table_path(device))

@@ -525,6 +525,23 @@ class Fp8Experts(nn.Module):
         out = y.view(t, top_k, self.hidden_dim).sum(dim=1, dtype=torch.float32)
         return out.to(dtype).reshape(*lead, self.hidden_dim)
 
+    # -- dtype casts ---------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        # `.to(dtype)` / `.half()` / `.float()` must not cast the FP8 weights or fp32 scales
+        # (fp8 -> bf16 would silently dequantize without the scales): they only change device.
+        protected = {
+            id(p) for name, p in self._parameters.items()
+            if p is not None and (is_fp8_dtype(p.dtype) or name.endswith("_scale_inv"))
+        }
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if id(t) in protected and isinstance(out, torch.Tensor) and out.dtype != t.dtype:
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_dtype, recurse)
+
     # -- state dict ---------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # A checkpoint of another granularity: adopt its scale shape when it fits the weight.

@@ -13,11 +13,6 @@ __all__ = ["act_quant", "round_to_fp8_grid"]
 
 
 @triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def round_to_fp8_grid(v, MIN_EXP: tl.constexpr):
     """Triton twin of reference.round_to_fp8_grid: round fp32 to the FP8 grid, ties to even."""
     exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -46,7 +41,8 @@ def _act_quant_kernel(
     mask = row_ok[:, None] & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     # Same order as reference._quantize_groups; NaN propagates through max and clamp.
-    amax = tl.reduce(tl.abs(x), 1, _nan_max)
+    amax = tl.max(tl.abs(x), 1)  # tl.max drops NaN: put it back for groups that hold one
+    amax = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), amax)
     amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
     scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
     q = tl.math.div_rn(x, scale[:, None])

@@ -1,0 +1,216 @@
+"""Naming rules of the FP8 checkpoint format (DeepSeek-V3 / Hugging Face ``quant_method: "fp8"``).
+
+* a 2-D linear weight ``X.weight`` becomes ``X.weight`` (FP8) + ``X.weight_scale_inv`` (fp32);
+* a fused 3-D expert parameter ``P`` ([E, out, in], e.g. ``mlp.experts.gate_up_proj``) becomes
+  ``P`` (FP8, same shape) + ``P_scale_inv`` (fp32, one scale grid per expert);
+* ``config.json`` gets ``quantization_config`` (see :func:`fp8_quantization_config`).
+
+These functions work on names, shapes and dtypes only (no tensor data), so they can plan a
+conversion from safetensors headers alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..formats import parse_fp8_dtype
+from ..reference import GRANULARITIES
+
+__all__ = [
+    "SCALE_SUFFIX",
+    "DEFAULT_SKIP_PATTERNS",
+    "HIGH_PRECISION_DTYPES",
+    "FP8_SAFETENSORS_DTYPES",
+    "WEIGHT_BLOCK_SIZE",
+    "FP8_QUANTIZATION_CONFIG",
+    "scale_name",
+    "weight_name_for_scale",
+    "is_scale_name",
+    "module_name",
+    "default_should_quantize",
+    "compile_patterns",
+    "fp8_quantization_config",
+    "granularity_from_config",
+    "safetensors_dtype",
+    "torch_dtype_from_safetensors",
+]
+
+# Suffix of the dequant-scale tensor that sits next to each quantized weight (DeepSeek-V3 naming).
+SCALE_SUFFIX = "_scale_inv"
+
+# Modules kept in high precision by default, matched (re.search) against the module name
+# (the tensor name without ``.weight``): embeddings, the output head, MoE routers / gates
+# (``mlp.gate``, ``router``, anything inside one, e.g. ``e_score_correction_bias``), Qwen-MoE's
+# 1-wide ``shared_expert_gate`` and any norm. Same choices as fp8linear.integrations.
+DEFAULT_SKIP_PATTERNS: tuple[str, ...] = (
+    r"(^|\.)[^.]*embed[^.]*($|\.)",
+    r"(^|\.)(wte|wpe)$",
+    r"(^|\.)lm_head$",
+    r"(^|\.)(gate|router)(\.|$)",
+    r"(^|\.)shared_expert_gate$",
+    r"(^|\.)[^.]*norm[^.]*$",
+)
+
+# safetensors dtype strings of the floating formats that get quantized.
+HIGH_PRECISION_DTYPES: tuple[str, ...] = ("BF16", "F16", "F32")
+
+# safetensors dtype strings of the two FP8 weight formats.
+FP8_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+}
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}
+
+# `weight_block_size` of `quantization_config` for each granularity (HF "fp8" format).
+WEIGHT_BLOCK_SIZE: dict[str, list[int] | None] = {"block": [128, 128], "row": [1, 128], "tensor": None}
+
+# The fixed part of `quantization_config` (128x128 blocks, e4m3fn); see fp8_quantization_config.
+FP8_QUANTIZATION_CONFIG: dict[str, object] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+
+
+def scale_name(name: str) -> str:
+    """Name of the scale tensor of weight `name`: ``X.weight`` -> ``X.weight_scale_inv``, ``P`` -> ``P_scale_inv``."""
+    return name + SCALE_SUFFIX
+
+
+def is_scale_name(name: str) -> bool:
+    return name.endswith(SCALE_SUFFIX)
+
+
+def weight_name_for_scale(name: str) -> str:
+    """Inverse of :func:`scale_name`."""
+    if not is_scale_name(name):
+        raise ValueError(f"{name!r} is not a scale tensor name (no {SCALE_SUFFIX!r} suffix)")
+    return name[: -len(SCALE_SUFFIX)]
+
+
+def module_name(name: str) -> str:
+    """Module path of a parameter: ``a.b.weight`` -> ``a.b``; a fused expert parameter keeps its name."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def compile_patterns(patterns: Iterable[str] | str | None, what: str = "pattern") -> tuple[re.Pattern[str], ...]:
+    """Compile regexes (a bad one raises ValueError naming it)."""
+    if patterns is None:
+        return ()
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    compiled = []
+    for p in patterns:
+        try:
+            compiled.append(re.compile(p))
+        except re.error as exc:
+            raise ValueError(f"invalid {what} regex {p!r}: {exc}") from None
+    return tuple(compiled)
+
+
+_DEFAULT_SKIP = compile_patterns(DEFAULT_SKIP_PATTERNS)
+
+
+def safetensors_dtype(dtype: torch.dtype | str) -> str:
+    """safetensors' dtype string ('BF16', 'F8_E4M3', ...) of a torch dtype (strings pass through)."""
+    if isinstance(dtype, str):
+        return dtype
+    for key, value in _SAFETENSORS_DTYPES.items():
+        if value == dtype:
+            return key
+    raise ValueError(f"dtype {dtype} has no safetensors name")
+
+
+def torch_dtype_from_safetensors(dtype: str) -> torch.dtype:
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"unsupported safetensors dtype {dtype!r}")
+    return _SAFETENSORS_DTYPES[dtype]
+
+
+def _is_fused_expert(name: str) -> bool:
+    return "experts" in name.split(".") and not name.endswith("bias")
+
+
+def default_should_quantize(
+    name: str, shape: Sequence[int] | torch.Tensor, dtype: torch.dtype | str | None = None
+) -> bool:
+    """True if a tensor is a linear weight the FP8 format quantizes by default.
+
+    Quantized: BF16/FP16/FP32 ``*.weight`` tensors of 2 dims (``nn.Linear``), and 3-D fused
+    expert parameters ``...experts.P`` ([E, out, in]). Kept: embeddings, ``lm_head``, norms,
+    biases, MoE routers (``mlp.gate``, ``e_score_correction_bias``), scales, anything else.
+    `shape` may be a tensor, whose shape and dtype are then used.
+    """
+    if isinstance(shape, torch.Tensor):
+        dtype = shape.dtype if dtype is None else dtype
+        shape = tuple(shape.shape)
+    if dtype is None:
+        raise TypeError("default_should_quantize needs a dtype when given a shape")
+    if safetensors_dtype(dtype) not in HIGH_PRECISION_DTYPES or is_scale_name(name):
+        return False
+    ndim = len(shape)
+    if ndim == 2:
+        if not name.endswith(".weight"):
+            return False
+    elif ndim == 3:
+        if not _is_fused_expert(name):
+            return False
+    else:
+        return False
+    if any(d == 0 for d in shape):
+        return False
+    module = module_name(name)
+    return not any(p.search(module) for p in _DEFAULT_SKIP)
+
+
+def fp8_quantization_config(
+    granularity: str = "block",
+    fp8_dtype: torch.dtype | str = "e4m3fn",
+    modules_to_not_convert: Iterable[str] = (),
+) -> dict[str, object]:
+    """The ``quantization_config`` written to config.json.
+
+    ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
+    [128, 128] | [1, 128] | None, "modules_to_not_convert": [...]}``, plus ``"fp8_dtype": "e4m3fnuz"``
+    when the weights are fnuz (``fmt`` stays ``e4m3``).
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    cfg: dict[str, object] = dict(FP8_QUANTIZATION_CONFIG)
+    block = WEIGHT_BLOCK_SIZE[granularity]
+    cfg["weight_block_size"] = list(block) if block is not None else None
+    cfg["modules_to_not_convert"] = sorted(set(modules_to_not_convert))
+    if parse_fp8_dtype(fp8_dtype) == torch.float8_e4m3fnuz:
+        cfg["fp8_dtype"] = "e4m3fnuz"
+    return cfg
+
+
+def granularity_from_config(qcfg: dict) -> str:
+    """Granularity of a ``quantization_config`` from its ``weight_block_size``."""
+    block = qcfg.get("weight_block_size")
+    if block is None:
+        return "tensor"
+    for gran, size in WEIGHT_BLOCK_SIZE.items():
+        if size is not None and list(block) == size:
+            return gran
+    raise ValueError(f"unsupported weight_block_size {block!r}; expected [128, 128], [1, 128] or null")

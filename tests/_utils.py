@@ -1,0 +1,29 @@
+"""Helpers shared by the core tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ||out - ref|| / ||ref|| in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality of two tensors of the same dtype (NaN == NaN if encoded alike)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+
+
+# Tolerances for the GEMM output against a float64 product of the dequantized operands:
+# fp32 accumulation leaves ~1e-7; the rest is one rounding of the output (unit roundoff
+# 2^-24 fp32, 2^-11 fp16, 2^-8 bf16; Frobenius averages it to about a third of that).
+GEMM_TOL = {torch.float32: 1e-5, torch.float16: 5e-4, torch.bfloat16: 3e-3}
+
+# FP8 e4m3 against the unquantized product: each operand carries ~2^-4/sqrt(3) relative
+# rounding error, so x@w.T lands near 3-4% on random data; 5% catches real mistakes.
+FP8_LINEAR_TOL = 0.05

@@ -1,0 +1,31 @@
+"""Shared test setup.
+
+Without a GPU, Triton kernels run in Triton's CPU interpreter: TRITON_INTERPRET must be set
+before any kernel is defined, i.e. before `fp8linear.ops.*` is imported (they are imported
+lazily on first use). The `auto` backend never picks the interpreter, so only tests that
+force `backend="triton"` pay for it.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The device Triton kernels run on in this session: the GPU, or the CPU interpreter.
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA/ROCm device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    return KERNEL_DEVICE

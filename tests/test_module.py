@@ -1,0 +1,114 @@
+"""Fp8BlockLinear against the nn.Linear it replaces (reference backend on CPU, Triton on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp8linear import Fp8BlockLinear, dequantize_weight
+
+from _utils import FP8_LINEAR_TOL, rel_err, same_bits
+from conftest import HAS_CUDA, KERNEL_DEVICE
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+GRANS = ["block", "row", "tensor"]
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("in_f,out_f,lead", [(300, 576, (2, 5)), (576, 1000, (7,)), (128, 128, (1, 1, 3))])
+def test_matches_nn_linear(in_f, out_f, lead, dtype, granularity):
+    lin = nn.Linear(in_f, out_f, device=DEV, dtype=dtype)
+    mod = Fp8BlockLinear.from_linear(lin, granularity)
+    x = torch.randn(*lead, in_f, device=DEV, dtype=dtype)
+    y = mod(x)
+    assert y.shape == (*lead, out_f) and y.dtype == dtype
+    with torch.no_grad():
+        assert rel_err(y, lin(x)) < FP8_LINEAR_TOL
+        # against the dequantized linear the only differences are activation quantization + rounding
+        assert rel_err(y, mod.to_linear(dtype)(x)) < FP8_LINEAR_TOL
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_state_dict_and_repr(granularity):
+    mod = Fp8BlockLinear(300, 2112, bias=True, granularity=granularity)
+    assert list(mod.state_dict()) == ["weight", "weight_scale_inv", "bias"]
+    assert mod.weight.dtype == torch.float8_e4m3fn and mod.weight_scale_inv.dtype == torch.float32
+    assert mod.granularity == granularity
+    text = repr(mod)
+    assert "in_features=300" in text and f"granularity={granularity}" in text and "float8_e4m3fn" in text
+    assert list(Fp8BlockLinear(8, 8, bias=False).state_dict()) == ["weight", "weight_scale_inv"]
+
+
+def test_state_dict_round_trip():
+    lin = nn.Linear(300, 576, dtype=torch.bfloat16)
+    src = Fp8BlockLinear.from_linear(lin, "row")
+    dst = Fp8BlockLinear(300, 576, granularity="row")
+    dst.load_state_dict(src.state_dict())
+    x = torch.randn(4, 300, dtype=torch.bfloat16)
+    assert same_bits(dst(x), src(x))
+    assert torch.equal(dst.to_linear(torch.float32).weight, dequantize_weight(src.weight, src.weight_scale_inv))
+
+
+def test_fnuz_module_on_reference_path():
+    lin = nn.Linear(256, 200)
+    mod = Fp8BlockLinear.from_linear(lin, fp8_dtype=torch.float8_e4m3fnuz, backend="reference")
+    x = torch.randn(3, 256)
+    assert mod.weight.dtype == torch.float8_e4m3fnuz
+    with torch.no_grad():
+        assert rel_err(mod(x), lin(x)) < FP8_LINEAR_TOL
+
+
+def test_bad_construction_and_input():
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        Fp8BlockLinear(8, 8, granularity="channel")
+    with pytest.raises(ValueError, match="in_features must be a positive int"):
+        Fp8BlockLinear(0, 8)
+    with pytest.raises(TypeError, match="expects an nn.Linear"):
+        Fp8BlockLinear.from_linear(nn.Conv1d(2, 2, 1))
+    mod = Fp8BlockLinear.from_linear(nn.Linear(256, 64))
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., K=256\)"):
+        mod(torch.randn(3, 255))
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        mod(torch.ones(3, 256, dtype=torch.int64))
+
+
+def test_triton_path_matches_reference_path():
+    lin = nn.Linear(300, 130, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(5, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    a = Fp8BlockLinear.from_linear(lin, backend="triton")(x)
+    b = Fp8BlockLinear.from_linear(lin, backend="reference")(x)
+    assert rel_err(a, b) < 1e-2  # same FP8 operands; only fp32 summation order and bf16 rounding differ
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", GRANS)
+def test_cuda_graph_capture(granularity):
+    lin = nn.Linear(2048, 576, device="cuda", dtype=torch.bfloat16)
+    mod = Fp8BlockLinear.from_linear(lin, granularity)
+    static_x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
+    mod(static_x)  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = mod(static_x)
+    fresh = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
+    static_x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(static_y, mod(fresh))
+
+
+@pytest.mark.gpu
+def test_large_m_times_k_int64_addressing():
+    """M*K > 2^31 elements: 32-bit offsets would wrap."""
+    m, k, n = 2**31 // 4096 + 64, 4096, 256
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    mod = Fp8BlockLinear.from_linear(lin)
+    y = mod(x)
+    tail = slice(m - 64, m)
+    with torch.no_grad():
+        ref = mod.to_linear(torch.float32)(x[tail].float())
+    assert rel_err(y[tail], ref) < FP8_LINEAR_TOL
