@@ -187,6 +187,9 @@ def test_lookup_granularity_and_source_priority(isolated, monkeypatch):
     monkeypatch.setenv(tuning.TABLE_ENV, str(tuning.save_table(env, isolated / "env.json")))
     tuning.clear_lookup_cache()  # the environment is read on a cache miss
     assert tuning.lookup_config(DEVICE, 4096, 18432, 7168) == cfg(128, 64, 4, 6)
+    monkeypatch.setenv(tuning.TABLE_ENV, "off")  # every table off: the caller's heuristic decides
+    tuning.clear_lookup_cache()
+    assert tuning.lookup_config(DEVICE, 4096, 18432, 7168) is None
 
 
 def test_lookup_ignores_corrupt_cache(isolated):
