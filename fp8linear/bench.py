@@ -482,7 +482,11 @@ def _make_shape_operands(shape: Shape, device: torch.device, gen: torch.Generato
     del w32
     bias = (torch.randn(shape.n, generator=gen, device=device, dtype=torch.float32) * _WEIGHT_STD).to(torch.bfloat16)
     quant: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    needs = {"block": ("cublas_block", "ours_block", "ours_forward"), "row": ("ours_row",), "tensor": ("cublas_tensor",)}
+    needs = {
+        "block": ("cublas_block", "ours_block", "ours_forward"),
+        "row": ("ours_row",),
+        "tensor": ("cublas_tensor",),
+    }
     for gran, users in needs.items():
         if any(m in methods for m in users):
             w_q, w_s = quantize_weight(w, gran, fp8_dtype)
@@ -819,7 +823,8 @@ def format_table(rows: Sequence[BenchRow], methods: Sequence[str] = METHODS, tim
         row_ratio = rr.us / o.us if ok and rr and rr.us else None
         fwd_ratio = fr.us / o.us if ok and fr and fr.us else None
         line += (f" {_fmt(o.tflops if ok else None, '.1f', 7)} {_fmt(o.gbps if ok else None, '.0f', 6)}"
-                 f" {_fmt(o.speedup_vs_bf16 if ok else None, '.2f', 5)} {_fmt(o.speedup_vs_cublas if ok else None, '.2f', 7)}"
+                 f" {_fmt(o.speedup_vs_bf16 if ok else None, '.2f', 5)}"
+                 f" {_fmt(o.speedup_vs_cublas if ok else None, '.2f', 7)}"
                  f" {_fmt(row_ratio, '.3f', 7)} {_fmt(fwd_ratio, '.3f', 8)}")
         lines.append(line)
     notes = sorted({(r.method, r.note) for r in rows if r.note and r.status != "ok"})
@@ -836,6 +841,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             return f"n/a ({it.get('goal', '')} {it.get('target', '')}; no cases)"
         mark = "PASS" if it.get("pass") else "MISS"
         return f"{val:{spec}} ({it['goal']} {it['target']}) {mark} [{it['cases']} cases]"
+
+    def extra(key: str, field_name: str, spec: str = ".3f") -> str:
+        val = summary.get(key, {}).get(field_name)
+        return f", {field_name} {val:{spec}}" if val is not None else ""
 
     s = summary
     w = s.get("prefill_min_speedup_vs_bf16", {})
@@ -857,15 +866,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     if bw.get("per_shape"):
         lines.append("       per shape: " + ", ".join(f"{k_} {x:.2f} TB/s" for k_, x in bw["per_shape"].items()))
     lines += [
-        f"  3. row-wise/block prefill geomean {v('prefill_row_over_block')}"
-        + (f", max {s['prefill_row_over_block']['max']:.3f}" if s.get("prefill_row_over_block", {}).get("max") else ""),
-        f"     row-wise/block decode geomean {v('decode_row_over_block')}"
-        + (f", max {s['decode_row_over_block']['max']:.3f}" if s.get("decode_row_over_block", {}).get("max") else ""),
-        f"  4. forward/GEMM prefill geomean {v('prefill_forward_over_gemm')}"
-        + (f", max {s['prefill_forward_over_gemm']['max']:.3f}" if s.get("prefill_forward_over_gemm", {}).get("max") else ""),
+        f"  3. row-wise/block prefill geomean {v('prefill_row_over_block')}{extra('prefill_row_over_block', 'max')}",
+        f"     row-wise/block decode geomean {v('decode_row_over_block')}{extra('decode_row_over_block', 'max')}",
+        f"  4. forward/GEMM prefill geomean {v('prefill_forward_over_gemm')}{extra('prefill_forward_over_gemm', 'max')}",
         f"     forward-GEMM decode, max µs {v('decode_forward_minus_gemm_us_max', '.2f')}"
-        + (f", mean {s['decode_forward_minus_gemm_us_max']['mean']:.2f}"
-           if s.get("decode_forward_minus_gemm_us_max", {}).get("mean") is not None else ""),
+        + extra("decode_forward_minus_gemm_us_max", "mean", ".2f"),
     ]
     for label, per in s.get("dsv3_geomean_us", {}).items():
         lines.append(f"  DeepSeek-V3 shapes, {label} ({per.get('cases')} cases), geomean µs: "

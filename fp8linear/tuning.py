@@ -589,7 +589,8 @@ def tune_shape(
             except errors as e:
                 failed += 1
                 if log:
-                    log(f"    {_cfg_str(cfg)}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+                    first = str(e).splitlines()[0][:120] if str(e) else ""
+                    log(f"    {_cfg_str(cfg)}: skipped ({type(e).__name__}: {first})")
 
         heuristic = heuristic_config(bucket, n, k)
         phase1 = candidate_configs(bucket, n, k)
@@ -711,7 +712,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=30.0,
                         help="seconds per (N, K) shape, split over its M buckets (default 30)")
     parser.add_argument("--total-budget-s", type=float, default=450.0,
-                        help="stop starting new shapes after this many seconds (default 450, so the default run fits in 10 minutes)")
+                        help="stop starting new shapes after this many seconds "
+                             "(default 450, so the default run fits in 10 minutes)")
     parser.add_argument("--max-candidates", type=int, default=None,
                         help="time at most this many configs per bucket (for quick or CPU dry runs)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda; cpu needs TRITON_INTERPRET=1)")
