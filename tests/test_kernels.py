@@ -40,7 +40,14 @@ else:  # interpreter: small but ragged in every dimension
 
 # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest, which
 # doubles the output rounding error (measured 3.6e-3 vs the 3e-3 bound); GPUs round.
-KERNEL_GEMM_TOL = {**GEMM_TOL, torch.bfloat16: GEMM_TOL[torch.bfloat16] * (1 if HAS_CUDA else 2)}
+# On Hopper, FP8 wgmma accumulates inside one 128-wide K step with ~14 bits of mantissa
+# (DeepSeek-V3 report, sec. 3.3.2) before our fp32 promotion: measured 1.3e-4 relative on
+# H100 with fp32 output (M=64, N=K=128), so fp32 outputs get 3e-4 there.
+KERNEL_GEMM_TOL = {
+    **GEMM_TOL,
+    torch.bfloat16: GEMM_TOL[torch.bfloat16] * (1 if HAS_CUDA else 2),
+    torch.float32: 3e-4 if HAS_CUDA else GEMM_TOL[torch.float32],
+}
 
 
 def _fp8_supported(fp8_dtype: torch.dtype) -> bool:
@@ -131,7 +138,7 @@ def test_gemm_launch_configs(config, granularity):
         w_s = w_s.reshape(())
     y = block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.float32, None, GemmConfig(**config))
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64)
-    assert rel_err(y, ref) < GEMM_TOL[torch.float32]
+    assert rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
 
 
 def test_gemm_noncontiguous_and_empty():
@@ -141,7 +148,7 @@ def test_gemm_noncontiguous_and_empty():
     w_q_t = w_q.T.contiguous().T  # (200, 300) with K stride != 1
     y = block_fp8_matmul(x_q, x_s, w_q_t, w_s, torch.float32, backend="triton")
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64)
-    assert rel_err(y, ref) < GEMM_TOL[torch.float32]
+    assert rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
     e_q, e_s = quantize_activation(torch.randn(0, 300, device=dev), backend="triton")
     assert block_fp8_matmul(e_q, e_s, w_q, w_s, backend="triton").shape == (0, 200)
 

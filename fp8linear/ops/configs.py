@@ -47,5 +47,12 @@ def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
 
-def select_config(device: torch.device, m: int, n: int, k: int) -> GemmConfig:
+def select_config(device: torch.device, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
+    """Tuned table entry for this GPU and shape if there is one, else the heuristic (never tunes here)."""
+    if device.type == "cuda":
+        from ..tuning import device_name, lookup_config
+
+        cfg = lookup_config(device_name(device), m, n, k, granularity)
+        if cfg is not None:
+            return cfg
     return heuristic_config(m, n, k)

@@ -89,7 +89,7 @@ def block_fp8_gemm(
     else:
         ws_group_n = GROUP_SIZE if granularity == "block" else 1
         stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1)
-    cfg = config or select_config(x_q.device, m, n, k)
+    cfg = config or select_config(x_q.device, m, n, k, granularity)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _block_fp8_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, y, bias if bias is not None else y,
