@@ -24,12 +24,12 @@ DECODE = [(1, 18432, 7168), (16, 7168, 2048), (64, 2048, 7168), (4, 7168, 18432)
 
 PREFILL_CONFIGS = [GemmConfig(bm, bn, bk, 8, w, s) for (bm, bn, bk, w, s) in [
     (64, 128, 128, 4, 3),  # the popular vLLM/SGLang kernel shape
-    (128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
-    (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 5),
+    (128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 3),
+    (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3), (128, 64, 128, 4, 4),
 ]]
 DECODE_CONFIGS = [GemmConfig(bm, bn, bk, 1, w, s) for (bm, bn, bk, w, s) in [
     (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 128, 4, 6), (16, 128, 128, 4, 4),
-    (16, 64, 64, 4, 8), (16, 128, 64, 4, 6), (32, 64, 128, 4, 5), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4),
+    (16, 64, 128, 2, 6), (16, 128, 128, 8, 4), (32, 64, 128, 4, 5), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4),
 ]]
 
 
@@ -79,15 +79,23 @@ def main() -> None:
     for m, n, k, tb, th, tr, t16, tpt, cfg, gbs in rows:
         print(f"{m} {n} {k} | {tb:.1f} | {th:.1f} | {tr:.1f} | {t16:.1f} | {tpt:.1f} | {t16 / tb:.2f}x | {tpt / tb:.2f} | {gbs:.0f} | "
               f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}")
-    # compiled code check: are the FP8 wgmma instructions there?
+    # compiled code check: are the FP8 wgmma instructions (QGMMA) in the machine code?
+    from triton.tools.disasm import get_sass
+
     x_q, x_s = quantize_activation(torch.randn(512, 1024, device=dev))
     w_q, w_s = quantize_weight(torch.randn(512, 1024, device=dev))
-    block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, PREFILL_CONFIGS[2])
-    for key, kern in _block_fp8_gemm_kernel.device_caches[0][0].items() if hasattr(_block_fp8_gemm_kernel, "device_caches") else []:
-        ptx = kern.asm.get("ptx", "")
-        sass = kern.asm.get("sass", "") if "sass" in kern.asm else ""
-        print("kernel", kern.metadata.num_warps, "warps: wgmma in PTX:", ptx.count("wgmma.mma_async"),
-              "QGMMA in SASS:", sass.count("QGMMA"), "regs", getattr(kern, "n_regs", "?"), "spills", getattr(kern, "n_spills", "?"))
+    for cfg in (PREFILL_CONFIGS[1], DECODE_CONFIGS[3]):
+        block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, cfg)
+    seen = set()
+    for cache in _block_fp8_gemm_kernel.device_caches.values():
+        for kern in cache[0].values():
+            sass = get_sass(kern.asm["cubin"])
+            key = (kern.metadata.num_warps, kern.metadata.num_stages, kern.n_regs)
+            if key in seen:
+                continue
+            seen.add(key)
+            print(f"kernel warps={key[0]} stages={key[1]} regs={kern.n_regs} spills={kern.n_spills} "
+                  f"QGMMA={sass.count('QGMMA')} HMMA={sass.count('HMMA')} FFMA={sass.count('FFMA')} FMUL={sass.count('FMUL')}")
 
 
 if __name__ == "__main__":
