@@ -9,7 +9,9 @@ variable was set), :func:`test_interpreter_subprocess` re-runs the kernel tests 
 ``python -m pytest`` process with ``TRITON_INTERPRET=1`` set from the start.
 
 Tolerance (kernel vs float64 product of the dequantized operands, fp32 output):
-``|y - ref| <= 1e-5 * |ref| + 1e-5 * max|ref|`` (fp32 accumulation in another order).
+``|y - ref| <= rtol * |ref| + rtol * max|ref|`` with rtol = 1e-5 under the interpreter (fp32
+accumulation in another order) and 1e-3 on GPUs (Hopper's FP8 tensor cores accumulate each
+128-wide K step with ~14 mantissa bits before the fp32 promotion).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from fp8linear.integrations.experts import grouped_fp8_matmul
 from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref
 
 ROOT = Path(__file__).resolve().parents[1]
-RTOL = 1e-5  # fp32 accumulation order differs from the float64 reference
 CUDA = torch.cuda.is_available()
 FP8 = torch.float8_e4m3fn
 FNUZ = torch.float8_e4m3fnuz
@@ -47,6 +48,11 @@ elif CUDA and gg is not None:
     KERNEL_DEVICE = "cuda"
 else:
     KERNEL_DEVICE = None
+
+# fp32 accumulation in another order than the float64 reference: 1e-5. On Hopper, FP8 wgmma
+# accumulates inside each 128-wide K step with ~14 mantissa bits before the fp32 promotion
+# (DeepSeek-V3 report, sec. 3.3.2; ~1.3e-4 relative measured on H100), so 1e-3 on GPUs.
+RTOL = 1e-3 if KERNEL_DEVICE == "cuda" else 1e-5
 
 needs_kernel = pytest.mark.skipif(
     KERNEL_DEVICE is None, reason="needs CUDA, or TRITON_INTERPRET=1 (see test_interpreter_subprocess)"
@@ -99,17 +105,24 @@ def _assert_close64(y: torch.Tensor, ref: torch.Tensor, rtol: float = RTOL) -> N
 
 
 # ----------------------------------------------------------------------------- alignment
-@pytest.mark.parametrize(
-    "t,e,top_k,block_m",
-    [(1, 8, 2, 16), (7, 6, 2, 16), (3, 16, 4, 16), (40, 4, 2, 32), (0, 4, 2, 16), (64, 64, 6, 64)],
-)
+ALIGN_CASES = [(1, 8, 2, 16), (7, 6, 2, 16), (3, 16, 4, 16), (40, 4, 2, 32), (0, 4, 2, 16), (64, 64, 6, 64),
+               (5, 300, 8, 16)]
+
+
+def _sentinel_routing(t: int, e: int, top_k: int) -> torch.Tensor:
+    idx = _routing(t, e, top_k, skip_expert=1 if e > 2 else None)
+    if t:
+        idx[0, 0] = e + 5  # expert-parallel sentinels: go to the null expert
+        idx[-1, -1] = -1
+    return idx
+
+
+@pytest.mark.parametrize("t,e,top_k,block_m", ALIGN_CASES)
 def test_align_block_size_layout(t, e, top_k, block_m):
     if gg is None:
         pytest.skip("Triton not installed")
-    idx = _routing(t, e, top_k, skip_expert=1 if e > 2 else None)
-    if t:
-        idx[0, 0] = e + 5  # an expert-parallel sentinel: goes to the null expert
-    r = gg.moe_align_block_size(idx, e, block_m)
+    idx = _sentinel_routing(t, e, top_k)
+    r = gg.moe_align_block_size(idx, e, block_m, method="torch")
     s = t * top_k
     ids, blocks = r.sorted_pair_ids.long(), r.block_expert.long()
     assert r.num_pairs == s and r.block_m == block_m and r.top_k == top_k
@@ -130,6 +143,18 @@ def test_align_block_size_layout(t, e, top_k, block_m):
     assert 1 not in blocks.tolist() or e <= 2  # the expert with no tokens owns no block
 
 
+@needs_kernel
+@pytest.mark.parametrize("t,e,top_k,block_m", ALIGN_CASES + [(300, 64, 6, 16)])
+def test_kernel_align_matches_torch_ops(t, e, top_k, block_m):
+    """The one-launch align kernel (decode) and the torch-ops path (prefill) agree exactly."""
+    idx = _sentinel_routing(t, e, top_k).to(KERNEL_DEVICE)
+    a = gg.moe_align_block_size(idx, e, block_m, method="kernel")
+    b = gg.moe_align_block_size(idx, e, block_m, method="torch")
+    assert torch.equal(a.sorted_pair_ids, b.sorted_pair_ids)
+    assert torch.equal(a.block_expert, b.block_expert)
+    assert a.sorted_pair_ids.dtype == a.block_expert.dtype == torch.int32
+
+
 def test_align_block_size_rejects_bad_input():
     if gg is None:
         pytest.skip("Triton not installed")
@@ -139,6 +164,8 @@ def test_align_block_size_rejects_bad_input():
         gg.moe_align_block_size(torch.zeros(4, 2), 4, 16)
     with pytest.raises(ValueError, match="num_experts"):
         gg.moe_align_block_size(torch.zeros(4, 2, dtype=torch.int64), 0, 16)
+    with pytest.raises(ValueError, match="method"):
+        gg.moe_align_block_size(torch.zeros(4, 2, dtype=torch.int64), 4, 16, method="cub")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -314,7 +341,8 @@ def test_gpu_grouped_gemm_deepseek_dims(gran, t):
     w_q, w_s = quantize_weight(torch.randn(e, n, h, device="cuda") * 0.02, gran)
     y = grouped_fp8_matmul(x_q, x_s, w_q, w_s, idx, torch.float32, backend="triton")
     ref = grouped_fp8_matmul(x_q, x_s, w_q, w_s, idx, torch.float32, backend="reference")
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel < 5e-4, rel  # Hopper FP8 accumulation (see RTOL); measured ~1.3e-4 on the core GEMM
 
 
 def grouped_gemm_speed(

@@ -86,6 +86,35 @@ if HAS_TRITON:
         return a_q.new_empty((num_pairs, w_q.shape[1]), dtype=out_dtype)
 
 
+    @torch.library.custom_op("fp8linear::moe_align", mutates_args=())
+    def _moe_align_op(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..ops.grouped_gemm import moe_align_block_size
+
+        r = moe_align_block_size(top_k_index, num_experts, block_m, method="kernel")
+        return r.sorted_pair_ids, r.block_expert
+
+    @_moe_align_op.register_fake
+    def _(top_k_index, num_experts, block_m):
+        from ..ops.grouped_gemm import align_num_blocks
+
+        num_blocks = align_num_blocks(top_k_index.numel(), num_experts, block_m)
+        return (
+            top_k_index.new_empty((num_blocks * block_m,), dtype=torch.int32),
+            top_k_index.new_empty((num_blocks,), dtype=torch.int32),
+        )
+
+
+def _align(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    """Routing for the Triton path: the one-launch kernel (an opaque custom op) for decode-sized
+    batches, the traceable torch-ops path above ALIGN_KERNEL_MAX_PAIRS pairs."""
+    from ..ops.grouped_gemm import ALIGN_KERNEL_MAX_PAIRS, MoeRouting, moe_align_block_size
+
+    if top_k_index.numel() > ALIGN_KERNEL_MAX_PAIRS or top_k_index.numel() == 0:
+        return moe_align_block_size(top_k_index, num_experts, block_m, method="torch")
+    sorted_pair_ids, block_expert = _moe_align_op(top_k_index, num_experts, block_m)
+    return MoeRouting(sorted_pair_ids, block_expert, block_m, top_k_index.numel(), top_k_index.shape[1])
+
+
 # ----------------------------------------------------------------------------- grouped matmul
 def _grouped_ref(
     a_q: torch.Tensor,
@@ -191,11 +220,11 @@ def grouped_fp8_matmul(
         return _grouped_ref(
             a_q, a_s, w_q, w_s, top_k_index.reshape(-1), a_row_div, out_dtype, bias, topk_weights
         )
-    from ..ops.grouped_gemm import grouped_config, moe_align_block_size
+    from ..ops.grouped_gemm import grouped_config
 
     routing = _routing
     if routing is None:
-        routing = moe_align_block_size(top_k_index, num_experts, grouped_config(num_pairs, num_experts, n, k).block_m)
+        routing = _align(top_k_index, num_experts, grouped_config(num_pairs, num_experts, n, k).block_m)
     w_s = w_s.reshape(num_experts) if granularity == "tensor" else w_s.contiguous()
     if a_q.shape[-1] > 1 and a_q.stride(-1) != 1:
         a_q = a_q.contiguous()
@@ -500,11 +529,11 @@ class Fp8Experts(nn.Module):
         w_up, w_down = getattr(self, self.up_name), self.down_proj
         routing = None
         if backend == "triton":
-            from ..ops.grouped_gemm import grouped_config, moe_align_block_size
+            from ..ops.grouped_gemm import grouped_config
 
             # block_m depends only on pairs per expert, so one routing serves both GEMMs.
             block_m = grouped_config(t * top_k, self.num_experts, w_up.shape[1], self.hidden_dim).block_m
-            routing = moe_align_block_size(top_k_index, self.num_experts, block_m)
+            routing = _align(top_k_index, self.num_experts, block_m)
 
         x_q, x_s = quantize_activation(x, fp8_dtype=self.fp8_dtype, backend=backend)
         h = grouped_fp8_matmul(

@@ -1,6 +1,7 @@
 """Grouped blockwise-scaled FP8 GEMM for mixture-of-experts (Triton), one launch for all experts.
 
-Routing layout (the vLLM ``moe_align_block_size`` scheme, built with device-side torch ops):
+Routing layout (the vLLM ``moe_align_block_size`` scheme; built by a one-program Triton kernel
+for decode-sized batches, by device-side torch ops for large ones):
 the S = T * top_k (token, expert) pairs are numbered ``pair = token * top_k + slot``, sorted
 by expert, and each expert's list is padded to a multiple of BLOCK_M with the sentinel S.
 Every BLOCK_M-row block therefore belongs to exactly one expert, recorded in
@@ -35,7 +36,7 @@ import triton.language as tl
 from ..formats import GROUP_SIZE
 from .configs import GemmConfig
 
-__all__ = ["MoeRouting", "grouped_config", "moe_align_block_size", "grouped_fp8_gemm"]
+__all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeRouting", "align_num_blocks", "grouped_config", "moe_align_block_size", "grouped_fp8_gemm"]
 
 
 class MoeRouting(NamedTuple):
@@ -60,11 +61,75 @@ def grouped_config(num_pairs: int, num_experts: int, n: int, k: int) -> GemmConf
     return GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
 
 
-def moe_align_block_size(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
+# Up to this many (token, expert) pairs the routing is aligned by one single-program Triton
+# kernel (one launch: what decode needs); above it by ~20 device-side torch ops, whose launch
+# cost is noise next to the prefill GEMMs while one program would serialise the work.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+# Elements of the (chunk x experts) one-hot tile the align kernel holds per step.
+_ALIGN_TILE = 8192
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program: count pairs per expert, pad to BLOCK_M, scatter pair ids stably, label blocks."""
+    bins = tl.arange(0, NUM_BINS)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        p = start + offs
+        valid = p < num_pairs
+        e = tl.load(ids_ptr + p, mask=valid, other=0)
+        e = tl.where((e >= 0) & (e < num_experts), e, num_experts).to(tl.int32)  # null expert E
+        hit = ((e[:, None] == bins[None, :]) & valid[:, None]).to(tl.int32)
+        counts += tl.sum(hit, axis=0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    cursor = padded_end - padded
+
+    capacity = num_blocks * BLOCK_M
+    for start in range(0, capacity, CHUNK):
+        q = start + offs
+        tl.store(sorted_ptr + q, tl.full((CHUNK,), 0, tl.int32) + num_pairs, mask=q < capacity)
+    tl.debug_barrier()  # the padding fill is visible before the scatter overwrites real rows
+
+    for start in range(0, num_pairs, CHUNK):
+        p = start + offs
+        valid = p < num_pairs
+        e = tl.load(ids_ptr + p, mask=valid, other=0)
+        e = tl.where((e >= 0) & (e < num_experts), e, num_experts).to(tl.int32)
+        hit = ((e[:, None] == bins[None, :]) & valid[:, None]).to(tl.int32)
+        rank = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1), axis=1)  # order within the chunk: stable
+        base = tl.sum(hit * cursor[None, :], axis=1)
+        tl.store(sorted_ptr + base + rank, p.to(tl.int32), mask=valid)
+        cursor += tl.sum(hit, axis=0)
+
+    for start in range(0, num_blocks, CHUNK):
+        b = start + offs
+        # owner = number of experts whose padded range ends at or before the block start
+        owner = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        owner = tl.minimum(owner, num_experts + 1)  # unused tail blocks: E + 1, as the torch path
+        tl.store(block_expert_ptr + b, owner, mask=b < num_blocks)
+
+
+def align_num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks needed at most: min(S, E + 1) non-empty experts each waste at most block_m - 1 rows."""
+    # torch.sym_min / floor division: also valid on symbolic sizes (fake implementations)
+    return (num_pairs + torch.sym_min(num_pairs, num_experts + 1) * (block_m - 1) + block_m - 1) // block_m
+
+
+def moe_align_block_size(
+    top_k_index: torch.Tensor, num_experts: int, block_m: int, method: str | None = None
+) -> MoeRouting:
     """Sort the (token, expert) pairs of `top_k_index` (T, top_k) by expert, pad each expert to `block_m`.
 
-    Device-side torch ops only (sort, scatter_add, cumsum, searchsorted, scatter): no `.item()`,
-    no `nonzero`, no `bincount` (its output size depends on the data), so it is CUDA-graph safe.
+    No host synchronisation and output sizes from shapes only (CUDA-graph safe). `method`:
+    'kernel' (one Triton launch), 'torch' (sort/scatter_add/cumsum/searchsorted; no `bincount`,
+    whose output size depends on the data), or None: the kernel up to ALIGN_KERNEL_MAX_PAIRS
+    pairs. Both give identical results (pairs of one expert keep their order).
     """
     if top_k_index.dim() != 2:
         raise ValueError(f"top_k_index must be 2-D (T, top_k), got shape {tuple(top_k_index.shape)}")
@@ -72,8 +137,33 @@ def moe_align_block_size(top_k_index: torch.Tensor, num_experts: int, block_m: i
         raise TypeError(f"top_k_index must be int32 or int64, got {top_k_index.dtype}")
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"num_experts and block_m must be >= 1, got {num_experts} and {block_m}")
-    device = top_k_index.device
+    if method not in (None, "kernel", "torch"):
+        raise ValueError(f"method must be None, 'kernel' or 'torch', got {method!r}")
     top_k = top_k_index.shape[1]
+    num_pairs = top_k_index.numel()
+    num_blocks = align_num_blocks(num_pairs, num_experts, block_m)
+    if method is None:
+        method = "kernel" if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else "torch"
+    if method == "torch" or num_pairs == 0:
+        sorted_pair_ids, block_expert = _align_torch(top_k_index, num_experts, block_m, num_blocks)
+    else:
+        device = top_k_index.device
+        sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+        num_bins = triton.next_power_of_2(num_experts + 1)
+        _moe_align_kernel[(1,)](
+            top_k_index.reshape(-1).contiguous(), sorted_pair_ids, block_expert,
+            num_pairs, num_experts, num_blocks,
+            BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=max(16, min(128, _ALIGN_TILE // num_bins)),
+            num_warps=4,
+        )
+    return MoeRouting(sorted_pair_ids, block_expert, block_m, num_pairs, top_k)
+
+
+def _align_torch(
+    top_k_index: torch.Tensor, num_experts: int, block_m: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = top_k_index.device
     num_pairs = top_k_index.numel()
     null = num_experts  # ids outside [0, E) go to a null expert whose rows are written as zeros
     expert = top_k_index.reshape(-1).to(torch.int64)
@@ -90,17 +180,12 @@ def moe_align_block_size(top_k_index: torch.Tensor, num_experts: int, block_m: i
     rank = torch.arange(num_pairs, device=device) - count_start[sorted_expert]
     dest = padded_start[sorted_expert] + rank
 
-    # At most min(S, E + 1) experts are non-empty, each wasting at most block_m - 1 padding rows.
-    capacity = num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
-    num_blocks = triton.cdiv(capacity, block_m)
     sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
     sorted_pair_ids.scatter_(0, dest, order)
     block_start = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
     # Expert owning each block: the first expert whose padded range ends after the block start.
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    return MoeRouting(
-        sorted_pair_ids.to(torch.int32), block_expert.to(torch.int32), block_m, num_pairs, top_k
-    )
+    return sorted_pair_ids.to(torch.int32), block_expert.to(torch.int32)
 
 
 @triton.jit
