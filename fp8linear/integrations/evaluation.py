@@ -1,0 +1,195 @@
+"""Side-by-side measurements of a BF16 and an FP8 model (used by the examples and the main job).
+
+Generation speed (prefill and decode tokens/s), weight memory, teacher-forced next-token
+agreement and perplexity over fixed-length windows. Timings synchronise the device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "GenerationResult",
+    "weight_bytes",
+    "generate_timed",
+    "next_token_agreement",
+    "perplexity",
+    "format_comparison",
+    "compare_generation",
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters and buffers, counting tied tensors once."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+@dataclass
+class GenerationResult:
+    """Greedy generations of one model and their timings."""
+
+    texts: list[str]
+    sequences: torch.Tensor  # (batch, prompt + new) token ids, on CPU
+    attention_mask: torch.Tensor  # (batch, prompt + new), 0 on left padding, on CPU
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.prefill_s < 0 or self.decode_s < 0:
+            raise ValueError(f"timings must be >= 0, got prefill {self.prefill_s}, decode {self.decode_s}")
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else math.inf
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else math.inf
+
+
+@torch.no_grad()
+def generate_timed(
+    model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 32, warmup: bool = True,
+    **generate_kwargs: Any,
+) -> GenerationResult:
+    """Greedy-generate `max_new_tokens` for each prompt (one left-padded batch) and time it.
+
+    Prefill time is that of ``generate(max_new_tokens=1)``; decode time is the rest of a full
+    generation, so decode tokens/s counts batch x (max_new_tokens - 1) tokens.
+    """
+    if max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be >= 2 to time decoding, got {max_new_tokens}")
+    device = _device(model)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True).to(device)
+    kwargs = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id, **generate_kwargs)
+    if warmup:
+        model.generate(**enc, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kwargs)
+    _sync(device)
+    t0 = time.perf_counter()
+    model.generate(**enc, max_new_tokens=1, **kwargs)
+    _sync(device)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kwargs)
+    _sync(device)
+    total = time.perf_counter() - t0
+    n_prompt = enc["input_ids"].shape[1]
+    texts = tokenizer.batch_decode(out[:, n_prompt:], skip_special_tokens=True)
+    return GenerationResult(
+        texts=texts, sequences=out.cpu(),
+        attention_mask=torch.cat([enc["attention_mask"].cpu(), torch.ones_like(out[:, n_prompt:].cpu())], dim=1),
+        prompt_tokens=int(enc["attention_mask"].sum()),
+        new_tokens=out.shape[0] * (max_new_tokens - 1), prefill_s=prefill, decode_s=max(total - prefill, 0.0),
+    )
+
+
+@torch.no_grad()
+def next_token_agreement(
+    model_a: nn.Module, model_b: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[float, int]:
+    """Fraction of (unpadded) positions where both models' greedy next token agree, teacher-forced; and the count."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
+
+    def predict(model: nn.Module) -> torch.Tensor:
+        dev = _device(model)
+        return model(input_ids.to(dev), attention_mask=mask.long().to(dev)).logits.argmax(-1).cpu()
+
+    same = (predict(model_a) == predict(model_b))[mask]
+    return same.float().mean().item(), same.numel()
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module, token_ids: torch.Tensor, window: int = 512, max_windows: int | None = None, batch_size: int = 4
+) -> tuple[float, int]:
+    """Perplexity over non-overlapping `window`-token windows of a 1-D token stream; (ppl, tokens scored)."""
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+    n = token_ids.numel() // window
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n == 0:
+        raise ValueError(f"need at least {window} tokens, got {token_ids.numel()}")
+    windows = token_ids[: n * window].view(n, window)
+    device = _device(model)
+    nll, count = 0.0, 0
+    for i in range(0, n, batch_size):
+        x = windows[i : i + batch_size].to(device)
+        logits = model(x).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        nll += loss.item()
+        count += x[:, 1:].numel()
+    return math.exp(nll / count), count
+
+
+def format_comparison(
+    prompts: Sequence[str], bf16: GenerationResult, fp8: GenerationResult, bf16_bytes: int, fp8_bytes: int,
+    agreement: tuple[float, int] | None = None,
+) -> str:
+    # `prompts` are only displayed (e.g. the user questions rather than the chat-templated text).
+    """A readable side-by-side report."""
+    lines = []
+    for i, p in enumerate(prompts):
+        lines += [f"prompt {i}: {p!r}", f"  BF16: {bf16.texts[i]!r}", f"  FP8 : {fp8.texts[i]!r}"]
+    mib = 2**20
+    lines += [
+        "",
+        f"{'':22}{'BF16':>12}{'FP8':>12}{'FP8/BF16':>10}",
+        f"{'weight memory (MiB)':22}{bf16_bytes / mib:12.1f}{fp8_bytes / mib:12.1f}{fp8_bytes / bf16_bytes:10.3f}",
+        f"{'prefill tokens/s':22}{bf16.prefill_tok_s:12.1f}{fp8.prefill_tok_s:12.1f}"
+        f"{fp8.prefill_tok_s / bf16.prefill_tok_s:10.2f}",
+        f"{'decode tokens/s':22}{bf16.decode_tok_s:12.1f}{fp8.decode_tok_s:12.1f}"
+        f"{fp8.decode_tok_s / bf16.decode_tok_s:10.2f}",
+    ]
+    same = sum(a == b for a, b in zip(bf16.texts, fp8.texts))
+    lines.append(f"identical generations: {same}/{len(prompts)}")
+    if agreement is not None:
+        lines.append(f"next-token agreement (teacher-forced): {agreement[0] * 100:.1f}% over {agreement[1]} positions")
+    return "\n".join(lines)
+
+
+def compare_generation(
+    bf16_model: nn.Module, fp8_model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 32,
+    labels: Sequence[str] | None = None, **generate_kwargs: Any,
+) -> str:
+    """Generate with both models on the same prompts and return :func:`format_comparison`'s report.
+
+    Next-token agreement is measured teacher-forced on the BF16 model's generated sequences.
+    `labels` replace the prompts in the report (same length).
+    """
+    if labels is not None and len(labels) != len(prompts):
+        raise ValueError(f"labels must have one entry per prompt ({len(prompts)}), got {len(labels)}")
+    bf16 = generate_timed(bf16_model, tokenizer, prompts, max_new_tokens, **generate_kwargs)
+    fp8 = generate_timed(fp8_model, tokenizer, prompts, max_new_tokens, **generate_kwargs)
+    agree = next_token_agreement(bf16_model, fp8_model, bf16.sequences, bf16.attention_mask)
+    return format_comparison(labels or prompts, bf16, fp8, weight_bytes(bf16_model), weight_bytes(fp8_model), agree)
