@@ -24,8 +24,8 @@ DECODE = [(1, 18432, 7168), (16, 7168, 2048), (64, 2048, 7168), (4, 7168, 18432)
 
 PREFILL_CONFIGS = [GemmConfig(bm, bn, bk, 8, w, s) for (bm, bn, bk, w, s) in [
     (64, 128, 128, 4, 3),  # the popular vLLM/SGLang kernel shape
-    (128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 3),
-    (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3), (128, 64, 128, 4, 4),
+    (128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 3), (128, 128, 64, 8, 4),
+    (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 64, 128, 4, 4), (128, 128, 128, 8, 2),
 ]]
 DECODE_CONFIGS = [GemmConfig(bm, bn, bk, 1, w, s) for (bm, bn, bk, w, s) in [
     (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 128, 4, 6), (16, 128, 128, 4, 4),
@@ -60,8 +60,17 @@ def main() -> None:
             t_pt = bench_us(lambda: scaled_mm_tensor(x_q, w_q, one))
             flops = 2 * m * n * k
             best = None
+            ref = (x_q[:256].double() * x_s[:256].repeat_interleave(128, -1)[:, :k].double()) @ \
+                (w_q.double() * w_s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k].double()).T
+            for promote in (False,):
+                y = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, configs[1 if m > 64 else 2], promote)
+                e = ((y[:256].double() - ref).norm() / ref.norm()).item()
+                t = bench_us(lambda: block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, configs[1 if m > 64 else 2], promote))
+                print(f"  promote={promote}: {t:.1f} us err {e:.2e}")
             for cfg in configs:
                 try:
+                    y = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, cfg)
+                    e = ((y[:256].double() - ref).norm() / ref.norm()).item()
                     t = bench_us(lambda: block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, cfg))
                 except Exception as e:  # out of shared memory etc.: report and go on
                     print(f"  {cfg} failed: {type(e).__name__}: {str(e)[:80]}")
@@ -69,7 +78,7 @@ def main() -> None:
                 if best is None or t < best[0]:
                     best = (t, cfg)
                 print(f"M={m} N={n} K={k} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: "
-                      f"{t:8.1f} us {flops / t / 1e6:7.0f} TF/s  bf16 {t_bf16:7.1f}  pertensor {t_pt:7.1f}")
+                      f"{t:8.1f} us {flops / t / 1e6:7.0f} TF/s err {e:.1e} bf16 {t_bf16:7.1f}  pertensor {t_pt:7.1f}")
             cfg = best[1]
             t_row = bench_us(lambda: block_fp8_gemm(x_q, x_s, w_q, w_s_row, "row", torch.bfloat16, None, cfg))
             t_heur = bench_us(lambda: block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, heuristic_config(m, n, k)))

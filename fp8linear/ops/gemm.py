@@ -31,7 +31,7 @@ def _block_fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr,
     M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
-    WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, PROMOTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
 ):
@@ -58,32 +58,34 @@ def _block_fp8_gemm_kernel(
     ws_ptrs = ws_ptr + (safe_n // WS_GROUP_N) * stride_wsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    prev_xs = tl.full((BLOCK_M,), 1.0, tl.float32)
     if W_SCALE_UNIFORM:  # one weight scale per K group for the whole tile
-        prev_ws = 1.0
-        ws_ptr_k = ws_ptr + (pid_n * BLOCK_N // WS_GROUP_N) * stride_wsn
-    else:
-        prev_ws = tl.full((BLOCK_N,), 1.0, tl.float32)
+        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // WS_GROUP_N) * stride_wsn
+    prev_xs = tl.full((BLOCK_M,), 1.0, tl.float32)
+    prev_ws = tl.full((BLOCK_N,), 1.0, tl.float32)
     for k_step in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k_step * BLOCK_K
         x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
         x_s = tl.load(xs_ptrs + k_group)
-        if W_SCALE_UNIFORM:
-            w_s = tl.load(ws_ptr_k + k_group * stride_wsk)
-            ratio = ((prev_xs * prev_ws) / (x_s * w_s))[:, None]
+        w_s = tl.load(ws_ptrs + k_group * stride_wsk)
+        if PROMOTE:
+            # fresh tile per K group, promoted into the fp32 accumulator on the CUDA cores
+            if W_SCALE_UNIFORM:
+                acc += tl.dot(x, w) * (x_s * w_s)[:, None]
+            else:
+                acc += tl.dot(x, w) * (x_s[:, None] * w_s[None, :])
         else:
-            w_s = tl.load(ws_ptrs + k_group * stride_wsk)
-            ratio = (prev_xs / x_s)[:, None] * (prev_ws / w_s)[None, :]
-        acc = tl.dot(x, w, acc * ratio)
-        prev_xs = x_s
-        prev_ws = w_s
+            # accumulator kept in units of the current scale, accumulated by the tensor cores
+            if W_SCALE_UNIFORM:
+                acc = tl.dot(x, w, acc * ((prev_xs * prev_ws) / (x_s * w_s))[:, None])
+            else:
+                acc = tl.dot(x, w, acc * ((prev_xs / x_s)[:, None] * (prev_ws / w_s)[None, :]))
+            prev_xs = x_s
+            prev_ws = w_s
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if W_SCALE_UNIFORM:
-        acc = acc * (prev_xs * prev_ws)[:, None]
-    else:
+    if not PROMOTE:
         acc = acc * (prev_xs[:, None] * prev_ws[None, :])
 
     if HAS_BIAS:
@@ -101,6 +103,7 @@ def block_fp8_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    promote: bool = True,
 ) -> torch.Tensor:
     """Launch the GEMM on validated, K-contiguous operands: x_q (M, K), w_q (N, K)."""
     m, k = x_q.shape
@@ -122,7 +125,7 @@ def block_fp8_gemm(
         x_q, x_s, w_q, w_s, y, bias if bias is not None else y,
         m, n, k,
         x_q.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
-        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None,
+        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None, PROMOTE=promote,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
