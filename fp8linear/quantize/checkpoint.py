@@ -39,6 +39,9 @@ __all__ = [
     "atomic_copy",
     "fsync_dir",
     "tensor_bytes",
+    "iter_row_ranges",
+    "list_tmp_files",
+    "REOPEN_BYTES",
 ]
 
 # File suffixes of pickle-based checkpoints, which are never read (arbitrary code execution).
@@ -57,7 +60,7 @@ DTYPE_SIZES: dict[str, int] = {
 INDEX_NAME = "model.safetensors.index.json"
 # Reopen a shard after this many bytes were read through its memory map, to drop the mapped
 # pages from RSS (the mapping, not the page cache, is what counts against the process).
-REOPEN_BYTES = 64 * 2**20
+REOPEN_BYTES = 32 * 2**20
 # Alignment of the data section and of every tensor in files we write (safetensors pads to 8).
 ALIGN = 8
 
