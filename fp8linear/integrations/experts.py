@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..backend import resolve_backend
-from ..formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from ..formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import dequantize_weight, quantize_activation, quantize_weight
 from ..ops import HAS_TRITON
 from ..reference import (
@@ -195,7 +195,7 @@ def grouped_fp8_matmul(
     if tuple(a_q.shape) != (rows, k):
         what = "(T, K)" if per_token_rows else "(T * top_k, K)"
         raise ValueError(f"a_q must have shape {what} = {(rows, k)}, got {tuple(a_q.shape)}")
-    groups = -(-k // 128)  # 1x128 activation groups
+    groups = -(-k // GROUP_SIZE)  # 1x128 activation groups
     if tuple(a_s.shape) != (rows, groups):
         raise ValueError(f"a_s must have shape (rows, ceil(K/128)) = {(rows, groups)}, got {tuple(a_s.shape)}")
     for name, s in (("a_s", a_s), ("w_s", w_s)):
