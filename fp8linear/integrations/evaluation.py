@@ -20,6 +20,8 @@ __all__ = [
     "generate_timed",
     "next_token_agreement",
     "perplexity",
+    "WindowMetrics",
+    "window_metrics",
     "format_comparison",
     "compare_generation",
 ]
@@ -128,11 +130,30 @@ def next_token_agreement(
     return same.float().mean().item(), same.numel()
 
 
+@dataclass
+class WindowMetrics:
+    """Perplexity over fixed windows, with the greedy predictions (for agreement between models)."""
+
+    perplexity: float
+    tokens: int  # tokens scored
+    predictions: torch.Tensor  # (windows, window - 1) argmax next tokens, on CPU
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0:
+            raise ValueError(f"tokens must be > 0, got {self.tokens}")
+
+    def agreement(self, other: "WindowMetrics") -> float:
+        """Fraction of positions where both models predict the same next token."""
+        if self.predictions.shape != other.predictions.shape:
+            raise ValueError(f"prediction shapes differ: {tuple(self.predictions.shape)} vs {tuple(other.predictions.shape)}")
+        return (self.predictions == other.predictions).float().mean().item()
+
+
 @torch.no_grad()
-def perplexity(
+def window_metrics(
     model: nn.Module, token_ids: torch.Tensor, window: int = 512, max_windows: int | None = None, batch_size: int = 4
-) -> tuple[float, int]:
-    """Perplexity over non-overlapping `window`-token windows of a 1-D token stream; (ppl, tokens scored)."""
+) -> WindowMetrics:
+    """Perplexity and greedy predictions over non-overlapping `window`-token windows of a 1-D token stream."""
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
     n = token_ids.numel() // window
@@ -142,14 +163,23 @@ def perplexity(
         raise ValueError(f"need at least {window} tokens, got {token_ids.numel()}")
     windows = token_ids[: n * window].view(n, window)
     device = _device(model)
-    nll, count = 0.0, 0
+    nll, count, preds = 0.0, 0, []
     for i in range(0, n, batch_size):
         x = windows[i : i + batch_size].to(device)
         logits = model(x).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
-        nll += loss.item()
-        count += x[:, 1:].numel()
-    return math.exp(nll / count), count
+        target = x[:, 1:]
+        nll += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum").item()
+        count += target.numel()
+        preds.append(logits.argmax(-1).cpu())
+    return WindowMetrics(math.exp(nll / count), count, torch.cat(preds))
+
+
+def perplexity(
+    model: nn.Module, token_ids: torch.Tensor, window: int = 512, max_windows: int | None = None, batch_size: int = 4
+) -> tuple[float, int]:
+    """Perplexity over non-overlapping `window`-token windows of a 1-D token stream; (ppl, tokens scored)."""
+    m = window_metrics(model, token_ids, window, max_windows, batch_size)
+    return m.perplexity, m.tokens
 
 
 def format_comparison(

@@ -1,0 +1,181 @@
+"""A DeepSeek-V3-architecture model on FP8: quantize, save, reload, generate, compare with BF16.
+
+The model is built from a scaled-down DeepSeek-V3 config (MLA attention with q/kv LoRA, MoE
+with 64 routed experts + a shared expert, the first layer dense) with random weights, which is
+enough to measure memory and speed:
+
+    python examples/deepseek_v3_small.py                   # GPU: hidden 2048, 64 experts, 6 layers (~7 GB BF16)
+    python examples/deepseek_v3_small.py --layers 12 --compile
+    python examples/deepseek_v3_small.py --preset tiny     # CPU-sized (the default without a GPU)
+
+Steps: BF16 prefill/decode timings and logits -> quantize_model_ in place -> save_pretrained
+-> from_pretrained (FP8 straight from disk) -> the same timings, logits vs BF16, greedy-token
+agreement; on a GPU also the experts module alone, BF16 vs FP8, at batch sizes 1..64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+from fp8linear.integrations.evaluation import weight_bytes
+from fp8linear.integrations.experts import Fp8Experts
+from fp8linear.integrations.transformers import from_pretrained, quantize_model_, save_pretrained
+
+PRESETS = {
+    # DeepSeek-V2-Lite-like widths: hidden 2048, 64 experts x 1408, top-6, MLA with q_lora.
+    "small": dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+                  num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4, num_attention_heads=16,
+                  q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+    # CPU-sized, with dims that are not multiples of 128.
+    "tiny": dict(hidden_size=320, intermediate_size=896, moe_intermediate_size=192, n_routed_experts=16,
+                 num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, num_attention_heads=4,
+                 q_lora_rank=192, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
+}
+
+
+def make_config(preset: str, layers: int) -> DeepseekV3Config:
+    p = PRESETS[preset]
+    return DeepseekV3Config(
+        vocab_size=32000, num_hidden_layers=layers, first_k_dense_replace=1, num_key_value_heads=p["num_attention_heads"],
+        max_position_embeddings=8192, tie_word_embeddings=False, **p,
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def timed_generation(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
+    """(prefill tokens/s, decode tokens/s, generated ids) for greedy generation at this batch."""
+    kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
+    model.generate(prompt, max_new_tokens=new_tokens, **kw)  # warm-up (and compilation)
+    dev = prompt.device
+    sync(dev)
+    t0 = time.perf_counter()
+    model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    sync(dev)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=new_tokens, **kw)
+    sync(dev)
+    decode = time.perf_counter() - t0 - prefill
+    return prompt.numel() / prefill, prompt.shape[0] * (new_tokens - 1) / max(decode, 1e-9), out[:, prompt.shape[1]:]
+
+
+@torch.no_grad()
+def experts_bench(bf16_experts: torch.nn.Module, fp8_experts: torch.nn.Module, top_k: int, hidden: int) -> None:
+    """The routed experts alone, BF16 vs FP8, at batch sizes (tokens) 1..64."""
+    print(f"\nexperts module alone ({fp8_experts.num_experts} experts, top-{top_k}):")
+    print(f"{'tokens':>8}{'BF16 us':>10}{'FP8 us':>10}{'speedup':>9}")
+    for t in (1, 2, 4, 8, 16, 32, 64):
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(fp8_experts.num_experts, device="cuda")[:top_k] for _ in range(t)])
+        w = torch.rand(t, top_k, device="cuda", dtype=torch.bfloat16)
+        times = []
+        for mod in (bf16_experts, fp8_experts):
+            for _ in range(3):
+                mod(x, idx, w)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                mod(x, idx, w)
+            g.replay()
+            torch.cuda.synchronize()
+            reps = 50
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / reps * 1e6)
+        print(f"{t:8d}{times[0]:10.1f}{times[1]:10.1f}{times[0] / times[1]:9.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="small" if torch.cuda.is_available() else "tiny")
+    ap.add_argument("--layers", type=int, default=None, help="default: 6 (small), 3 (tiny)")
+    ap.add_argument("--granularity", default="block", choices=("block", "row", "tensor"))
+    ap.add_argument("--prefill", type=int, default=None, help="prompt tokens; default 2048 on a GPU, 32 on the CPU")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 64 on a GPU, 8 on the CPU")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", action="store_true", help="static KV cache + torch.compile(mode='reduce-overhead')")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    layers = args.layers or (6 if args.preset == "small" else 3)
+    prefill = args.prefill or (2048 if on_gpu else 32)
+    new_tokens = args.new_tokens or (64 if on_gpu else 8)
+
+    config = make_config(args.preset, layers)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    if args.compile:
+        model.generation_config.cache_implementation = "static"
+    print(f"DeepSeek-V3 architecture, preset {args.preset}: {layers} layers, hidden {config.hidden_size}, "
+          f"{config.n_routed_experts} experts (top-{config.num_experts_per_tok}) + {config.n_shared_experts} shared, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device}")
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (1, prefill), generator=gen).to(device)
+    probe = torch.randint(0, config.vocab_size, (2, 64), generator=gen).to(device)
+
+    forward = model.forward
+    if args.compile:
+        model.forward = torch.compile(forward, mode="reduce-overhead")
+    bf16_bytes = weight_bytes(model)
+    with torch.no_grad():
+        ref_logits = model(probe).logits.float()
+    bf16_pre, bf16_dec, bf16_ids = timed_generation(model, prompt, new_tokens)
+    bf16_experts = copy.deepcopy(model.model.layers[1].mlp.experts) if on_gpu else None
+    model.forward = forward
+
+    report = quantize_model_(model, granularity=args.granularity)
+    print(report)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        save_pretrained(model, tmp)
+        saved = time.perf_counter() - t0
+        del model
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        fp8 = from_pretrained(tmp, device_map=str(device))
+        loaded = time.perf_counter() - t0
+    peak = f", peak GPU memory while loading {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if on_gpu else ""
+    print(f"saved in {saved:.1f} s, reloaded with from_pretrained in {loaded:.1f} s{peak}")
+    if args.compile:
+        fp8.generation_config.cache_implementation = "static"
+        fp8.forward = torch.compile(fp8.forward, mode="reduce-overhead")
+    fp8_bytes = weight_bytes(fp8)
+    with torch.no_grad():
+        out_logits = fp8(probe).logits.float()
+    fp8_pre, fp8_dec, fp8_ids = timed_generation(fp8, prompt, new_tokens)
+
+    rel = ((out_logits - ref_logits).norm() / ref_logits.norm()).item()
+    top1 = (out_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    same = (fp8_ids == bf16_ids).float().mean().item()
+    gib = 2**30
+    print(f"\n{'':24}{'BF16':>12}{'FP8':>12}{'FP8/BF16':>10}")
+    print(f"{'weight memory (GiB)':24}{bf16_bytes / gib:12.3f}{fp8_bytes / gib:12.3f}{fp8_bytes / bf16_bytes:10.3f}")
+    print(f"{f'prefill tok/s ({prefill})':24}{bf16_pre:12.1f}{fp8_pre:12.1f}{fp8_pre / bf16_pre:10.2f}")
+    print(f"{'decode tok/s (batch 1)':24}{bf16_dec:12.1f}{fp8_dec:12.1f}{fp8_dec / bf16_dec:10.2f}")
+    print(f"logits vs BF16 (random weights): relative L2 error {rel:.3f}, top-1 agreement {top1 * 100:.1f}%; "
+          f"generated tokens identical to BF16: {same * 100:.1f}%")
+    if on_gpu:
+        experts_bench(bf16_experts, fp8.model.layers[1].mlp.experts, config.num_experts_per_tok, config.hidden_size)
+    assert isinstance(fp8.model.layers[1].mlp.experts, Fp8Experts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
