@@ -62,11 +62,6 @@ def main() -> None:
             best = None
             ref = (x_q[:256].double() * x_s[:256].repeat_interleave(128, -1)[:, :k].double()) @ \
                 (w_q.double() * w_s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k].double()).T
-            for promote in (False,):
-                y = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, configs[1 if m > 64 else 2], promote)
-                e = ((y[:256].double() - ref).norm() / ref.norm()).item()
-                t = bench_us(lambda: block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, configs[1 if m > 64 else 2], promote))
-                print(f"  promote={promote}: {t:.1f} us err {e:.2e}")
             for cfg in configs:
                 try:
                     y = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, cfg)

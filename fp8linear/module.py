@@ -9,10 +9,33 @@ from .formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight
 from .reference import GRANULARITIES, weight_granularity, weight_scale_shape
 
-__all__ = ["Fp8BlockLinear"]
+__all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
 
 
-class Fp8BlockLinear(nn.Module):
+class QuantizedDtypesMixin(nn.Module):
+    """`.to(dtype)`, `.half()`, `.float()` leave FP8 weights and fp32 `*_scale_inv` alone.
+
+    nn.Module casts every floating-point parameter, FP8 included: fp8 -> bf16 would silently
+    dequantize without the scales. Device moves still apply.
+    """
+
+    def _apply(self, fn, recurse=True):
+        protected = {
+            id(p)
+            for name, p in self._parameters.items()
+            if p is not None and (is_fp8_dtype(p.dtype) or name.endswith("scale_inv"))
+        }
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if id(t) in protected and isinstance(out, torch.Tensor) and out.dtype != t.dtype:
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_dtype, recurse)
+
+
+class Fp8BlockLinear(QuantizedDtypesMixin):
     """Linear layer y = x @ dequant(weight).T + bias with FP8 weights.
 
     Parameters (the DeepSeek-V3 / HF ``quant_method: "fp8"`` names):

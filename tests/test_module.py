@@ -112,3 +112,13 @@ def test_large_m_times_k_int64_addressing():
     with torch.no_grad():
         ref = mod.to_linear(torch.float32)(x[tail].float())
     assert rel_err(y[tail], ref) < FP8_LINEAR_TOL
+
+
+def test_dtype_casts_keep_fp8_weights():
+    mod = Fp8BlockLinear.from_linear(nn.Linear(256, 130))
+    w = mod.weight.clone()
+    mod.to(torch.bfloat16)
+    mod.half()
+    assert mod.weight.dtype == torch.float8_e4m3fn and same_bits(mod.weight, w)
+    assert mod.weight_scale_inv.dtype == torch.float32
+    assert mod.bias.dtype == torch.float16  # high-precision parameters still follow the cast

@@ -33,6 +33,7 @@ from torch import nn
 from ..backend import resolve_backend
 from ..formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import dequantize_weight, quantize_activation, quantize_weight
+from ..module import QuantizedDtypesMixin
 from ..ops import HAS_TRITON
 from ..reference import (
     GRANULARITIES,
@@ -345,7 +346,7 @@ def _shadow(module: nn.Module) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- module
-class Fp8Experts(nn.Module):
+class Fp8Experts(QuantizedDtypesMixin):
     """Routed MoE experts with FP8 weights, one grouped FP8 GEMM launch per projection.
 
     Parameters (checkpoint names; always stored (E, out, in), K contiguous):
@@ -553,23 +554,6 @@ class Fp8Experts(nn.Module):
             y = (y.float() * top_k_weights.reshape(-1, 1).float()).to(dtype)
         out = y.view(t, top_k, self.hidden_dim).sum(dim=1, dtype=torch.float32)
         return out.to(dtype).reshape(*lead, self.hidden_dim)
-
-    # -- dtype casts ---------------------------------------------------------------------------
-    def _apply(self, fn, recurse=True):
-        # `.to(dtype)` / `.half()` / `.float()` must not cast the FP8 weights or fp32 scales
-        # (fp8 -> bf16 would silently dequantize without the scales): they only change device.
-        protected = {
-            id(p) for name, p in self._parameters.items()
-            if p is not None and (is_fp8_dtype(p.dtype) or name.endswith("_scale_inv"))
-        }
-
-        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            if id(t) in protected and isinstance(out, torch.Tensor) and out.dtype != t.dtype:
-                out = t.to(device=out.device)
-            return out
-
-        return super()._apply(keep_dtype, recurse)
 
     # -- state dict ---------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

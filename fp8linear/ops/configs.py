@@ -37,13 +37,14 @@ class GemmConfig:
 
 
 def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
-    """A config that is good without tuning (Hopper-first: 128x128 tiles, 8 warps for prefill)."""
-    if m <= 16:  # decode: stream W, smallest tensor-core M tile
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=5)
-    if m <= 64:
-        return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=5)
-    if m <= 256:
-        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
+    """A good config without tuning (H100 sweep, benchmarks/kernel_sweep.py, 2026-11-22)."""
+    if m <= 16:  # decode: stream W with the smallest tensor-core M tile; 16x64 s6 was best at M=4/16
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6)
+    if m <= 64:  # 16x64 s6 beat 64x64/64x128 at M=64 (25.6 vs 27.4/29.9 us, N=2048 K=7168)
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6)
+    if m <= 256 or k <= 256:  # short K or few rows: more CTAs (64x128 best for K=256: 47.5 us)
+        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    # prefill: 128x128, 8 warps (two consumer warpgroups), 4 stages: 871 TF/s at 4096x18432x7168
     return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
 
