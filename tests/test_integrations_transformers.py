@@ -445,3 +445,27 @@ def test_gpu_device_map_auto(tmp_path):
     assert out.shape == ref.shape
     auto = from_pretrained(tmp_path, device_map="auto")
     assert auto.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0).shape == ref.shape
+
+
+# ----------------------------------------------------------------------------- interop
+def test_quantize_cli_output_loads(tmp_path):
+    """A checkpoint written by fp8linear.quantize (per-expert BF16 on disk) loads to quantize_model_'s tensors."""
+    quantize_checkpoint = pytest.importorskip("fp8linear.quantize").quantize_checkpoint
+    src = build("deepseek_v3", moe_intermediate=128)
+    src.save_pretrained(tmp_path / "bf16")  # transformers writes experts per expert
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", granularity="row", progress=False)
+    model = from_pretrained(tmp_path / "fp8")
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    quantize_model_(expected, granularity="row")
+    assert_same_state(model, expected)
+
+
+def test_fp8linear_config_refuses_prequantized(tmp_path):
+    model = build("llama")
+    quantize_model_(model)
+    save_pretrained(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = Fp8LinearConfig().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="already quantized"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=Fp8LinearConfig())
