@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..formats import parse_fp8_dtype, resolve_fp8_dtype
+from ..formats import is_fp8_dtype, parse_fp8_dtype, resolve_fp8_dtype
 from ..functional import quantize_weight
 from ..module import Fp8BlockLinear
 from ..reference import GRANULARITIES
@@ -132,12 +133,33 @@ class Fp8LinearHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         cfg = self.quantization_config
+        high = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
         report = quantize_model_(
             model, granularity=cfg.granularity, ignore=cfg.ignore, fp8_dtype=self._fp8(),
             backend=cfg.backend, set_config=False,
         )
         self._kept = report.kept
+        # The weights to quantize get high-precision placeholders: transformers 5.17 casts each
+        # checkpoint tensor to its placeholder's dtype before the quantize op (5.23 does not).
+        for name in self._weights_to_quantize(model):
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            shape = module._parameters[attr].shape
+            module._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=high, device="meta"), requires_grad=False)
         return model
+
+    def _weights_to_quantize(self, model: Any) -> list[str]:
+        try:
+            fp8_experts_cls = experts_api()[0]
+        except ImportError:
+            fp8_experts_cls = None
+        names = []
+        for name, module in model.named_modules():
+            if isinstance(module, Fp8BlockLinear):
+                names.append(f"{name}.weight")
+            elif fp8_experts_cls is not None and isinstance(module, fp8_experts_cls):
+                names += [f"{name}.{module.up_name}", f"{name}.down_proj"]
+        return names
 
     def param_needs_quantization(self, model: Any, param_name: str, **kwargs: Any) -> bool:
         module_name, _, tensor_name = param_name.rpartition(".")
@@ -151,12 +173,27 @@ class Fp8LinearHfQuantizer(HfQuantizer):
             fp8_experts_cls, _ = experts_api()
         except ImportError:
             return False
-        return isinstance(module, fp8_experts_cls) and tensor_name in ("gate_up_proj", "down_proj")
+        return isinstance(module, fp8_experts_cls) and tensor_name in ("gate_up_proj", "up_proj", "down_proj")
 
     def get_quantize_ops(self) -> Fp8QuantizeOp:
         return Fp8QuantizeOp(self.quantization_config.granularity, self._fp8())
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        not_quantized = []
+        for name in self._weights_to_quantize(model):
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            param = module._parameters[attr]
+            if not is_fp8_dtype(param.dtype):
+                not_quantized.append(name)
+            else:
+                param.requires_grad_(False)
+                module._parameters[attr + _SCALE_SUFFIX].requires_grad_(False)
+        if not_quantized:
+            raise ValueError(
+                f"{len(not_quantized)} weights were not quantized while loading (missing from the checkpoint?): "
+                f"{', '.join(not_quantized[:5])}"
+            )
         # Saved models carry the shared checkpoint format's config (quant_method "fp8"), not ours.
         model.config.quantization_config = checkpoint_quantization_config(
             self.quantization_config.granularity, self._kept, self._fp8()
@@ -170,6 +207,11 @@ class Fp8LinearHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+    @property
+    def quantized_element_size(self) -> float:
+        # Bytes per element of a quantized weight (transformers 5.23 sizes its memory warm-up with it).
+        return 1
 
     @property
     def is_compileable(self) -> bool:
