@@ -164,15 +164,6 @@ def _rename_index(index: CheckpointIndex, model: nn.Module) -> CheckpointIndex:
 
 
 # ----------------------------------------------------------------------------- planning
-@dataclass
-class _Slot:
-    """One model tensor to fill: where it goes and which checkpoint tensors feed it."""
-
-    module: nn.Module
-    attr: str
-    is_buffer: bool
-
-
 def _expected_shape(model_name: str, info: TensorInfo, expected: tuple[int, ...]) -> None:
     if tuple(info.shape) != tuple(expected):
         raise ValueError(
