@@ -141,6 +141,7 @@ def _emulate(f: Fp8Experts, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor)
     """float64, per (token, expert) pair, from the dequantized weights and quantized activations."""
     weights = f.dequantized_weights(torch.float64)
     w_up, w_down = weights[f.up_name], weights["down_proj"]
+    x, idx, w = (v.to(w_up.device) for v in (x, idx, w))  # compute where the weights live
     t, top_k = idx.shape
     flat = idx.reshape(-1)
     xq, xs = quantize_activation_ref(x, f.fp8_dtype)
