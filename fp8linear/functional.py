@@ -198,7 +198,7 @@ def block_fp8_matmul(
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
     if resolve_backend(backend, x_q.device) == "reference":
         return block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype, bias)
-    w_s = w_s.reshape(()) if granularity == "tensor" else w_s.contiguous()
+    w_s = w_s.reshape(()) if granularity == "tensor" else w_s  # the kernel takes any scale strides
     return _gemm_op(_k_contiguous(x_q), x_s.contiguous(), _k_contiguous(w_q), w_s, granularity, out_dtype, bias)
 
 
@@ -210,13 +210,34 @@ def fp8_linear(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N)."""
+    """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N).
+
+    This is the hot path of `Fp8BlockLinear.forward`: it checks what can go wrong cheaply
+    (no per-call tensor work) and calls the ops directly, not through the public wrappers.
+    """
     _check_tensor("x", x)
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"x must have shape (..., K={weight.shape[-1]}), got {tuple(x.shape)}")
+    _check_fp8("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must have shape (..., K={k}), got {tuple(x.shape)}")
+    if weight_scale_inv.dtype != SCALE_DTYPE:
+        raise TypeError(f"weight_scale_inv must be float32, got {weight_scale_inv.dtype}")
+    granularity = weight_granularity(weight.shape, weight_scale_inv.shape)
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must have shape (N,) = {(n,)}, got {tuple(bias.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {weight.device}")
     lead = x.shape[:-1]
-    x_q, x_s = quantize_activation(x.reshape(-1, x.shape[-1]), fp8_dtype=weight.dtype, backend=backend)
-    y = block_fp8_matmul(x_q, x_s, weight, weight_scale_inv, x.dtype, bias, backend=backend)
-    return y.reshape(*lead, weight.shape[0])
+    x2 = x.reshape(-1, k)
+    if resolve_backend(backend, x.device) == "reference":
+        x_q, x_s = quantize_activation_ref(x2, weight.dtype)
+        y = block_fp8_matmul_ref(x_q, x_s, weight, weight_scale_inv, x.dtype, bias)
+    else:
+        x_q, x_s = _act_quant_op(_k_contiguous(x2), weight.dtype)
+        w_s = weight_scale_inv.reshape(()) if granularity == "tensor" else weight_scale_inv
+        y = _gemm_op(x_q, x_s, _k_contiguous(weight), w_s, granularity, x.dtype, bias)
+    return y.reshape(*lead, n)
