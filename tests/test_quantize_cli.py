@@ -27,7 +27,6 @@ from _checkpoints import (
     tensor_shards,
     write_checkpoint,
 )
-from safetensors.torch import save_file
 
 from fp8linear import dequantize_weight, e4m3fn_to_e4m3fnuz, quantize_weight
 from fp8linear.cli import main
@@ -38,9 +37,12 @@ from fp8linear.quantize import (
     dequantize_checkpoint,
     fp8_quantization_config,
     inspect_checkpoint,
+    open_checkpoint,
+    quantization_error,
     quantize_checkpoint,
 )
 from fp8linear.quantize.convert import STATE_FILE
+from fp8linear.quantize.inspection import _measure
 
 REPO = Path(__file__).resolve().parents[1]
 GRANULARITIES = ("block", "row", "tensor")
@@ -619,3 +621,33 @@ def test_entry_points_without_transformers(models, quantized, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script, str(dst), str(tmp_path / "d")], env=_env(),
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_inspect_chunked_error_equals_whole_matrix(tmp_path):
+    """--error reads row chunks; the numbers equal quantizing each whole matrix (incl. per-tensor scale)."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(700, 300, generator=g) * torch.linspace(0.1, 3, 700)[:, None]).bfloat16()
+    src = write_checkpoint(tmp_path / "src", {"model.safetensors": {"a.weight": w}}, index=False)
+    report = inspect_checkpoint(src)
+    _measure(open_checkpoint(src), report, ["a.weight"], torch.float8_e4m3fn, "cpu", False, chunk_elements=128 * 300)
+    whole = quantization_error(w)
+    for gran in GRANULARITIES:
+        assert report.errors[0].rel_error[gran] == pytest.approx(whole[gran][0], rel=1e-9)
+        assert report.errors[0].sqnr_db[gran] == pytest.approx(whole[gran][1], rel=1e-9)
+
+
+def test_in_out_fused_experts_are_kept(tmp_path, capsys):
+    """gpt-oss / Llama-4 store fused experts as [E, in, out]: not the format's [E, out, in], so kept."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 320, 400, generator=g).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(320, 320, generator=g).bfloat16(),
+    }
+    src = write_checkpoint(tmp_path / "src", {"model.safetensors": tensors}, {"model_type": "gpt_oss"}, index=False)
+    assert main(["quantize", str(src), str(tmp_path / "dst"), "-q"]) == 0
+    out = read_tensors(tmp_path / "dst")
+    assert out["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "kept 1 fused [E, in, out] expert tensors" in capsys.readouterr().err
+    kept = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in kept

@@ -4,24 +4,25 @@ Without ``error=True`` only the safetensors headers are read. With it, every wei
 ``fp8linear quantize`` would convert is quantized at all three granularities (128x128 blocks,
 1x128 rows, one scale per tensor) through :func:`fp8linear.quantize_weight`, and the relative
 error ``||W - dq(q(W))|| / ||W||`` and SQNR ``10 log10(||W||^2 / ||W - dq(q(W))||^2)`` are reported
-side by side, one 2-D matrix (or expert) in memory at a time.
+side by side, reading one chunk of whole 128-row blocks at a time (so memory stays bounded).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ..formats import parse_fp8_dtype
+from ..formats import GROUP_SIZE, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
 from ..reference import GRANULARITIES, weight_granularity, weight_scale_shape
-from .checkpoint import DTYPE_SIZES, Checkpoint, CheckpointError, ShardReader, TensorInfo, open_checkpoint
+from .checkpoint import DTYPE_SIZES, Checkpoint, CheckpointError, ShardReader, TensorInfo, iter_row_ranges, open_checkpoint
+from .convert import CHUNK_ELEMENTS
 from .naming import (
     compile_patterns,
     default_should_quantize,
@@ -244,8 +245,38 @@ def inspect_checkpoint(
     return report
 
 
+def _matrix_terms(read: Callable[[int, int], torch.Tensor], n: int, k: int, step: int, fp8_dtype: torch.dtype,
+                  device: torch.device) -> dict[str, list[float]]:  # fmt: skip
+    """{granularity: [noise, signal]} of one (N, K) matrix read in row chunks by `read(r0, r1)`.
+
+    Chunks are whole 128-row blocks, so 'block' and 'row' scales are the ones of the whole matrix.
+    For 'tensor', a second pass quantizes each chunk plus one extra row holding the matrix's
+    largest magnitude: the chunk then gets exactly the whole matrix's scale.
+    """
+    terms = {g: [0.0, 0.0] for g in GRANULARITIES}
+    amax: torch.Tensor | None = None
+    for r0, r1 in iter_row_ranges(n, step):
+        w = read(r0, r1).to(device)
+        for g in ("block", "row"):
+            noise, signal = _error_terms(w, g, fp8_dtype)
+            terms[g][0] += noise
+            terms[g][1] += signal
+        m = w.abs().max()
+        amax = m if amax is None else torch.maximum(amax, m)  # exact, in the weight's dtype
+    for r0, r1 in iter_row_ranges(n, step):
+        w = read(r0, r1).to(device)
+        extra = torch.zeros(1, k, dtype=w.dtype, device=device)
+        extra[0, 0] = amax
+        q, s = quantize_weight(torch.cat([w, extra]), "tensor", fp8_dtype)
+        wf = w.float()
+        diff = dequantize_weight(q[:-1], s, torch.float32) - wf
+        terms["tensor"][0] += float(diff.double().pow(2).sum())
+        terms["tensor"][1] += float(wf.double().pow(2).sum())
+    return terms
+
+
 def _measure(ckpt: Checkpoint, report: CheckpointReport, names: list[str], fp8_dtype: torch.dtype, device: str,
-             progress: bool) -> None:  # fmt: skip
+             progress: bool, chunk_elements: int = CHUNK_ELEMENTS) -> None:  # fmt: skip
     if not names:
         raise CheckpointError(
             f"{ckpt.root}: no high-precision linear weights to measure"
@@ -262,16 +293,20 @@ def _measure(ckpt: Checkpoint, report: CheckpointReport, names: list[str], fp8_d
         with ShardReader(ckpt.shard_path(shard)) as reader:
             for name in by_shard.get(shard, []):
                 info = ckpt.tensors[name]
+                n, k = info.shape[-2:]
+                step = max(GROUP_SIZE, (chunk_elements // max(k, 1)) // GROUP_SIZE * GROUP_SIZE)
                 terms = {g: [0.0, 0.0] for g in GRANULARITIES}
-                experts = [None] if len(info.shape) == 2 else range(info.shape[0])
-                for e in experts:  # one 2-D matrix in memory at a time
-                    w = reader.read(name) if e is None else reader.read(name, (slice(e, e + 1),))[0]
-                    w = w.to(dev)
-                    for g in GRANULARITIES:
-                        noise, signal = _error_terms(w, g, fp8_dtype)
+                for e in [None] if len(info.shape) == 2 else range(info.shape[0]):
+
+                    def read(r0: int, r1: int, e: int | None = e) -> torch.Tensor:
+                        if e is None:
+                            return reader.read(name, (slice(r0, r1),))
+                        return reader.read(name, (slice(e, e + 1), slice(r0, r1)))[0]
+
+                    for g, (noise, signal) in _matrix_terms(read, n, k, step, fp8_dtype, dev).items():
                         terms[g][0] += noise
                         terms[g][1] += signal
-                    bar.update(w.numel() * DTYPE_SIZES[info.dtype])
+                    bar.update(n * k * DTYPE_SIZES[info.dtype])
                 rel, sq = {}, {}
                 for g, (noise, signal) in terms.items():
                     rel[g] = math.sqrt(noise / signal) if signal else 0.0

@@ -36,7 +36,13 @@ __all__ = [
     "granularity_from_config",
     "safetensors_dtype",
     "torch_dtype_from_safetensors",
+    "IN_OUT_EXPERT_MODEL_TYPES",
+    "fused_experts_are_in_out",
 ]
+
+# transformers model types whose fused expert parameters are [E, in, out] (x @ W), not the
+# [E, out, in] the FP8 format stores: their 3-D experts are left in high precision.
+IN_OUT_EXPERT_MODEL_TYPES: tuple[str, ...] = ("aria", "gpt_oss", "llama4", "llama4_text", "openai_privacy_filter")
 
 # Suffix of the dequant-scale tensor that sits next to each quantized weight (DeepSeek-V3 naming).
 SCALE_SUFFIX = "_scale_inv"
@@ -214,3 +220,14 @@ def granularity_from_config(qcfg: dict) -> str:
         if size is not None and list(block) == size:
             return gran
     raise ValueError(f"unsupported weight_block_size {block!r}; expected [128, 128], [1, 128] or null")
+
+
+def fused_experts_are_in_out(config: dict | None) -> bool:
+    """True if config.json's model (or its text model) stores fused experts as [E, in, out]."""
+    if not config:
+        return False
+    types = {config.get("model_type")}
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        types.add(text.get("model_type"))
+    return any(t in IN_OUT_EXPERT_MODEL_TYPES for t in types)
