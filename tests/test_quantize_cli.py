@@ -526,13 +526,14 @@ def test_bad_input_one_line_error(tmp_path, capsys, case):
     assert not (dst / "config.json").exists() and not list(dst.glob("*.safetensors")) if dst.exists() else True
 
 
+@pytest.mark.parametrize("gran", ["block", "tensor"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_nonfinite_weight_refused_unless_allowed(tmp_path, capsys, value):
+def test_nonfinite_weight_refused_unless_allowed(tmp_path, capsys, value, gran):
     w = torch.randn(200, 320).bfloat16()
     w[150, 7] = value
     src = _small_source(tmp_path / "src", **{"model.layers.1.mlp.up_proj.weight": w})
     dst = tmp_path / "dst"
-    assert main(["quantize", str(src), str(dst), "-q"]) == 1
+    assert main(["quantize", str(src), str(dst), "-q", "--granularity", gran]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'model.layers.1.mlp.up_proj.weight' contains" in err[0] and "[150, 7]" in err[0]
     assert "--allow-nonfinite" in err[0]
@@ -651,3 +652,11 @@ def test_in_out_fused_experts_are_kept(tmp_path, capsys):
     assert "kept 1 fused [E, in, out] expert tensors" in capsys.readouterr().err
     kept = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     assert "model.layers.0.mlp.experts.gate_up_proj" in kept
+
+
+@pytest.mark.parametrize("gran", GRANULARITIES)
+def test_small_chunks_give_identical_bytes(models, quantized, tmp_path, gran):
+    """Quantizing in 128-row chunks (per-tensor scales included) equals quantizing whole matrices."""
+    dst = tmp_path / "chunked"
+    quantize_checkpoint(models["deepseek_v3_fused"][1], dst, granularity=gran, chunk_elements=128 * 128, progress=False)
+    assert file_digests(dst) == file_digests(quantized("deepseek_v3_fused", gran))

@@ -303,19 +303,41 @@ def _run_quantize(job: _Job, reader: ShardReader, writer: ShardWriter, ctx: _Con
     kb = scale_grid[-1] if scale_grid else 1
     expert_scale_bytes = math.prod(scale_grid) * _SCALE_BYTES
     elem = info.nbytes // info.numel
-    # Whole 2-D matrices for per-tensor scales; otherwise row chunks aligned to the 128-row blocks.
-    step = n if gran == "tensor" else _rows_per_chunk(n, k, ctx.chunk_elements, GROUP_SIZE)
+    step = _rows_per_chunk(n, k, ctx.chunk_elements, GROUP_SIZE)  # whole 128-row blocks
     for e in _expert_views(info):
         base = 0 if e is None else e
+        amax = _matrix_amax(reader, info, ctx, e, step) if gran == "tensor" else None
         for r0, r1 in iter_row_ranges(n, step):
             ctx.check_abort()
             w = _read_rows(reader, info.name, e, r0, r1)
-            q, s = quantize_weight(w.to(ctx.device), gran, ctx.fp8_dtype)
-            _check_finite(w, s, info, ctx, e, r0)
+            if amax is None:
+                q, s = quantize_weight(w.to(ctx.device), gran, ctx.fp8_dtype)
+                _check_finite(w, s, info, ctx, e, r0)
+            else:
+                # One extra row holding the matrix's largest magnitude gives this chunk exactly the
+                # whole matrix's per-tensor scale, so the bytes equal quantize_weight(whole matrix).
+                extra = torch.zeros(1, k, dtype=w.dtype)
+                extra[0, 0] = amax
+                q, s = quantize_weight(torch.cat([w, extra]).to(ctx.device), gran, ctx.fp8_dtype)
+                q = q[:-1]
             writer.write(info.name, (base * n + r0) * k, q)
-            s_row = {"block": (r0 // GROUP_SIZE) * kb, "row": r0 * kb, "tensor": 0}[gran]
-            writer.write(sname, base * expert_scale_bytes + s_row * _SCALE_BYTES, s)
+            if gran != "tensor" or r0 == 0:
+                s_row = {"block": (r0 // GROUP_SIZE) * kb, "row": r0 * kb, "tensor": 0}[gran]
+                writer.write(sname, base * expert_scale_bytes + s_row * _SCALE_BYTES, s)
             advance((r1 - r0) * k * elem)
+
+
+def _matrix_amax(reader: ShardReader, info: TensorInfo, ctx: _Context, expert: int | None, step: int) -> torch.Tensor:
+    """Largest |w| of one (N, K) matrix (exact, in its dtype), read in chunks; refuses NaN/Inf unless allowed."""
+    amax = None
+    for r0, r1 in iter_row_ranges(info.shape[-2], step):
+        ctx.check_abort()
+        w = _read_rows(reader, info.name, expert, r0, r1)
+        m = w.abs().max()  # NaN propagates, Inf stays: non-finite iff the chunk is
+        _check_finite(w, m, info, ctx, expert, r0)
+        amax = m if amax is None else torch.maximum(amax, m)
+    assert amax is not None
+    return amax
 
 
 def _run_dequantize(job: _Job, reader: ShardReader, writer: ShardWriter, ctx: _Context, advance: Callable[[int], None]) -> None:
