@@ -122,3 +122,17 @@ def test_dtype_casts_keep_fp8_weights():
     assert mod.weight.dtype == torch.float8_e4m3fn and same_bits(mod.weight, w)
     assert mod.weight_scale_inv.dtype == torch.float32
     assert mod.bias.dtype == torch.float16  # high-precision parameters still follow the cast
+
+
+@pytest.mark.gpu
+def test_torch_compile_reduce_overhead():
+    """Inductor + CUDA graphs (mode='reduce-overhead') around a stack of FP8 linears."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(576, 1536), nn.SiLU(), nn.Linear(1536, 576)).cuda().bfloat16()
+    fp8 = nn.Sequential(Fp8BlockLinear.from_linear(mlp[0]), nn.SiLU(), Fp8BlockLinear.from_linear(mlp[2], "row"))
+    compiled = torch.compile(fp8, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        x = torch.randn(8, 576, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            out = compiled(x).clone()
+            assert rel_err(out, fp8(x)) < 1e-2
