@@ -660,3 +660,20 @@ def test_small_chunks_give_identical_bytes(models, quantized, tmp_path, gran):
     dst = tmp_path / "chunked"
     quantize_checkpoint(models["deepseek_v3_fused"][1], dst, granularity=gran, chunk_elements=128 * 128, progress=False)
     assert file_digests(dst) == file_digests(quantized("deepseek_v3_fused", gran))
+
+
+def test_never_writes_through_symlinks(models, tmp_path, capsys):
+    """A symlinked folder inside DST (with --overwrite) is refused instead of written through."""
+    src = tmp_path / "src"
+    tensors = {"a.weight": torch.randn(200, 320).bfloat16()}
+    write_checkpoint(src, {"model.safetensors": tensors}, index=False)
+    (src / "sub").mkdir()
+    (src / "sub" / "vocab.txt").write_text("x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "sub").symlink_to(outside, target_is_directory=True)
+    assert main(["quantize", str(src), str(dst), "-q", "--overwrite"]) == 1
+    assert "is a symlink; refusing to write 'sub/vocab.txt'" in capsys.readouterr().err
+    assert list(outside.iterdir()) == []

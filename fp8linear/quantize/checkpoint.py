@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -41,6 +41,8 @@ __all__ = [
     "tensor_bytes",
     "iter_row_ranges",
     "list_tmp_files",
+    "walk_regular_files",
+    "check_output_path",
     "REOPEN_BYTES",
 ]
 
@@ -359,7 +361,9 @@ class ShardWriter:
 
     def __enter__(self) -> ShardWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.tmp_path.unlink(missing_ok=True)
+        # O_EXCL | O_NOFOLLOW: never write through a file or link that someone else put there
+        self._fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         self._pwrite(self.header, 0)
         return self
 
@@ -428,7 +432,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name("." + path.name + TMP_SUFFIX)
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -443,7 +448,8 @@ def atomic_copy(src: Path, dst: Path, chunk: int = 16 * 2**20) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name("." + dst.name + TMP_SUFFIX)
     try:
-        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        tmp.unlink(missing_ok=True)
+        with open(src, "rb") as fi, open(tmp, "xb") as fo:
             while block := fi.read(chunk):
                 fo.write(block)
             fo.flush()
@@ -459,5 +465,23 @@ def iter_row_ranges(rows: int, step: int) -> Iterator[tuple[int, int]]:
         yield r0, min(rows, r0 + step)
 
 
-def list_tmp_files(root: Path) -> Iterable[Path]:
-    return (p for p in root.rglob("*" + TMP_SUFFIX) if p.is_file())
+def walk_regular_files(root: Path) -> Iterator[Path]:
+    """Regular files under `root` (symlinks listed but never followed into other folders)."""
+    for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
+        for fn in filenames:
+            yield Path(dirpath) / fn
+
+
+def list_tmp_files(root: Path) -> list[Path]:
+    return [p for p in walk_regular_files(root) if p.name.endswith(TMP_SUFFIX)]
+
+
+def check_output_path(root: Path, rel: str, what: str = "output") -> Path:
+    """`root / rel` for writing: inside root, and no folder on the way is a symlink."""
+    path = safe_join(root, rel, what)
+    parent = path.parent
+    while parent != root and parent != parent.parent:
+        if parent.is_symlink():
+            raise CheckpointError(f"{parent}: is a symlink; refusing to write {rel!r} through it")
+        parent = parent.parent
+    return path

@@ -35,10 +35,12 @@ from .checkpoint import (
     TensorInfo,
     atomic_copy,
     atomic_write_bytes,
+    check_output_path,
     fsync_dir,
     iter_row_ranges,
+    list_tmp_files,
     open_checkpoint,
-    safe_join,
+    walk_regular_files,
 )
 from .naming import (
     FP8_SAFETENSORS_DTYPES,
@@ -612,9 +614,9 @@ def _source_fingerprint(ckpt: Checkpoint) -> list[list[object]]:
 def _clean_for_overwrite(dst: Path, planned: Sequence[str]) -> None:
     """Remove what a previous conversion may have left in DST: checkpoint files and our own files."""
     doomed = {dst / STATE_FILE}
-    for pattern in ("*.safetensors", "*.safetensors.index.json", "*" + TMP_SUFFIX):
-        doomed.update(p for p in dst.rglob(pattern))
-    doomed.update(dst / rel for rel in planned)
+    suffixes = (".safetensors", ".safetensors.index.json", TMP_SUFFIX)
+    doomed.update(p for p in walk_regular_files(dst) if p.name.endswith(suffixes))
+    doomed.update(check_output_path(dst, rel) for rel in planned)
     for p in sorted(doomed):
         if p.is_symlink() or p.is_file():
             p.unlink()
@@ -641,7 +643,7 @@ def _prepare_dst(ckpt: Checkpoint, dst: Path, state: dict, overwrite: bool, plan
             except (OSError, ValueError):
                 saved = None
         if saved == state:
-            for tmp in dst.rglob("*" + TMP_SUFFIX):
+            for tmp in list_tmp_files(dst):
                 tmp.unlink()
             return True
         if saved is not None:
@@ -678,7 +680,7 @@ def _execute(ckpt: Checkpoint, dst: Path, plan: _Plan, ctx: _Context, workers: i
     start = time.perf_counter()
     specs = {shard: [o for job in jobs for o in job.outputs] for shard, jobs in plan.jobs.items()}
     planned = list(plan.jobs) + ([ckpt.index_name] if ckpt.index_name else []) + ckpt.other_files + ["config.json"]
-    outputs = {shard: safe_join(dst, shard, "output shard") for shard in plan.jobs}
+    outputs = {shard: check_output_path(dst, shard, "output shard") for shard in plan.jobs}
     state = {"tool": "fp8linear", **plan.identity, "source": str(ckpt.root.resolve()), "files": _source_fingerprint(ckpt)}
     resumed = _prepare_dst(ckpt, dst, state, overwrite, planned)
 
@@ -738,9 +740,9 @@ def _execute(ckpt: Checkpoint, dst: Path, plan: _Plan, ctx: _Context, workers: i
         overall.close()
 
     if ckpt.index is not None and ckpt.index_name is not None:
-        atomic_write_bytes(safe_join(dst, ckpt.index_name, "index"), _index_bytes(ckpt, specs))
+        atomic_write_bytes(check_output_path(dst, ckpt.index_name, "index"), _index_bytes(ckpt, specs))
     for rel in ckpt.other_files:
-        atomic_copy(ckpt.root / rel, safe_join(dst, rel, "file"))
+        atomic_copy(ckpt.root / rel, check_output_path(dst, rel, "file"))
     if plan.config is not None:
         atomic_write_bytes(dst / "config.json", (json.dumps(plan.config, indent=2) + "\n").encode())
     (dst / STATE_FILE).unlink(missing_ok=True)
