@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -51,13 +52,13 @@ PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pi
 # Suffix of files being written; they are renamed into place only when complete.
 TMP_SUFFIX = ".fp8linear-tmp"
 # Bytes per element of each safetensors dtype.
-DTYPE_SIZES: dict[str, int] = {
+DTYPE_SIZES: Mapping[str, int] = MappingProxyType({
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,
     "F32": 4, "I32": 4, "U32": 4,
     "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
     "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
-}  # fmt: skip
+})  # fmt: skip
 # The index file names safetensors checkpoints use (HF's name first).
 INDEX_NAME = "model.safetensors.index.json"
 # Reopen a shard after this many bytes were read through its memory map, to drop the mapped

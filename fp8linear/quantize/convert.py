@@ -14,10 +14,11 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from tqdm.auto import tqdm
@@ -76,7 +77,9 @@ CHUNK_ELEMENTS = 2 * 2**20
 # safetensors dtype strings of all FP8 formats (weights that are already quantized).
 _FP8_NAMES = ("F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ")
 # Output dtypes `dequantize` accepts.
-_OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_OUT_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+)
 # Bytes of one fp32 scale.
 _SCALE_BYTES = 4
 
@@ -395,13 +398,14 @@ def _run_fnuz_scale(job: _Job, reader: ShardReader, writer: ShardWriter, ctx: _C
     advance(info.nbytes)
 
 
-_RUNNERS = {
+# Job kind -> the function that executes it (read-only).
+_RUNNERS: Mapping[str, Callable[..., None]] = MappingProxyType({
     "copy": _run_copy,
     "quantize": _run_quantize,
     "dequantize": _run_dequantize,
     "fnuz_weight": _run_fnuz_weight,
     "fnuz_scale": _run_fnuz_scale,
-}
+})
 
 
 # ----------------------------------------------------------------------------------- plans

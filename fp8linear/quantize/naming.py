@@ -12,7 +12,8 @@ conversion from safetensors headers alone.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
@@ -64,12 +65,13 @@ DEFAULT_SKIP_PATTERNS: tuple[str, ...] = (
 HIGH_PRECISION_DTYPES: tuple[str, ...] = ("BF16", "F16", "F32")
 
 # safetensors dtype strings of the two FP8 weight formats.
-FP8_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+FP8_SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = MappingProxyType({
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-}
+})
 
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+# safetensors dtype string -> torch dtype (read-only).
+_SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -84,18 +86,20 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
     "F8_E5M2": torch.float8_e5m2,
     "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-}
+})
 
 # `weight_block_size` of `quantization_config` for each granularity (HF "fp8" format).
-WEIGHT_BLOCK_SIZE: dict[str, list[int] | None] = {"block": [128, 128], "row": [1, 128], "tensor": None}
+WEIGHT_BLOCK_SIZE: Mapping[str, tuple[int, int] | None] = MappingProxyType(
+    {"block": (128, 128), "row": (1, 128), "tensor": None}
+)
 
 # The fixed part of `quantization_config` (128x128 blocks, e4m3fn); see fp8_quantization_config.
-FP8_QUANTIZATION_CONFIG: dict[str, object] = {
+FP8_QUANTIZATION_CONFIG: Mapping[str, object] = MappingProxyType({
     "quant_method": "fp8",
     "fmt": "e4m3",
     "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128],
-}
+    "weight_block_size": (128, 128),
+})
 
 
 def scale_name(name: str) -> str:
@@ -217,7 +221,7 @@ def granularity_from_config(qcfg: dict) -> str:
     if block is None:
         return "tensor"
     for gran, size in WEIGHT_BLOCK_SIZE.items():
-        if size is not None and list(block) == size:
+        if size is not None and list(block) == list(size):
             return gran
     raise ValueError(f"unsupported weight_block_size {block!r}; expected [128, 128], [1, 128] or null")
 
