@@ -677,3 +677,27 @@ def test_never_writes_through_symlinks(models, tmp_path, capsys):
     assert main(["quantize", str(src), str(dst), "-q", "--overwrite"]) == 1
     assert "is a symlink; refusing to write 'sub/vocab.txt'" in capsys.readouterr().err
     assert list(outside.iterdir()) == []
+
+
+def test_disk_full_then_resume(models, quantized, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import fp8linear.quantize.checkpoint as ck
+
+    src, dst = models["llama"][1], tmp_path / "dst"
+    real_pwrite, calls = ck.os.pwrite, {"n": 0}
+
+    def full_disk(fd, data, pos):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, pos)
+
+    monkeypatch.setattr(ck.os, "pwrite", full_disk)
+    assert main(["quantize", str(src), str(dst), "-q"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ".safetensors: write failed (No space left on device)" in err[0]
+    assert not list(dst.glob(".*fp8linear-tmp")) and not (dst / "config.json").exists()
+    monkeypatch.setattr(ck.os, "pwrite", real_pwrite)
+    assert main(["quantize", str(src), str(dst), "-q"]) == 0
+    assert file_digests(dst) == file_digests(quantized("llama", "block"))
