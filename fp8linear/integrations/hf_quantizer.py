@@ -25,6 +25,7 @@ from ..functional import quantize_weight
 from ..module import Fp8BlockLinear
 from ..reference import GRANULARITIES
 from .replace import checkpoint_quantization_config, experts_api, keep_experts_fused_on_save, quantize_model_
+from ..quantize.naming import SCALE_SUFFIX
 
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
@@ -40,8 +41,6 @@ __all__ = ["QUANT_METHOD", "Fp8LinearConfig", "Fp8LinearHfQuantizer", "Fp8Quanti
 
 # Our name in transformers' quantizer registry (distinct from transformers' own "fp8").
 QUANT_METHOD = "fp8linear"
-# Suffix of a weight's dequant scale tensor (DeepSeek-V3 / HF "fp8" naming).
-_SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclass
@@ -102,7 +101,7 @@ class Fp8QuantizeOp(ConversionOps):
             tensor = value[0] if isinstance(value, list) else value
             q, s = quantize_weight(tensor, self.granularity, self.fp8_dtype)
             out[key] = q
-            out[key + _SCALE_SUFFIX] = s
+            out[key + SCALE_SUFFIX] = s
         return out
 
 
@@ -188,7 +187,7 @@ class Fp8LinearHfQuantizer(HfQuantizer):
                 not_quantized.append(name)
             else:
                 param.requires_grad_(False)
-                module._parameters[attr + _SCALE_SUFFIX].requires_grad_(False)
+                module._parameters[attr + SCALE_SUFFIX].requires_grad_(False)
         if not_quantized:
             raise ValueError(
                 f"{len(not_quantized)} weights were not quantized while loading (missing from the checkpoint?): "

@@ -34,6 +34,7 @@ from ..formats import GROUP_SIZE, SCALE_DTYPE, e4m3fn_to_e4m3fnuz, is_fp8_dtype,
 from ..functional import dequantize_weight, quantize_weight
 from ..module import Fp8BlockLinear
 from ..reference import weight_granularity
+from ..quantize.naming import SCALE_SUFFIX, torch_dtype_from_safetensors
 from .replace import experts_api
 
 __all__ = [
@@ -45,24 +46,8 @@ __all__ = [
     "load_fp8_state_",
 ]
 
-# Suffix of a weight's dequant scale tensor (DeepSeek-V3 / HF "fp8" naming).
-SCALE_SUFFIX = "_scale_inv"
 # Per-expert projection names on disk: (gate, up, down) for Qwen/DeepSeek and for Mixtral.
 _EXPERT_NAME_SETS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-_SAFETENSORS_DTYPES = {
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @dataclass(frozen=True)
@@ -180,7 +165,10 @@ def _per_expert_names(index: CheckpointIndex, prefix: str) -> tuple[str, str, st
 
 
 def _checkpoint_fp8_dtype(dtype_str: str, prefix: str) -> torch.dtype:
-    dt = _SAFETENSORS_DTYPES.get(dtype_str)
+    try:
+        dt = torch_dtype_from_safetensors(dtype_str)
+    except ValueError:
+        dt = None
     if dt is None or not is_fp8_dtype(dt):
         raise TypeError(f"checkpoint tensor {prefix!r} has a scale but dtype {dtype_str}, expected an FP8 dtype")
     return dt
