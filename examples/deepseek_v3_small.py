@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=None, help="prompt tokens; default 2048 on a GPU, 32 on the CPU")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 on a GPU, 8 on the CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile", action="store_true", help="static KV cache + torch.compile(mode='reduce-overhead')")
+    ap.add_argument("--compile", action="store_true", help="static KV cache: generate() compiles the forward (torch.compile, CUDA graphs)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    if args.compile:
+    if args.compile:  # with a static cache on a GPU, generate() compiles the forward itself (CUDA graphs)
         model.generation_config.cache_implementation = "static"
     print(f"DeepSeek-V3 architecture, preset {args.preset}: {layers} layers, hidden {config.hidden_size}, "
           f"{config.n_routed_experts} experts (top-{config.num_experts_per_tok}) + {config.n_shared_experts} shared, "
@@ -127,15 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(0, config.vocab_size, (1, prefill), generator=gen).to(device)
     probe = torch.randint(0, config.vocab_size, (2, 64), generator=gen).to(device)
 
-    forward = model.forward
-    if args.compile:
-        model.forward = torch.compile(forward, mode="reduce-overhead")
     bf16_bytes = weight_bytes(model)
     with torch.no_grad():
         ref_logits = model(probe).logits.float()
     bf16_pre, bf16_dec, bf16_ids = timed_generation(model, prompt, new_tokens)
     bf16_experts = copy.deepcopy(model.model.layers[1].mlp.experts) if on_gpu else None
-    model.forward = forward
 
     report = quantize_model_(model, granularity=args.granularity)
     print(report)
@@ -153,9 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded = time.perf_counter() - t0
     peak = f", peak GPU memory while loading {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if on_gpu else ""
     print(f"saved in {saved:.1f} s, reloaded with from_pretrained in {loaded:.1f} s{peak}")
-    if args.compile:
+    if args.compile:  # with a static cache on a GPU, generate() compiles the forward itself (CUDA graphs)
         fp8.generation_config.cache_implementation = "static"
-        fp8.forward = torch.compile(fp8.forward, mode="reduce-overhead")
     fp8_bytes = weight_bytes(fp8)
     with torch.no_grad():
         out_logits = fp8(probe).logits.float()
