@@ -116,6 +116,22 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return mod
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and weight.dtype != self.weight.dtype:
+            # Parameter.copy_ would convert values (e4m3fn 448 is NaN in fnuz): refuse instead.
+            raise TypeError(
+                f"{prefix}weight is {weight.dtype} but this module holds {self.weight.dtype}; "
+                "convert with fp8linear.e4m3fn_to_e4m3fnuz or build the module with that fp8_dtype"
+            )
+        scale = state_dict.get(prefix + "weight_scale_inv")
+        if scale is not None and scale.shape != self.weight_scale_inv.shape:
+            weight_granularity(self.weight.shape, scale.shape)  # ValueError unless a valid granularity
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(scale.shape, dtype=SCALE_DTYPE, device=self.weight_scale_inv.device), requires_grad=False
+            )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
     def to_linear(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
         """A dequantized nn.Linear with the same weights (up to FP8 rounding) and bias."""
         lin = nn.Linear(

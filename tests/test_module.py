@@ -51,6 +51,21 @@ def test_state_dict_round_trip():
     assert torch.equal(dst.to_linear(torch.float32).weight, dequantize_weight(src.weight, src.weight_scale_inv))
 
 
+def test_load_other_granularity_and_refuse_other_fp8_dtype():
+    lin = nn.Linear(300, 576, dtype=torch.bfloat16)
+    src = Fp8BlockLinear.from_linear(lin, "row")
+    dst = Fp8BlockLinear(300, 576, granularity="block")
+    dst.load_state_dict(src.state_dict())
+    assert dst.granularity == "row"
+    x = torch.randn(4, 300, dtype=torch.bfloat16)
+    assert same_bits(dst(x), src(x))
+    with pytest.raises(ValueError, match="matches no granularity"):
+        dst.load_state_dict({**src.state_dict(), "weight_scale_inv": torch.ones(3, 3)})
+    fnuz = Fp8BlockLinear(300, 576, fp8_dtype=torch.float8_e4m3fnuz)
+    with pytest.raises(TypeError, match="e4m3fn_to_e4m3fnuz"):
+        fnuz.load_state_dict(src.state_dict())
+
+
 def test_fnuz_module_on_reference_path():
     lin = nn.Linear(256, 200)
     mod = Fp8BlockLinear.from_linear(lin, fp8_dtype=torch.float8_e4m3fnuz, backend="reference")
