@@ -8,7 +8,6 @@ configs and check the compiled code (QGMMA instructions) on a new GPU.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 
 import torch

@@ -13,7 +13,7 @@ or rowperm/blockperm (FP8 errors permuted within rows), noise (Gaussian, FP8 row
 rowjitN/blockjitN (scale = amax*u/448, u ~ U[1, 1.125) per group, seed N: an equivalent FP8 rounding draw);
 SEL +type,type (only these layer types) or -type,type (all but these), types q_proj ... down_proj.
 """
-import torch, json, sys, time, math, argparse
+import torch, json, sys, time, argparse
 import torch.nn.functional as F
 from torch import nn
 from pathlib import Path

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -31,9 +31,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1 or self.group_m < 1:
             raise ValueError(f"num_stages and group_m must be >= 1, got {self.num_stages}, {self.group_m}")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
