@@ -34,7 +34,8 @@ if HAS_CUDA:
     GEMM_SHAPES = list(itertools.product([1, 3, 64, 257, 1024], [128, 576, 1000, 2112], [128, 300, 576, 7168]))
     QUANT_SHAPES = [(m, k) for m in (1, 3, 64, 257, 1024, 4099) for k in (128, 300, 576, 7168)]
 else:  # interpreter: small but ragged in every dimension
-    GEMM_SHAPES = [(1, 128, 128), (3, 300, 300), (20, 576, 256), (33, 130, 576)]
+    # M <= 64 takes the split-K kernel; larger M the tiled kernel, persistent TMA when K % 16 == 0.
+    GEMM_SHAPES = [(1, 128, 128), (3, 300, 300), (20, 576, 256), (33, 130, 576), (80, 200, 300), (96, 136, 256)]
     QUANT_SHAPES = [(1, 128), (3, 300), (17, 576), (40, 1000)]
 
 
@@ -153,13 +154,103 @@ def test_gemm_noncontiguous_and_empty():
     assert block_fp8_matmul(e_q, e_s, w_q, w_s, backend="triton").shape == (0, 200)
 
 
-def test_gemm_nan_rows_propagate():
-    x = torch.randn(4, 256, device=KERNEL_DEVICE)
+@pytest.mark.parametrize("m", [4, 70])  # split-K kernel, tiled kernel
+def test_gemm_nan_rows_propagate(m):
+    x = torch.randn(m, 256, device=KERNEL_DEVICE)
     x[2, 7] = float("nan")
     x_q, x_s = quantize_activation(x, backend="triton")
     w_q, w_s = quantize_weight(torch.randn(130, 256, device=KERNEL_DEVICE))
     y = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, backend="triton")
-    assert y[2].isnan().all() and torch.isfinite(y[[0, 1, 3]]).all()
+    others = [i for i in range(m) if i != 2]
+    assert y[2].isnan().all() and torch.isfinite(y[others]).all()
+
+
+@pytest.mark.parametrize("m,n,k", [(96, 136, 256), (70, 130, 2112), (80, 64, 300), (80, 64, 4096)])
+def test_gemm_kernel_choice(m, n, k):
+    """Short, TMA-aligned K runs the persistent kernel; ragged or long K the plain one; same result."""
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.gemm import PERSISTENT_MAX_K, _use_persistent, block_fp8_gemm
+
+    x_q, x_s = quantize_activation(torch.randn(m, k, device=KERNEL_DEVICE), backend="triton")
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE) / math.sqrt(k))
+    expected = k % 16 == 0 and k <= PERSISTENT_MAX_K and (not HAS_CUDA or torch.cuda.get_device_capability()[0] >= 9)
+    assert _use_persistent(x_q, w_q, k) == expected
+    assert not _use_persistent(x_q[:, 1:], w_q[:, 1:], k - 1)  # misaligned views never take TMA
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2)
+    bias = torch.randn(n, device=KERNEL_DEVICE)
+    y = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, bias, cfg)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64) + bias.double()
+    assert rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
+
+
+SPLITK_CONFIGS = [
+    dict(block_m=16, block_n=64, split_k=1),
+    dict(block_m=16, block_n=32, split_k=3, num_stages=2),
+    dict(block_m=32, block_n=128, split_k=2, num_warps=8),
+    dict(block_m=64, block_n=16, split_k=1000),  # more splits than K groups: one group each
+]
+
+
+@pytest.mark.parametrize("config", SPLITK_CONFIGS)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("m,n,k", [(1, 200, 2112), (5, 300, 640), (40, 130, 300)])
+def test_splitk_gemm_configs(config, granularity, m, n, k):
+    """The split-K kernel computes the same function for every split and tile, bias included."""
+    from fp8linear.ops.splitk_gemm import SplitKConfig
+    from fp8linear.ops.gemm import block_fp8_gemm
+
+    dev = KERNEL_DEVICE
+    x_q, x_s = quantize_activation(torch.randn(m, k, device=dev), backend="triton")
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / math.sqrt(k), granularity)
+    if granularity == "tensor":
+        w_s = w_s.reshape(())
+    bias = torch.randn(n, device=dev)
+    y = block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.float32, bias, SplitKConfig(**config))
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64) + bias.double()
+    assert y.shape == (m, n) and rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
+
+
+def test_splitk_gemm_is_deterministic():
+    """The last program sums the partials in split order: repeated runs give the same bits."""
+    from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_fp8_gemm
+
+    dev = KERNEL_DEVICE
+    x_q, x_s = quantize_activation(torch.randn(3, 1024, device=dev), backend="triton")
+    w_q, w_s = quantize_weight(torch.randn(200, 1024, device=dev))
+    cfg = SplitKConfig(block_m=16, block_n=64, split_k=4)
+    first = splitk_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, cfg)
+    for _ in range(3):
+        assert same_bits(splitk_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, cfg), first)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 1024), (1, 7168, 2048), (64, 2048, 7168), (17, 576, 7168), (8, 128, 128)])
+def test_splitk_heuristic(m, n, k):
+    """The heuristic splits only when tiles leave SMs idle, into non-empty splits of >= 2 K groups."""
+    from fp8linear.ops.splitk_gemm import sm_count, splitk_config
+
+    dev = torch.device(KERNEL_DEVICE)
+    cfg = splitk_config(m, n, k, dev)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    groups = -(-k // 128)
+    assert cfg.block_m >= min(m, 64) or cfg.block_m == 64
+    if 4 * tiles >= 3 * sm_count(dev):
+        assert cfg.split_k == 1
+    per_split = -(-groups // cfg.split_k)
+    assert -(-groups // per_split) == cfg.split_k  # no empty split
+    assert cfg.split_k == 1 or per_split >= 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(block_m=8, block_n=64, split_k=1), dict(block_m=16, block_n=256, split_k=1),
+     dict(block_m=16, block_n=48, split_k=1), dict(block_m=16, block_n=64, split_k=0),
+     dict(block_m=16, block_n=64, split_k=1, num_warps=3), dict(block_m=16, block_n=64, split_k=1, num_stages=0)],
+)
+def test_splitk_config_validation(bad):
+    from fp8linear.ops.splitk_gemm import SplitKConfig
+
+    with pytest.raises(ValueError, match="SplitKConfig"):
+        SplitKConfig(**bad)
 
 
 def test_custom_ops_pass_opcheck():

@@ -8,7 +8,13 @@ import torch
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["GemmConfig", "heuristic_config", "select_config"]
+__all__ = ["SMALL_M_MAX", "GemmConfig", "heuristic_config", "select_config"]
+
+# GEMMs with at most this many rows take the split-K kernel (ops/splitk_gemm.py), larger ones the
+# tiled kernel (ops/gemm.py) with these configs. H100, DeepSeek-V3 decode shapes, geometric mean
+# over 9 shapes: split-K 18.4/19.1/19.1 us at M=1/4/16 vs 23.4/22.3/22.2 us for the tuned tiled
+# kernel (per-tensor cuBLAS: 16.4/16.5/16.6 us); at M=64 21.5 vs 22.8 us.
+SMALL_M_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,8 @@ class GemmConfig:
 
 
 def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
-    """A good config without tuning (H100 sweep, benchmarks/kernel_sweep.py, 2026-11-22)."""
-    if m <= 16:  # decode: stream W with the smallest tensor-core M tile; 16x64 s6 was best at M=4/16
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6)
-    if m <= 64:  # 16x64 s6 beat 64x64/64x128 at M=64 (25.6 vs 27.4/29.9 us, N=2048 K=7168)
+    """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py, 2026-11-22)."""
+    if m <= SMALL_M_MAX:  # only reached with an explicit tiled launch: 16x64 s6 was best at M=4..64
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6)
     if m <= 256 or k <= 256:  # short K or few rows: more CTAs (64x128 best for K=256: 47.5 us)
         return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
