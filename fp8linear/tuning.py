@@ -9,9 +9,7 @@ Where a config comes from (first hit wins; :func:`lookup_config` only *reads*):
 3. the tables shipped in the package, ``fp8linear/configs/<device>.json``.
 
 Every source uses one JSON format (see :class:`ConfigTable`), keyed by device name, (N, K)
-and an M bucket (powers of two 1..4096; 4096 stands for 4096 and above). The tables configure
-the tiled kernel, which runs GEMMs with M > 64 (``TUNED_M_BUCKETS``); smaller M takes the
-split-K kernel, sized by its own heuristic from the SM count (``ops/splitk_gemm.py``). A miss returns
+and an M bucket (powers of two 1..4096; 4096 stands for 4096 and above). A miss returns
 ``None`` and the caller falls back to its heuristic. Tuning itself (:func:`autotune_config`)
 launches kernels and times them, so it refuses to run inside a CUDA-graph capture or a
 ``torch.compile`` trace; run it (or ``fp8linear tune``) ahead of serving.
@@ -45,7 +43,6 @@ __all__ = [
     "TABLE_FORMAT",
     "TABLE_VERSION",
     "M_BUCKETS",
-    "TUNED_M_BUCKETS",
     "CACHE_DIR_ENV",
     "TABLE_ENV",
     "TABLES_OFF",
@@ -77,8 +74,6 @@ TABLE_VERSION = 1
 # (prefill tiles are saturated by then; 4096 is the largest M of the issue-3 benchmark).
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _MAX_BUCKET = M_BUCKETS[-1]
-# Buckets the tiled kernel serves (M > SMALL_M_MAX = 64; below, the split-K kernel runs).
-TUNED_M_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
 # A missing bucket borrows a tuned neighbour at most this many buckets (a factor 4 in M) away.
 MAX_BUCKET_DISTANCE = 2
 CACHE_DIR_ENV = "FP8LINEAR_CACHE_DIR"
@@ -541,7 +536,7 @@ def _make_activation(m: int, k: int, device: torch.device, seed: int = 1):
 def tune_shape(
     n: int,
     k: int,
-    ms: Iterable[int] = TUNED_M_BUCKETS,
+    ms: Iterable[int] = M_BUCKETS,
     device: torch.device | str | None = None,
     *,
     granularity: str = "block",
@@ -564,10 +559,6 @@ def tune_shape(
     timer = timer or _default_timer(dev)
     errors = _candidate_errors()
     buckets = sorted({m_bucket(m) for m in ms})
-    skipped = [b for b in buckets if b not in TUNED_M_BUCKETS]
-    if skipped and log:
-        log(f"  M buckets {skipped}: M <= 64 runs the split-K kernel (heuristic from the SM count), not tuned")
-    buckets = [b for b in buckets if b in TUNED_M_BUCKETS]
     start = time.monotonic()
     deadline = start + budget_s
     results: list[TuneResult] = []
@@ -693,9 +684,6 @@ def autotune_config(
     CUDA-graph capture or a torch.compile trace.
     """
     _check_can_tune()
-    if m_bucket(m) not in TUNED_M_BUCKETS:
-        raise ValueError(f"M={m}: GEMMs with M <= 64 run the split-K kernel, which is not table-tuned; "
-                         f"autotune M > 64")
     dev = torch.device(device) if device is not None else torch.device("cuda")
     results = tune_shape(n, k, [m], dev, granularity=granularity, budget_s=budget_s)
     if not results:
@@ -714,8 +702,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-config", metavar="PATH", default=None,
                         help="a Hugging Face config.json (or its folder): tune the shapes of its linear layers")
     parser.add_argument("--m", nargs="+", type=int, default=None, metavar="M",
-                        help=f"M values > 64; tuned per bucket {list(TUNED_M_BUCKETS)} (default: all of them); "
-                             "M <= 64 runs the split-K kernel, configured from the SM count")
+                        help=f"M values; tuned per bucket {list(M_BUCKETS)} (default: all buckets)")
     parser.add_argument("--granularity", choices=GRANULARITY_KEYS, default="block",
                         help="weight scale granularity to tune for (default: block = 128x128)")
     parser.add_argument("--out", metavar="FILE", default=None,
@@ -772,7 +759,7 @@ def run(args: argparse.Namespace) -> int:
     if base is not None and base.device != name:
         log(f"fp8linear tune: --base is a table for {base.device!r}, this device is {name!r}")
         return 2
-    ms = args.m or list(TUNED_M_BUCKETS)
+    ms = args.m or list(M_BUCKETS)
     if any(m < 1 for m in ms):
         log("fp8linear tune: --m values must be >= 1")
         return 2

@@ -425,18 +425,15 @@ def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = tuning.device_name(device)
     out = tmp_path / "table.json"
-    rc = cli_main(["tune", "--shapes", "128,256", "--m", "3", "100", "--max-candidates", "2", "--budget-s", "60",
+    rc = cli_main(["tune", "--shapes", "128,256", "--m", "3", "--max-candidates", "2", "--budget-s", "60",
                    "--device", device, "--out", str(out)])
     assert rc == 0
     t = tuning.load_table(out)
-    # M=3 is skipped (the split-K kernel serves M <= 64); M=100 is tuned in bucket 128
-    assert t.device == name and set(t.shapes) == {"128,256"} and set(t.shapes["128,256"]) == {128}
-    entry = t.shapes["128,256"][128]
+    assert t.device == name and set(t.shapes) == {"128,256"} and set(t.shapes["128,256"]) == {4}
+    entry = t.shapes["128,256"][4]
     assert entry["tried"] == 2 and entry["us"] > 0 and entry["heuristic_us"] > 0
     assert t.meta["tool"] == "fp8linear tune"
     # the same result through the library API lands in the autotune cache and is found by lookups
-    got = tuning.autotune_config(100, 128, 256, device, budget_s=0.0)  # budget 0: the heuristic only
-    assert tuning.lookup_config(name, 100, 128, 256) == got
-    assert tuning.load_table(tuning.cache_table_path(name)).get(128, 256, 128) == got
-    with pytest.raises(ValueError, match="split-K"):
-        tuning.autotune_config(3, 128, 256, device)
+    got = tuning.autotune_config(3, 128, 256, device, budget_s=0.0)  # budget 0: the heuristic only
+    assert tuning.lookup_config(name, 3, 128, 256) == got
+    assert tuning.load_table(tuning.cache_table_path(name)).get(128, 256, 4) == got

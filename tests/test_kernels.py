@@ -165,20 +165,46 @@ def test_gemm_nan_rows_propagate(m):
     assert y[2].isnan().all() and torch.isfinite(y[others]).all()
 
 
-@pytest.mark.parametrize("m,n,k", [(96, 136, 256), (70, 130, 2112), (80, 64, 300), (80, 64, 4096)])
-def test_gemm_kernel_choice(m, n, k):
-    """Short, TMA-aligned K runs the persistent kernel; ragged or long K the plain one; same result."""
-    from fp8linear.ops.configs import GemmConfig
-    from fp8linear.ops.gemm import PERSISTENT_MAX_K, _use_persistent, block_fp8_gemm
+class _LaunchSpy:
+    """Stands in for a @triton.jit kernel: records which kernel a launcher picked, then launches it."""
 
-    x_q, x_s = quantize_activation(torch.randn(m, k, device=KERNEL_DEVICE), backend="triton")
-    w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE) / math.sqrt(k))
-    expected = k % 16 == 0 and k <= PERSISTENT_MAX_K and (not HAS_CUDA or torch.cuda.get_device_capability()[0] >= 9)
-    assert _use_persistent(x_q, w_q, k) == expected
-    assert not _use_persistent(x_q[:, 1:], w_q[:, 1:], k - 1)  # misaligned views never take TMA
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2)
-    bias = torch.randn(n, device=KERNEL_DEVICE)
-    y = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, bias, cfg)
+    def __init__(self, kernel, name: str, log: list[str]):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(
+    "m,n,k,granularity",
+    [(2048, 136, 256, "block"), (2048, 130, 576, "tensor"), (2048, 130, 576, "row"), (96, 136, 256, "block"),
+     (2048, 64, 300, "block"), (2048, 64, 256, "long-K block")],
+)
+def test_gemm_kernel_choice(m, n, k, granularity, monkeypatch):
+    """Short TMA-aligned K with M >= 2048 and uniform weight scales runs the persistent kernel;
+    everything else the plain tiled kernel; both compute the same function."""
+    from fp8linear.ops import gemm
+
+    if granularity == "long-K block":  # K above the persistent limit, at an interpreter-friendly size
+        monkeypatch.setattr(gemm, "PERSISTENT_MAX_K", k - 128)
+        granularity = "block"
+    dev = KERNEL_DEVICE
+    x_q, x_s = quantize_activation(torch.randn(m, k, device=dev), backend="triton")
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / math.sqrt(k), granularity)
+    if granularity == "tensor":
+        w_s = w_s.reshape(())
+    hopper = not HAS_CUDA or torch.cuda.get_device_capability()[0] >= 9
+    expected = hopper and k % 16 == 0 and k <= gemm.PERSISTENT_MAX_K
+    assert gemm._use_persistent(x_q, w_q, k) == expected
+    assert not gemm._use_persistent(x_q[:, 1:], w_q[:, 1:], k - 1)  # misaligned views never take TMA
+    launched: list[str] = []
+    for name in ("_block_fp8_gemm_kernel", "_block_fp8_gemm_persistent_kernel"):
+        monkeypatch.setattr(gemm, name, _LaunchSpy(getattr(gemm, name), name, launched))
+    bias = torch.randn(n, device=dev)
+    y = gemm.block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.float32, bias)
+    persistent = expected and m >= gemm.PERSISTENT_MIN_M and granularity != "row"
+    assert launched == ["_block_fp8_gemm_persistent_kernel" if persistent else "_block_fp8_gemm_kernel"]
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64) + bias.double()
     assert rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
 
@@ -223,21 +249,22 @@ def test_splitk_gemm_is_deterministic():
         assert same_bits(splitk_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, cfg), first)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 1024), (1, 7168, 2048), (64, 2048, 7168), (17, 576, 7168), (8, 128, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (1, 64, 1024), (64, 2048, 7168), (17, 576, 7168), (8, 128, 128)])
 def test_splitk_heuristic(m, n, k):
-    """The heuristic splits only when tiles leave SMs idle, into non-empty splits of >= 2 K groups."""
+    """Split only long K (>= 32 groups) whose tiles leave SMs idle, into non-empty splits of >= 2 groups."""
     from fp8linear.ops.splitk_gemm import sm_count, splitk_config
 
     dev = torch.device(KERNEL_DEVICE)
     cfg = splitk_config(m, n, k, dev)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    tiles = -(-m // block_m) * -(-n // 64)
     groups = -(-k // 128)
-    assert cfg.block_m >= min(m, 64) or cfg.block_m == 64
-    if 4 * tiles >= 3 * sm_count(dev):
-        assert cfg.split_k == 1
+    if groups < 32 or tiles >= sm_count(dev):
+        assert cfg is None
+        return
+    assert cfg is not None and cfg.block_m == block_m and cfg.split_k > 1
     per_split = -(-groups // cfg.split_k)
-    assert -(-groups // per_split) == cfg.split_k  # no empty split
-    assert cfg.split_k == 1 or per_split >= 2
+    assert -(-groups // per_split) == cfg.split_k and per_split >= 2  # no empty split
 
 
 @pytest.mark.parametrize(

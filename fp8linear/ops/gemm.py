@@ -35,12 +35,16 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - older Triton: the plain kernel serves every shape
     TensorDescriptor = None
 from .configs import SMALL_M_MAX, GemmConfig, select_config
-from .splitk_gemm import SplitKConfig, sm_count, splitk_fp8_gemm
+from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
 __all__ = ["block_fp8_gemm"]
 
-# K up to this takes the persistent TMA kernel (H100 sweep, see the module docstring).
+# Short K (up to PERSISTENT_MAX_K) with M >= PERSISTENT_MIN_M and 128x128-block or per-tensor
+# weights runs the persistent TMA kernel with PERSISTENT_CONFIG (H100, see the module docstring;
+# with row-wise scales or smaller tiles it was slower, up to 9x for row-wise at N=24576, K=1536).
 PERSISTENT_MAX_K = 2304
+PERSISTENT_MIN_M = 2048
+PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
 
 @triton.jit
@@ -164,13 +168,17 @@ def block_fp8_gemm(
 ) -> torch.Tensor:
     """Launch the GEMM on validated, K-contiguous operands: x_q (M, K), w_q (N, K).
 
-    Without a `config`, GEMMs with M <= SMALL_M_MAX take the split-K kernel
-    (:mod:`fp8linear.ops.splitk_gemm`) and larger ones this tiled kernel.
+    Without a `config`: GEMMs with M <= SMALL_M_MAX whose tiles leave SMs idle over a long K
+    take the split-K kernel (:mod:`fp8linear.ops.splitk_gemm`); short-K GEMMs with M >= 2048 and
+    uniform weight scales the persistent TMA kernel; everything else the tiled kernel with the
+    tuned/heuristic config.
     """
     m, k = x_q.shape
-    if isinstance(config, SplitKConfig) or (config is None and m <= SMALL_M_MAX):
-        return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, config)
     n = w_q.shape[0]
+    if config is None and m <= SMALL_M_MAX:
+        config = splitk_config(m, n, k, x_q.device)
+    if isinstance(config, SplitKConfig):
+        return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, config)
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return y
@@ -179,12 +187,13 @@ def block_fp8_gemm(
     else:
         ws_group_n = GROUP_SIZE if granularity == "block" else 1
         stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1)
-    cfg = config or select_config(x_q.device, m, n, k, granularity)
+    persistent = config is None and m >= PERSISTENT_MIN_M and granularity != "row" and _use_persistent(x_q, w_q, k)
+    cfg = PERSISTENT_CONFIG if persistent else (config or select_config(x_q.device, m, n, k, granularity))
     # The weight scale is one value per K group across a tile for per-tensor weights, and for
     # 128x128 blocks when a tile never straddles two 128-row blocks.
     uniform = granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if _use_persistent(x_q, w_q, k):
+    if persistent:
         programs = min(tiles, sm_count(x_q.device))
         _block_fp8_gemm_persistent_kernel[(programs,)](
             TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k]), x_s,

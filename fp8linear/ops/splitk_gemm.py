@@ -5,8 +5,8 @@ many SMs stream the weight at once: with N=576 and 64-column tiles there are onl
 Split-K spreads each tile's K groups over several programs so that every SM streams weights. Each
 program writes its fp32 partial tile to a workspace and bumps a per-tile counter; the program that
 arrives last sums the partials *in split order* — the result does not depend on which program
-arrives last, so it is deterministic — and writes y (+ bias) in the output dtype. Without a split
-(enough tiles already) the program writes y directly.
+arrives last, so it is deterministic — and writes y (+ bias) in the output dtype. Where K is
+short or the tiles already fill the GPU, :func:`splitk_config` says no and the tiled kernel runs.
 
 Scaling is the same promotion as :mod:`fp8linear.ops.gemm`: one 128-K group per tensor-core
 product, scaled into the fp32 accumulator. Fusing the activation quantization into this kernel
@@ -29,6 +29,8 @@ __all__ = ["SplitKConfig", "sm_count", "splitk_config", "splitk_fp8_gemm"]
 
 # Each program gets at least 2 K groups (256 of K): the limit the H100 sweep was run with.
 _MIN_GROUPS_PER_SPLIT = 2
+# Only K of at least 32 groups (4096) is split: shorter K was faster unsplit on H100.
+_MIN_SPLIT_GROUPS = 32
 
 
 @dataclass(frozen=True)
@@ -124,24 +126,27 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig:
-    """Heuristic launch config (H100 sweep over the DeepSeek-V3 shapes at M in {1, 4, 16, 64}).
+def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig | None:
+    """Split-K launch config for a small-M GEMM, or None where the tiled kernel is the better choice.
 
-    16/32/64-row x 64-column tiles, 4 warps, 4 stages. Split K until there is about one program
-    per SM (1.08x per-tensor cuBLAS geometric mean at M=1, vs 1.43x for the tiled kernel without
-    split), but not when the tiles alone already fill 3/4 of the SMs: then the partial-sum round
-    trip costs more than it gains (N=7168, K=2048: 9.0 us unsplit vs 10.7 us split).
+    H100, DeepSeek-V3 shapes at M in {1, 4, 16, 64} (benchmarks/kernel_sweep.py --decode):
+    splitting pays when the output tiles leave SMs idle and K is long, e.g. M=1, N=576, K=7168:
+    7.2 us vs 20.1 us for the tuned tiled kernel. With short K (N=4096, K=512, M=16: 6.0 vs
+    3.7 us) or enough tiles (N=18432, K=7168, M=1: 59.5 vs 53.0 us) the partial-sum round trip
+    and the counter reset cost more than the extra SMs bring, so those stay tiled. Tiles are
+    16/32/64 rows x 64 columns with 4 warps and 4 stages; the split gives about one program per
+    SM, each with at least 2 K groups.
     """
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     groups = triton.cdiv(k, GROUP_SIZE)
     sms = sm_count(device)
-    split = 1
-    if 4 * tiles < 3 * sms:
-        split = max(1, min(triton.cdiv(sms, tiles), groups // _MIN_GROUPS_PER_SPLIT))
-        split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
-    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split)
+    if groups < _MIN_SPLIT_GROUPS or tiles >= sms:
+        return None
+    split = max(1, min(triton.cdiv(sms, tiles), groups // _MIN_GROUPS_PER_SPLIT))
+    split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
+    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split) if split > 1 else None
 
 
 def splitk_fp8_gemm(
@@ -167,7 +172,7 @@ def splitk_fp8_gemm(
     else:
         ws_group_n = GROUP_SIZE if granularity == "block" else 1
         stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1)
-    cfg = config or splitk_config(m, n, k, x.device)
+    cfg = config or splitk_config(m, n, k, x.device) or SplitKConfig(block_m=16, block_n=64, split_k=1)
     groups = triton.cdiv(k, GROUP_SIZE)
     groups_per_split = triton.cdiv(groups, min(cfg.split_k, groups))
     split = triton.cdiv(groups, groups_per_split)
