@@ -428,7 +428,12 @@ def test_gpu_generate_static_cache_compiled(tmp_path):
     compiled2 = model.generate(prompt, **kwargs)  # replays the captured CUDA graphs
     assert getattr(model, "_compiled_call", None) is not None, "generate() did not compile the forward"
     assert torch.equal(compiled, compiled2)
-    assert (compiled == eager).float().mean() > 0.9
+    assert compiled.shape == eager.shape and torch.equal(compiled[:, :12], prompt)
+    # Greedy sequences of a random-weight model part ways after the first near-tie that compiled
+    # and eager kernels round differently (measured on H100: 66% equal tokens),
+    # so compare per position under teacher forcing: eager's choice given compiled's prefix.
+    teacher = logits(model, compiled[:, :-1])[:, 11:].argmax(-1)
+    assert (teacher == compiled[:, 12:]).float().mean() >= 0.9
 
 
 @pytest.mark.gpu

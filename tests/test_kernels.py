@@ -316,3 +316,24 @@ def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("FP8LINEAR_BACKEND", "bogus")
     with pytest.raises(ValueError, match="FP8LINEAR_BACKEND must be one of"):
         quantize_activation(torch.randn(2, 128))
+
+
+def test_eager_calls_skip_the_custom_op_dispatcher():
+    """Eager mode calls the launcher directly (host overhead); torch.compile traces the custom op."""
+    from fp8linear.functional import eager_or_traced
+
+    calls: list[str] = []
+
+    def op(x):
+        calls.append("op")
+        return x + 1
+
+    def launcher(x):
+        calls.append("launcher")
+        return x + 1
+
+    fn = eager_or_traced(op, launcher)
+    assert fn(torch.ones(2)).tolist() == [2.0, 2.0] and calls == ["launcher"]
+    calls.clear()
+    compiled = torch.compile(lambda x: fn(x) * 2, backend="eager", fullgraph=True)
+    assert compiled(torch.ones(2)).tolist() == [4.0, 4.0] and calls == ["op"]

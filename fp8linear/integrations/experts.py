@@ -32,7 +32,7 @@ from torch import nn
 
 from ..backend import resolve_backend
 from ..formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
-from ..functional import dequantize_weight, quantize_activation, quantize_weight
+from ..functional import dequantize_weight, eager_or_traced, quantize_activation, quantize_weight
 from ..module import QuantizedDtypesMixin
 from ..ops import HAS_TRITON
 from ..reference import (
@@ -89,10 +89,21 @@ if HAS_TRITON:
 
     @torch.library.custom_op("fp8linear::moe_align", mutates_args=())
     def _moe_align_op(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _moe_align_launcher(top_k_index, num_experts, block_m)
+
+    def _moe_align_launcher(top_k_index: torch.Tensor, num_experts: int, block_m: int):
         from ..ops.grouped_gemm import moe_align_block_size
 
         r = moe_align_block_size(top_k_index, num_experts, block_m, method="kernel")
         return r.sorted_pair_ids, r.block_expert
+
+    def _grouped_gemm_launcher(*args):
+        from ..ops.grouped_gemm import grouped_fp8_gemm
+
+        return grouped_fp8_gemm(*args)
+
+    _moe_align_call = eager_or_traced(_moe_align_op, _moe_align_launcher)
+    _grouped_gemm_call = eager_or_traced(_grouped_gemm_op, _grouped_gemm_launcher)
 
     @_moe_align_op.register_fake
     def _(top_k_index, num_experts, block_m):
@@ -112,7 +123,7 @@ def _align(top_k_index: torch.Tensor, num_experts: int, block_m: int):
 
     if top_k_index.numel() > ALIGN_KERNEL_MAX_PAIRS or top_k_index.numel() == 0:
         return moe_align_block_size(top_k_index, num_experts, block_m, method="torch")
-    sorted_pair_ids, block_expert = _moe_align_op(top_k_index, num_experts, block_m)
+    sorted_pair_ids, block_expert = _moe_align_call(top_k_index, num_experts, block_m)
     return MoeRouting(sorted_pair_ids, block_expert, block_m, top_k_index.numel(), top_k_index.shape[1])
 
 
@@ -231,7 +242,7 @@ def grouped_fp8_matmul(
         a_q = a_q.contiguous()
     if w_q.stride(-1) != 1:
         w_q = w_q.contiguous()
-    return _grouped_gemm_op(
+    return _grouped_gemm_call(
         a_q, a_s.contiguous(), w_q, w_s, routing.sorted_pair_ids, routing.block_expert, num_pairs, a_row_div,
         granularity, out_dtype,
         bias.contiguous() if bias is not None else None,
