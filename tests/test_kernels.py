@@ -219,9 +219,10 @@ SPLITK_CONFIGS = [
 
 @pytest.mark.parametrize("config", SPLITK_CONFIGS)
 @pytest.mark.parametrize("granularity", GRANS)
-@pytest.mark.parametrize("m,n,k", [(1, 200, 2112), (5, 300, 640), (40, 130, 300)])
-def test_splitk_gemm_configs(config, granularity, m, n, k):
-    """The split-K kernel computes the same function for every split and tile, bias included."""
+@pytest.mark.parametrize("m,n,k,out_dtype", [(1, 200, 2112, torch.bfloat16), (5, 300, 640, torch.float16),
+                                             (40, 130, 300, torch.float32)])
+def test_splitk_gemm_configs(config, granularity, m, n, k, out_dtype):
+    """The split-K kernel computes the same function for every split, tile and output dtype, bias included."""
     from fp8linear.ops.splitk_gemm import SplitKConfig
     from fp8linear.ops.gemm import block_fp8_gemm
 
@@ -231,9 +232,9 @@ def test_splitk_gemm_configs(config, granularity, m, n, k):
     if granularity == "tensor":
         w_s = w_s.reshape(())
     bias = torch.randn(n, device=dev)
-    y = block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.float32, bias, SplitKConfig(**config))
+    y = block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, SplitKConfig(**config))
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64) + bias.double()
-    assert y.shape == (m, n) and rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
+    assert y.shape == (m, n) and y.dtype == out_dtype and rel_err(y, ref) < KERNEL_GEMM_TOL[out_dtype]
 
 
 def test_splitk_gemm_is_deterministic():

@@ -100,13 +100,15 @@ def _splitk_fp8_gemm_kernel(
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if SPLIT:
-        tl.store(part_ptr + pid_s * M * N + mn, acc, mask=out_mask)
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + mn, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the counter says so
         arrived = tl.atomic_add(count_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:  # the last program of this tile reduces it
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, tl.num_programs(1)):  # split order, whoever arrived last
-                acc += tl.load(part_ptr + s * M * N + mn, mask=out_mask, other=0.0, cache_modifier=".cg")
+            part_ptrs = part_ptr + mn
+            for _ in range(0, tl.num_programs(1)):  # split order, whoever arrived last
+                acc += tl.load(part_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += M * N
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
