@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -437,3 +438,16 @@ def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):
     got = tuning.autotune_config(3, 128, 256, device, budget_s=0.0)  # budget 0: the heuristic only
     assert tuning.lookup_config(name, 3, 128, 256) == got
     assert tuning.load_table(tuning.cache_table_path(name)).get(128, 256, 4) == got
+
+
+@pytest.mark.parametrize("path", sorted((Path(tuning.__file__).parent / "configs").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_tables_are_valid(path):
+    """Every table in the package parses, is named after its device and covers the issue-3 shapes."""
+    table = tuning.load_table(path)
+    assert tuning.table_filename(table.device) == path.name
+    assert len(table.shapes) >= 15 and all(len(b) >= 1 for b in table.shapes.values())
+    for key in ("7168,18432", "576,7168", "7168,2304"):
+        assert set(table.shapes[key]) == set(tuning.M_BUCKETS), key
+    for buckets in table.shapes.values():
+        for entry in buckets.values():
+            assert entry["us"] > 0 and entry["us"] <= entry["heuristic_us"] * 1.05
