@@ -250,22 +250,27 @@ def test_splitk_gemm_is_deterministic():
         assert same_bits(splitk_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32, None, cfg), first)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (1, 64, 1024), (64, 2048, 7168), (17, 576, 7168), (8, 128, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (1, 64, 1024), (64, 2048, 7168), (17, 576, 7168), (8, 128, 128),
+                                   (1, 18432, 7168)])
 def test_splitk_heuristic(m, n, k):
-    """Split only long K (>= 32 groups) whose tiles leave SMs idle, into non-empty splits of >= 2 groups."""
+    """Split only long K (>= 32 groups), into about 2 programs per SM with >= 4 groups each."""
     from fp8linear.ops.splitk_gemm import sm_count, splitk_config
 
     dev = torch.device(KERNEL_DEVICE)
     cfg = splitk_config(m, n, k, dev)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    tiles = -(-m // block_m) * -(-n // 64)
     groups = -(-k // 128)
-    if groups < 32 or tiles >= sm_count(dev):
+    if groups < 32:
         assert cfg is None
         return
-    assert cfg is not None and cfg.block_m == block_m and cfg.split_k > 1
+    block_m, block_n = (16 if m <= 16 else (32 if m <= 32 else 64)), (64 if m <= 8 else 32)
+    tiles = -(-m // block_m) * -(-n // block_n)
+    if tiles >= 2 * sm_count(dev):  # enough tiles: no split
+        assert cfg is None
+        return
+    assert cfg is not None and (cfg.block_m, cfg.block_n) == (block_m, block_n) and cfg.split_k > 1
     per_split = -(-groups // cfg.split_k)
-    assert -(-groups // per_split) == cfg.split_k and per_split >= 2  # no empty split
+    assert -(-groups // per_split) == cfg.split_k and per_split >= 4  # no empty split
+    assert tiles * cfg.split_k <= 3 * sm_count(dev) or per_split == 4
 
 
 @pytest.mark.parametrize(

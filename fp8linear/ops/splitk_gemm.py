@@ -27,8 +27,10 @@ from ..formats import GROUP_SIZE
 
 __all__ = ["SplitKConfig", "sm_count", "splitk_config", "splitk_fp8_gemm"]
 
-# Each program gets at least 2 K groups (256 of K): the limit the H100 sweep was run with.
-_MIN_GROUPS_PER_SPLIT = 2
+# Split-K targets about this many programs per SM (H100 sweep: 2 beat 1 and 4).
+_PROGRAMS_PER_SM = 2
+# Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits.
+_MIN_GROUPS_PER_SPLIT = 4
 # Only K of at least 32 groups (4096) is split: shorter K was faster unsplit on H100.
 _MIN_SPLIT_GROUPS = 32
 
@@ -131,24 +133,26 @@ def sm_count(device: torch.device) -> int:
 def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig | None:
     """Split-K launch config for a small-M GEMM, or None where the tiled kernel is the better choice.
 
-    H100, DeepSeek-V3 shapes at M in {1, 4, 16, 64} (benchmarks/kernel_sweep.py --decode):
-    splitting pays when the output tiles leave SMs idle and K is long, e.g. M=1, N=576, K=7168:
-    7.2 us vs 20.1 us for the tuned tiled kernel. With short K (N=4096, K=512, M=16: 6.0 vs
-    3.7 us) or enough tiles (N=18432, K=7168, M=1: 59.5 vs 53.0 us) the partial-sum round trip
-    and the counter reset cost more than the extra SMs bring, so those stay tiled. Tiles are
-    16/32/64 rows x 64 columns with 4 warps and 4 stages; the split gives about one program per
-    SM, each with at least 2 K groups.
+    From H100 sweeps (benchmarks/splitk_sweep.py, DeepSeek-V3 shapes plus 4608x7168, M in
+    {1, 4, 16, 64}): splitting pays when K is long (>= 32 groups), e.g. M=1, N=576, K=7168: 7.1
+    vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. About two programs per SM
+    were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
+    us at N=4608), with at least 4 K groups each. Tiles: 16/32/64 rows (as M needs) x 64 columns
+    for M <= 8, x 32 columns above (more tiles to spread: M=16, N=2048: 10.5 vs 11.7 us); 4
+    warps, 4 stages. Short K stays tiled: there the partial-sum round trip and the counter
+    reset cost more than the extra SMs bring (N=4096, K=512, M=16: 6.0 vs 3.7 us).
     """
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     groups = triton.cdiv(k, GROUP_SIZE)
-    sms = sm_count(device)
-    if groups < _MIN_SPLIT_GROUPS or tiles >= sms:
+    if groups < _MIN_SPLIT_GROUPS:
         return None
-    split = max(1, min(triton.cdiv(sms, tiles), groups // _MIN_GROUPS_PER_SPLIT))
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64 if m <= 8 else 32
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = min(round(_PROGRAMS_PER_SM * sm_count(device) / tiles), groups // _MIN_GROUPS_PER_SPLIT)
+    if split < 2:
+        return None
     split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
-    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split) if split > 1 else None
+    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split)
 
 
 def splitk_fp8_gemm(
