@@ -36,7 +36,7 @@ if HAS_CUDA:
 else:  # interpreter: small but ragged in every dimension
     # M <= 64 takes the split-K kernel; larger M the tiled kernel, persistent TMA when K % 16 == 0.
     GEMM_SHAPES = [(1, 128, 128), (3, 300, 300), (20, 576, 256), (33, 130, 576), (80, 200, 300), (96, 136, 256)]
-    QUANT_SHAPES = [(1, 128), (3, 300), (17, 576), (40, 1000)]
+    QUANT_SHAPES = [(1, 128), (3, 300), (17, 576), (40, 1000), (70, 256)]  # 1-, 4- and 16-row programs
 
 
 # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest, which
