@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import statistics
 import tempfile
 import time
 
@@ -54,21 +55,33 @@ def sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def timed_generation(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
-    """(prefill tokens/s, decode tokens/s, generated ids) for greedy generation at this batch."""
+def timed_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 3) -> tuple[float, float, torch.Tensor]:
+    """(prefill tokens/s, decode tokens/s, generated ids) for greedy generation at this batch.
+
+    Medians of `repeats` timed calls after a warm-up (single calls were seen 4x off on an H100).
+    Prefill = generate(max_new_tokens=1); decode = (full generation - prefill) / (new_tokens - 1).
+    """
     kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
     model.generate(prompt, max_new_tokens=new_tokens, **kw)  # warm-up (and compilation)
-    dev = prompt.device
-    sync(dev)
-    t0 = time.perf_counter()
     model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
-    sync(dev)
-    prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, **kw)
-    sync(dev)
-    decode = time.perf_counter() - t0 - prefill
-    return prompt.numel() / prefill, prompt.shape[0] * (new_tokens - 1) / max(decode, 1e-9), out[:, prompt.shape[1]:]
+    dev = prompt.device
+
+    def timed(fn) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        return time.perf_counter() - t0
+
+    prefill = statistics.median(
+        timed(lambda: model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)) for _ in range(repeats)
+    )
+    outs = []
+    full = statistics.median(
+        timed(lambda: outs.append(model.generate(prompt, max_new_tokens=new_tokens, **kw))) for _ in range(repeats)
+    )
+    decode = full - prefill
+    return prompt.numel() / prefill, prompt.shape[0] * (new_tokens - 1) / max(decode, 1e-9), outs[-1][:, prompt.shape[1]:]
 
 
 @torch.no_grad()
