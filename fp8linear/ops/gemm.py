@@ -35,6 +35,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - older Triton: the plain kernel serves every shape
     TensorDescriptor = None
 from .configs import SMALL_M_MAX, GemmConfig, select_config
+from .gemm_common import promote, store_tile, weight_scale_ptrs
 from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
 __all__ = ["block_fp8_gemm"]
@@ -78,11 +79,9 @@ def _block_fp8_gemm_kernel(
     x_ptrs = x_ptr + safe_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_k[:, None]
     xs_ptrs = xs_ptr + safe_m * stride_xsm
-    ws_ptrs = ws_ptr + (safe_n // WS_GROUP_N) * stride_wsn
+    ws_ptrs = weight_scale_ptrs(ws_ptr, pid_n, safe_n, stride_wsn, BLOCK_N, WS_GROUP_N, W_SCALE_UNIFORM)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if W_SCALE_UNIFORM:  # one weight scale per K group for the whole tile: load a scalar
-        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // WS_GROUP_N) * stride_wsn
     for k_step in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k_step * BLOCK_K
         x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
@@ -90,17 +89,10 @@ def _block_fp8_gemm_kernel(
         k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
         x_s = tl.load(xs_ptrs + k_group)
         w_s = tl.load(ws_ptrs + k_group * stride_wsk)
-        if W_SCALE_UNIFORM:
-            acc += tl.dot(x, w) * (x_s * w_s)[:, None]
-        else:
-            acc += tl.dot(x, w) * (x_s[:, None] * w_s[None, :])
+        acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
 
 
 @triton.jit
@@ -122,10 +114,7 @@ def _block_fp8_gemm_persistent_kernel(
         safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
         safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
         xs_ptrs = xs_ptr + safe_m * stride_xsm
-        if W_SCALE_UNIFORM:
-            ws_ptrs = ws_ptr + (pid_n * BLOCK_N // WS_GROUP_N) * stride_wsn
-        else:
-            ws_ptrs = ws_ptr + (safe_n // WS_GROUP_N) * stride_wsn
+        ws_ptrs = weight_scale_ptrs(ws_ptr, pid_n, safe_n, stride_wsn, BLOCK_N, WS_GROUP_N, W_SCALE_UNIFORM)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_step in range(0, k_steps):
             x = x_desc.load([pid_m * BLOCK_M, k_step * BLOCK_K])
@@ -133,14 +122,8 @@ def _block_fp8_gemm_persistent_kernel(
             k_group = k_step // SCALE_GROUP_K
             x_s = tl.load(xs_ptrs + k_group)
             w_s = tl.load(ws_ptrs + k_group * stride_wsk)
-            if W_SCALE_UNIFORM:
-                acc += tl.dot(x, w.T) * (x_s * w_s)[:, None]
-            else:
-                acc += tl.dot(x, w.T) * (x_s[:, None] * w_s[None, :])
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            acc = promote(acc, tl.dot(x, w.T), x_s, w_s, W_SCALE_UNIFORM)
+        store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:

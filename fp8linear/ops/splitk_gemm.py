@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
+from .gemm_common import promote, store_tile, weight_scale_ptrs
 
 __all__ = ["SplitKConfig", "sm_count", "splitk_config", "splitk_fp8_gemm"]
 
@@ -80,10 +81,7 @@ def _splitk_fp8_gemm_kernel(
     k_first = g_first * GROUP
     x_ptrs = x_ptr + safe_m[:, None] * stride_xm + (k_first + offs_k)[None, :]
     w_ptrs = w_ptr + safe_n[None, :] * stride_wn + (k_first + offs_k)[:, None]
-    if W_SCALE_UNIFORM:
-        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // WS_GROUP_N) * stride_wsn
-    else:
-        ws_ptrs = ws_ptr + (safe_n // WS_GROUP_N) * stride_wsn
+    ws_ptrs = weight_scale_ptrs(ws_ptr, pid_n, safe_n, stride_wsn, BLOCK_N, WS_GROUP_N, W_SCALE_UNIFORM)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(g_first, g_last):
@@ -92,16 +90,13 @@ def _splitk_fp8_gemm_kernel(
         x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         x_s = tl.load(xs_ptr + safe_m * stride_xsm + g)
         w_s = tl.load(ws_ptrs + g * stride_wsk)
-        if W_SCALE_UNIFORM:
-            acc += tl.dot(x, w) * (x_s * w_s)[:, None]
-        else:
-            acc += tl.dot(x, w) * (x_s[:, None] * w_s[None, :])
+        acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
         x_ptrs += GROUP
         w_ptrs += GROUP
 
-    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if SPLIT:
+        out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_s.to(tl.int64) * M * N + mn, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the counter says so
         arrived = tl.atomic_add(count_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
@@ -111,15 +106,9 @@ def _splitk_fp8_gemm_kernel(
             for _ in range(0, tl.num_programs(1)):  # split order, whoever arrived last
                 acc += tl.load(part_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
                 part_ptrs += M * N
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-            y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
 
 
 @lru_cache(maxsize=16)

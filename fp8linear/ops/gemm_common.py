@@ -1,0 +1,43 @@
+"""`@triton.jit` building blocks shared by the blockwise FP8 GEMM kernels (tiled, persistent, split-K).
+
+One place for the numerics every kernel must agree on: where a tile's weight scales live, how one
+128-wide K group's tensor-core product is promoted into the fp32 accumulator, and the epilogue.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["promote", "store_tile", "weight_scale_ptrs"]
+
+
+@triton.jit
+def weight_scale_ptrs(ws_ptr, pid_n, safe_n, stride_wsn, BLOCK_N: tl.constexpr, WS_GROUP_N: tl.constexpr,
+                      W_SCALE_UNIFORM: tl.constexpr):
+    """Pointers to a tile's weight scales of K group 0 (add ``group * stride_wsk``): one scalar when
+    the scale is uniform across the tile (per-tensor, or 128x128 blocks with BLOCK_N <= 128), else
+    one per output column (row-wise: WS_GROUP_N=1)."""
+    if W_SCALE_UNIFORM:
+        return ws_ptr + (pid_n * BLOCK_N // WS_GROUP_N) * stride_wsn
+    else:
+        return ws_ptr + (safe_n // WS_GROUP_N) * stride_wsn
+
+
+@triton.jit
+def promote(acc, product, x_s, w_s, W_SCALE_UNIFORM: tl.constexpr):
+    """acc + product * x_s[m] * w_s[n]: one K group's tensor-core product, scaled, into the fp32
+    accumulator (one FMA per element when the weight scale is a scalar)."""
+    if W_SCALE_UNIFORM:
+        return acc + product * (x_s * w_s)[:, None]
+    else:
+        return acc + product * (x_s[:, None] * w_s[None, :])
+
+
+@triton.jit
+def store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """Add the bias (fp32) and store the tile in y's dtype, masked to the (M, N) output."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
