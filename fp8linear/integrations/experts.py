@@ -58,6 +58,11 @@ _QUANT_CHUNK = 8
 
 # ----------------------------------------------------------------------------- custom op
 if HAS_TRITON:
+    from ..ops.grouped_gemm import align_num_blocks, grouped_fp8_gemm, moe_align_block_size
+
+    def _moe_align_launcher(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+        r = moe_align_block_size(top_k_index, num_experts, block_m, method="kernel")
+        return r.sorted_pair_ids, r.block_expert
 
     @torch.library.custom_op("fp8linear::grouped_fp8_gemm", mutates_args=())
     def _grouped_gemm_op(
@@ -74,8 +79,6 @@ if HAS_TRITON:
         bias: torch.Tensor | None,
         topk_weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        from ..ops.grouped_gemm import grouped_fp8_gemm
-
         return grouped_fp8_gemm(
             a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div,
             granularity, out_dtype, bias, topk_weights,
@@ -86,34 +89,21 @@ if HAS_TRITON:
           bias, topk_weights):
         return a_q.new_empty((num_pairs, w_q.shape[1]), dtype=out_dtype)
 
-
     @torch.library.custom_op("fp8linear::moe_align", mutates_args=())
     def _moe_align_op(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _moe_align_launcher(top_k_index, num_experts, block_m)
 
-    def _moe_align_launcher(top_k_index: torch.Tensor, num_experts: int, block_m: int):
-        from ..ops.grouped_gemm import moe_align_block_size
-
-        r = moe_align_block_size(top_k_index, num_experts, block_m, method="kernel")
-        return r.sorted_pair_ids, r.block_expert
-
-    def _grouped_gemm_launcher(*args):
-        from ..ops.grouped_gemm import grouped_fp8_gemm
-
-        return grouped_fp8_gemm(*args)
-
-    _moe_align_call = eager_or_traced(_moe_align_op, _moe_align_launcher)
-    _grouped_gemm_call = eager_or_traced(_grouped_gemm_op, _grouped_gemm_launcher)
-
     @_moe_align_op.register_fake
     def _(top_k_index, num_experts, block_m):
-        from ..ops.grouped_gemm import align_num_blocks
-
         num_blocks = align_num_blocks(top_k_index.numel(), num_experts, block_m)
         return (
             top_k_index.new_empty((num_blocks * block_m,), dtype=torch.int32),
             top_k_index.new_empty((num_blocks,), dtype=torch.int32),
         )
+
+    # Eager calls go straight to the launchers; torch.compile traces the ops (see eager_or_traced).
+    _moe_align_call = eager_or_traced(_moe_align_op, _moe_align_launcher)
+    _grouped_gemm_call = eager_or_traced(_grouped_gemm_op, grouped_fp8_gemm)
 
 
 def _align(top_k_index: torch.Tensor, num_experts: int, block_m: int):

@@ -13,8 +13,8 @@ BLOCK_N <= 128, per-tensor). Letting the tensor cores accumulate across groups i
 and was no faster (1348 vs 1243 us at M=4096, N=18432, K=7168): Hopper's FP8 MMA keeps
 about 14 bits while accumulating.
 
-Short K (<= 2304) on NVIDIA runs a persistent variant: one program per SM walks the output
-tiles, loading operands through TMA descriptors, and Triton's flattened loop overlaps a tile's
+Short K (<= 2304) with M >= 2048 and uniform weight scales runs, on Hopper, a persistent
+variant: one program per SM walks the output tiles, loading operands through TMA descriptors, and Triton's flattened loop overlaps a tile's
 epilogue with the next tile's loads. H100, M=4096: K=512 211 vs 304 us, K=1536 413 vs 437 us;
 at K >= 7168 it was 2-4% slower, so long K keeps the plain kernel. Also measured on H100 and not
 adopted (no gain): TMA loads in the plain kernel (+-3%), ``tl.range(warp_specialize=True)``
@@ -29,14 +29,14 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
+from .configs import SMALL_M_MAX, GemmConfig, select_config
+from .gemm_common import promote, store_tile, weight_scale_ptrs
+from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: the plain kernel serves every shape
     TensorDescriptor = None
-from .configs import SMALL_M_MAX, GemmConfig, select_config
-from .gemm_common import promote, store_tile, weight_scale_ptrs
-from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
 __all__ = ["block_fp8_gemm"]
 
