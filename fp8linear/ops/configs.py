@@ -10,10 +10,10 @@ from ..formats import GROUP_SIZE
 
 __all__ = ["SMALL_M_MAX", "GemmConfig", "heuristic_config", "select_config"]
 
-# GEMMs with at most this many rows take the split-K kernel (ops/splitk_gemm.py), larger ones the
-# tiled kernel (ops/gemm.py) with these configs. H100, DeepSeek-V3 decode shapes, geometric mean
-# over 9 shapes: split-K 18.4/19.1/19.1 us at M=1/4/16 vs 23.4/22.3/22.2 us for the tuned tiled
-# kernel (per-tensor cuBLAS: 16.4/16.5/16.6 us); at M=64 21.5 vs 22.8 us.
+# GEMMs with at most this many rows may take the split-K kernel (ops/splitk_gemm.py), where its
+# splitk_config asks for a split (long K, few tiles); everything else runs the tiled kernel
+# (ops/gemm.py) with these configs. H100 sweep behind the limit: on the DeepSeek-V3 shapes the
+# split-K kernel beat the tuned tiled kernel up to M=64 (geometric mean 21.5 vs 22.8 us at M=64).
 SMALL_M_MAX = 64
 
 
@@ -41,7 +41,7 @@ class GemmConfig:
 
 def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
     """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py, 2026-11-22)."""
-    if m <= SMALL_M_MAX:  # only reached with an explicit tiled launch: 16x64 s6 was best at M=4..64
+    if m <= SMALL_M_MAX:  # decode shapes split-K does not take: 16x64 s6 was best at M=4..64
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6)
     if m <= 256 or k <= 256:  # short K or few rows: more CTAs (64x128 best for K=256: 47.5 us)
         return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
