@@ -9,9 +9,11 @@ shipped short-K path). Results (H100, 2026-11-22) are summarised in fp8linear/op
 docs/benchmarks.md. Without a GPU it runs one small shape in the Triton interpreter (correctness
 only).
 
-    python benchmarks/prefill_variants.py [number of shapes]
+    python benchmarks/prefill_variants.py [number of shapes] [variant prefixes, e.g. splitn,twogroup]
 """
+import collections
 import math
+import re
 import sys
 
 import torch
@@ -66,6 +68,78 @@ def ptr_lag_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, G, stride_wsn,
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc += prev * ps[:, None]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(tl.bfloat16), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def ptr_splitn_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, G, stride_wsn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Two tensor-core products per K group, one per half of the tile's columns, so the first
+    half's promotion can run while the second half's MMA is still in flight."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = pid_n * BLOCK_N + tl.arange(0, HALF)
+    offs_n1 = offs_n0 + HALF
+    offs_k = tl.arange(0, BLOCK_K)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n0 = tl.where(offs_n0 < N, offs_n0, 0).to(tl.int64)
+    safe_n1 = tl.where(offs_n1 < N, offs_n1, 0).to(tl.int64)
+    x_ptrs = x_ptr + safe_m[:, None] * K + offs_k[None, :]
+    w0_ptrs = w_ptr + safe_n0[None, :] * K + offs_k[:, None]
+    w1_ptrs = w_ptr + safe_n1[None, :] * K + offs_k[:, None]
+    xs_ptrs = xs_ptr + safe_m * G
+    ws_ptrs = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
+    acc0 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+        x = tl.load(x_ptrs)
+        w0 = tl.load(w0_ptrs)
+        w1 = tl.load(w1_ptrs)
+        s = (tl.load(xs_ptrs + k_step) * tl.load(ws_ptrs + k_step))[:, None]
+        d0 = tl.dot(x, w0)
+        d1 = tl.dot(x, w1)
+        acc0 += d0 * s
+        acc1 += d1 * s
+        x_ptrs += BLOCK_K
+        w0_ptrs += BLOCK_K
+        w1_ptrs += BLOCK_K
+    mask_m = offs_m[:, None] < M
+    y0 = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n0[None, :]
+    tl.store(y0, acc0.to(tl.bfloat16), mask=mask_m & (offs_n0[None, :] < N))
+    tl.store(y0 + HALF, acc1.to(tl.bfloat16), mask=mask_m & (offs_n1[None, :] < N))
+
+
+@triton.jit
+def ptr_twogroup_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, G, stride_wsn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Two 128-wide K groups per iteration (K a multiple of 256): both products are issued before
+    the first promotion, so one group's promotion can overlap the other group's MMA."""
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    x_ptrs = x_ptr + safe_m[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + safe_n[None, :] * K + offs_k[:, None]
+    xs_ptrs = xs_ptr + safe_m * G
+    ws_ptrs = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k2 in range(0, K // 256):
+        x0 = tl.load(x_ptrs)
+        w0 = tl.load(w_ptrs)
+        x1 = tl.load(x_ptrs + 128)
+        w1 = tl.load(w_ptrs + 128)
+        s0 = tl.load(xs_ptrs + 2 * k2) * tl.load(ws_ptrs + 2 * k2)
+        s1 = tl.load(xs_ptrs + 2 * k2 + 1) * tl.load(ws_ptrs + 2 * k2 + 1)
+        d0 = tl.dot(x0, w0)
+        d1 = tl.dot(x1, w1)
+        acc += d0 * s0[:, None]
+        acc += d1 * s1[:, None]
+        x_ptrs += 256
+        w_ptrs += 256
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(y_ptrs, acc.to(tl.bfloat16), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -143,6 +217,7 @@ def main():
         shapes = [(256, 384, 512)]
     if len(sys.argv) > 1:
         shapes = shapes[:int(sys.argv[1])]
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else []  # variant name prefixes to run
     for (m, n, k) in shapes:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
@@ -165,6 +240,12 @@ def main():
         grid = (triton.cdiv(m, 128) * triton.cdiv(n, 128),)
         variants = []
         for st in (3, 4):
+            variants.append((f"splitn_s{st}", lambda st=st: ptr_splitn_kernel[grid](x_q, x_s, w_q, w_s, y, m, n, k, G, w_s.stride(0),
+                                                                    BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=st)))
+            if k % 256 == 0:
+                variants.append((f"twogroup_s{st}", lambda st=st: ptr_twogroup_kernel[grid](x_q, x_s, w_q, w_s, y, m, n, k, G, w_s.stride(0),
+                                                                    BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=st)))
+        for st in (3, 4):
             variants.append((f"ptrlag_s{st}", lambda st=st: ptr_lag_kernel[grid](x_q, x_s, w_q, w_s, y, m, n, k, G, w_s.stride(0),
                                                                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=st)))
         if TensorDescriptor is not None:
@@ -182,11 +263,17 @@ def main():
                     variants.append((f"pers_fl{int(fl)}_ws{int(ws)}", lambda fl=fl, ws=ws: tma_persistent_kernel[(min(sms, grid[0]),)](
                         xd, x_s, wd, w_s, y, m, n, k, G, w_s.stride(0), BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
                         NUM_SMS=sms, FLATTEN=fl, WS=ws, STAGES=4, num_warps=8, num_stages=4)))
+        if only:
+            variants = [v for v in variants if any(v[0].startswith(o) for o in only)]
         for name, fn in variants:
             try:
                 y.zero_()
                 h = fn()
                 regs = f"regs={getattr(h, 'n_regs', '?')} spills={getattr(h, 'n_spills', '?')}"
+                ptx = getattr(h, "asm", {}).get("ptx", "")
+                if ptx:  # how many tensor-core products each wait lets stay in flight
+                    waits = re.findall(r"wgmma.wait_group.sync.aligned\s+(\d+)", ptx)
+                    regs += f" wgmma_waits={dict(collections.Counter(waits))}"
                 torch.cuda.synchronize() if dev == "cuda" else None
                 e = err(y)
                 res[name] = (bench(fn), f'{e:.2e} {regs}')

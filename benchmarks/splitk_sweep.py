@@ -7,7 +7,7 @@ weights, and a grid of split-K configs (block_m x block_n x stages x programs-pe
 no split). CUDA-graph timing over weight copies larger than 2x L2, as `fp8linear bench` does. This
 is the sweep behind splitk_config's rules; needs a CUDA GPU (~2.5 minutes on H100).
 
-    python benchmarks/splitk_sweep.py [M,M,...]     # default 1,4,16,64
+    python benchmarks/splitk_sweep.py [M,M,...] [N:K,N:K,...]    # default 1,4,16,64 and the DeepSeek-V3 shapes
 """
 import itertools
 import math
@@ -37,7 +37,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "SMs", sms, flush=True)
     t_start = time.time()
     geo = {}
-    for (n, k) in SHAPES:
+    shapes = [tuple(int(v) for v in s.split(":")) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else SHAPES
+    for (n, k) in shapes:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
         w_q, w_s = quantize_weight(w, "block")
         _, w_s_row = quantize_weight(w, "row")

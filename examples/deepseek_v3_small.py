@@ -111,6 +111,61 @@ def experts_bench(bf16_experts: torch.nn.Module, fp8_experts: torch.nn.Module, t
         print(f"{t:8d}{times[0]:10.1f}{times[1]:10.1f}{times[0] / times[1]:9.2f}x")
 
 
+@torch.no_grad()
+def profile_forward(model, prompt: torch.Tensor, label: str, out_dir: str | None, rows: int = 18) -> None:
+    """Kernel time table (torch.profiler) of one prefill forward and of 8 decode steps after it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompt.device.type == "cuda" else [])
+    sort = "cuda_time_total" if prompt.device.type == "cuda" else "cpu_time_total"
+    for _ in range(2):  # warm-up (Triton compilation, autotune caches)
+        out = model(prompt, use_cache=True)
+        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(8):
+            tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    sync(prompt.device)
+    for phase, fn in (("prefill", lambda: model(prompt, use_cache=True)),
+                      ("generate-1", lambda: model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0))):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            sync(prompt.device)
+            times.append(time.perf_counter() - t0)
+        print(f"{label} {phase}: {statistics.median(times) * 1e3:.2f} ms (wall, median of 3)")
+    import cProfile
+    import io
+    import pstats
+
+    for phase, fn in (("generate-1", lambda: model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)),
+                      ("decode-step", lambda: model(tok, past_key_values=cache, use_cache=True))):
+        pr = cProfile.Profile()
+        pr.enable()
+        fn()
+        sync(prompt.device)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(rows)
+        print(f"\n--- cProfile: {label} {phase} ---\n" + "\n".join(buf.getvalue().splitlines()[:rows + 12]))
+    for phase in ("prefill", "decode"):
+        with profile(activities=acts) as prof:
+            if phase == "prefill":
+                out = model(prompt, use_cache=True)
+                cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            else:
+                for _ in range(8):
+                    tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            sync(prompt.device)
+        table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+        print(f"\n--- profile: {label} {phase} ---\n{table}")
+        if out_dir:
+            import pathlib
+
+            pathlib.Path(out_dir).mkdir(parents=True, exist_ok=True)
+            full = prof.key_averages().table(sort_by=sort, row_limit=200, max_name_column_width=100)
+            (pathlib.Path(out_dir) / f"{label}_{phase}.txt").write_text(full)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=tuple(PRESETS), default="small" if torch.cuda.is_available() else "tiny")
@@ -120,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 on a GPU, 8 on the CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="static KV cache: generate() compiles the forward (torch.compile, CUDA graphs)")
+    ap.add_argument("--profile", nargs="?", const="", default=None, metavar="DIR",
+                    help="also print torch.profiler kernel tables (one prefill, 8 decode steps) per model; save them in DIR")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -144,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         ref_logits = model(probe).logits.float()
     bf16_pre, bf16_dec, bf16_ids = timed_generation(model, prompt, new_tokens)
+    if args.profile is not None:
+        profile_forward(model, prompt, "bf16", args.profile or None)
     bf16_experts = copy.deepcopy(model.model.layers[1].mlp.experts) if on_gpu else None
 
     report = quantize_model_(model, granularity=args.granularity)
@@ -168,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         out_logits = fp8(probe).logits.float()
     fp8_pre, fp8_dec, fp8_ids = timed_generation(fp8, prompt, new_tokens)
+    if args.profile is not None:
+        profile_forward(fp8, prompt, "fp8", args.profile or None)
 
     rel = ((out_logits - ref_logits).norm() / ref_logits.norm()).item()
     top1 = (out_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
