@@ -86,11 +86,26 @@ if HAS_TRITON:
     def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias):
         return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
 
+    @torch.library.custom_op("fp8linear::fused_fp8_gemv", mutates_args=())
+    def _fused_gemv_op(
+        x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        from .ops.fused_gemv import fused_fp8_gemv
+
+        return fused_fp8_gemv(x, w_q, w_s, granularity, bias)
+
+    @_fused_gemv_op.register_fake
+    def _(x, w_q, w_s, granularity, bias):
+        return x.new_empty((x.shape[0], w_q.shape[0]))
+
+    from .ops.fused_gemv import fused_fp8_gemv as _fused_gemv_launcher
+    from .ops.fused_gemv import use_fused_gemv
     from .ops.gemm import block_fp8_gemm as _gemm_launcher
     from .ops.quant import act_quant as _act_quant_launcher
 
     _act_quant_call = eager_or_traced(_act_quant_op, _act_quant_launcher)
     _gemm_call = eager_or_traced(_gemm_op, _gemm_launcher)
+    _fused_gemv_call = eager_or_traced(_fused_gemv_op, _fused_gemv_launcher)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -238,7 +253,10 @@ def fp8_linear(
     """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N).
 
     This is the hot path of `Fp8BlockLinear.forward`: it checks what can go wrong cheaply
-    (no per-call tensor work) and calls the ops directly, not through the public wrappers.
+    (no per-call tensor work) and calls the ops directly, not through the public wrappers. A
+    single token with a weight below 64M elements runs one fused quantize+GEMV kernel
+    (:mod:`fp8linear.ops.fused_gemv`: same quantized values, fp32 sums in another order);
+    everything else quantizes x, then runs the GEMM.
     """
     _check_tensor("x", x)
     if x.dtype not in _FLOAT_INPUTS:
@@ -262,7 +280,10 @@ def fp8_linear(
         x_q, x_s = quantize_activation_ref(x2, weight.dtype)
         y = block_fp8_matmul_ref(x_q, x_s, weight, weight_scale_inv, x.dtype, bias)
     else:
-        x_q, x_s = _act_quant_call(_k_contiguous(x2), weight.dtype)
         w_s = weight_scale_inv.reshape(()) if granularity == "tensor" else weight_scale_inv
-        y = _gemm_call(x_q, x_s, _k_contiguous(weight), w_s, granularity, x.dtype, bias)
+        if use_fused_gemv(x2.shape[0], n, k):  # one token: quantize x inside the GEMV (one launch)
+            y = _fused_gemv_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias)
+        else:
+            x_q, x_s = _act_quant_call(_k_contiguous(x2), weight.dtype)
+            y = _gemm_call(x_q, x_s, _k_contiguous(weight), w_s, granularity, x.dtype, bias)
     return y.reshape(*lead, n)

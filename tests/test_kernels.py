@@ -343,3 +343,110 @@ def test_eager_calls_skip_the_custom_op_dispatcher():
     calls.clear()
     compiled = torch.compile(lambda x: fn(x) * 2, backend="eager", fullgraph=True)
     assert compiled(torch.ones(2)).tolist() == [4.0, 4.0] and calls == ["op"]
+
+
+# ----------------------------------------------------------------------------- fused quantize + GEMV
+GEMV_SHAPES = (
+    [(m, n, k) for m in (1, 3) for n in (1, 8, 576, 2112, 7168) for k in (128, 300, 2112, 7168)]
+    if HAS_CUDA else [(1, 1, 128), (1, 300, 300), (3, 130, 2112), (1, 576, 576), (2, 8, 1000)]
+)
+
+
+def _gemv_params():
+    params = []
+    for i, (m, n, k) in enumerate(GEMV_SHAPES):
+        for gran in GRANS:
+            for fp8_dtype, in_dtype in itertools.product(FP8, OUT) if HAS_CUDA else [(FP8[i % 2], OUT[(i + len(params)) % 3])]:
+                params.append((m, n, k, gran, fp8_dtype, in_dtype))
+    return params
+
+
+@pytest.mark.parametrize("m,n,k,granularity,fp8_dtype,in_dtype", _gemv_params())
+def test_fused_gemv_matches_float64(m, n, k, granularity, fp8_dtype, in_dtype):
+    """Quantize-in-kernel + GEMV against dequant(quant_ref(x)) @ dequant(w).T in float64."""
+    from fp8linear.ops.fused_gemv import fused_fp8_gemv
+
+    if not _fp8_supported(fp8_dtype):
+        pytest.skip("fp8 e4m3fnuz needs an AMD GPU")
+    dev = KERNEL_DEVICE
+    x = (torch.randn(m, k, device=dev) * 3).to(in_dtype)
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / math.sqrt(k), granularity, fp8_dtype)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16) if (n + k) % 2 else None
+    y = fused_fp8_gemv(x, w_q, w_s.reshape(()) if granularity == "tensor" else w_s, granularity, bias)
+    assert y.shape == (m, n) and y.dtype == in_dtype and torch.isfinite(y).all()
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)
+    ref = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(w_q, w_s).double().T
+    if bias is not None:
+        ref += bias.double()
+    assert rel_err(y, ref) < KERNEL_GEMM_TOL[in_dtype]
+
+
+@pytest.mark.parametrize("config", [dict(block_n=4, groups_per_step=1, num_warps=1, num_stages=1),
+                                    dict(block_n=8, groups_per_step=8, num_warps=8, num_stages=2),
+                                    dict(block_n=128, groups_per_step=2, num_warps=4, num_stages=3),
+                                    dict(block_n=32, groups_per_step=4, num_warps=4, num_stages=4)])
+@pytest.mark.parametrize("granularity", GRANS)
+def test_fused_gemv_configs(config, granularity):
+    from fp8linear.ops.fused_gemv import GemvConfig, fused_fp8_gemv
+
+    dev = KERNEL_DEVICE
+    x = torch.randn(2, 1100, device=dev, dtype=torch.bfloat16)
+    w_q, w_s = quantize_weight(torch.randn(72, 1100, device=dev) / 33, granularity)
+    w_s = w_s.reshape(()) if granularity == "tensor" else w_s
+    y = fused_fp8_gemv(x, w_q, w_s, granularity, None, GemvConfig(**config))
+    ref = block_fp8_matmul_ref(*quantize_activation_ref(x, w_q.dtype), w_q, w_s, torch.float32)
+    assert rel_err(y, ref) < KERNEL_GEMM_TOL[torch.bfloat16]
+
+
+def test_fused_gemv_nan_row_propagates_and_config_validation():
+    from fp8linear.ops.fused_gemv import GemvConfig, fused_fp8_gemv
+
+    dev = KERNEL_DEVICE
+    x = torch.randn(3, 300, device=dev)
+    x[1, 7] = float("nan")
+    w_q, w_s = quantize_weight(torch.randn(40, 300, device=dev), "block")
+    y = fused_fp8_gemv(x, w_q, w_s, "block")
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    for bad in (dict(block_n=3), dict(block_n=256), dict(block_n=8, groups_per_step=16), dict(block_n=8, num_warps=3),
+                dict(block_n=8, num_stages=0)):
+        with pytest.raises(ValueError, match="GemvConfig"):
+            GemvConfig(**bad)
+
+
+@pytest.mark.parametrize("m,n,k,fused", [(1, 576, 7168, True), (1, 130, 300, True), (2, 130, 300, False),
+                                         (1, 18432, 7168, False), (1, 8192, 8192, False), (1, 8191, 8192, True)])
+def test_fp8_linear_fused_dispatch(m, n, k, fused, monkeypatch):
+    """One token below 64M weight elements runs the fused kernel alone; otherwise act_quant + GEMM."""
+    from fp8linear import functional
+    from fp8linear.ops.fused_gemv import use_fused_gemv
+
+    assert use_fused_gemv(m, n, k) is fused
+    if n * k > 1 << 20:
+        return  # the rule is what matters; large weights are run by the GPU tests above
+    calls: list[str] = []
+    for name in ("_fused_gemv_call", "_act_quant_call", "_gemm_call"):
+        orig = getattr(functional, name)
+        monkeypatch.setattr(functional, name, lambda *a, _o=orig, _n=name: (calls.append(_n), _o(*a))[1])
+    x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE) / 20, "row")
+    y = functional.fp8_linear(x, w_q, w_s, backend="triton")
+    assert calls == (["_fused_gemv_call"] if fused else ["_act_quant_call", "_gemm_call"])
+    ref = functional.fp8_linear(x, w_q, w_s, backend="reference")
+    assert y.dtype == x.dtype and rel_err(y, ref) < KERNEL_GEMM_TOL[torch.bfloat16]
+
+
+def test_fused_gemv_op_passes_opcheck_and_compiles():
+    from fp8linear import Fp8BlockLinear, functional
+
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")
+    x = torch.randn(1, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    for gran in GRANS:
+        w_q, w_s = quantize_weight(torch.randn(130, 300, device=KERNEL_DEVICE), gran)
+        w_s = w_s.reshape(()) if gran == "tensor" else w_s
+        torch.library.opcheck(functional._fused_gemv_op, (x, w_q, w_s, gran, torch.randn(130, device=KERNEL_DEVICE)),
+                              test_utils=utils)
+    lin = torch.nn.Linear(300, 130, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    mod = Fp8BlockLinear.from_linear(lin, backend="triton")
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
+    x1 = torch.randn(1, 1, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    assert same_bits(compiled(x1), mod(x1))

@@ -9,7 +9,7 @@ import triton.language as tl
 from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 
-__all__ = ["act_quant", "round_to_fp8_grid"]
+__all__ = ["act_quant", "quantize_groups", "round_to_fp8_grid"]
 
 
 @triton.jit
@@ -23,6 +23,22 @@ def round_to_fp8_grid(v, MIN_EXP: tl.constexpr):
     # |y| < 16 here, so adding and subtracting 1.5 * 2**23 rounds it to an integer, ties to even.
     r = ((y + 12582912.0) - 12582912.0) * down
     return tl.where(r == 0.0, 0.0, r)
+
+
+@triton.jit
+def quantize_groups(x, qmax, amax_floor, MIN_EXP: tl.constexpr):
+    """fp32 (R, 128) tile, one 1x128 group per row -> (q (R, 128) fp32 values on the FP8 grid, scale (R,)).
+
+    Same order of operations as reference._quantize_groups, so the result is bit-exact with it;
+    NaN propagates through max and clamp (an Inf makes its group's scale Inf and its values NaN).
+    """
+    amax = tl.max(tl.abs(x), 1)  # tl.max drops NaN: put it back for groups that hold one
+    amax = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), amax)
+    amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -qmax, propagate_nan=tl.PropagateNan.ALL), qmax, propagate_nan=tl.PropagateNan.ALL)
+    return round_to_fp8_grid(q, MIN_EXP), scale
 
 
 @triton.jit
@@ -40,14 +56,7 @@ def _act_quant_kernel(
     row_ok = offs_m < M
     mask = row_ok[:, None] & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    # Same order as reference._quantize_groups; NaN propagates through max and clamp.
-    amax = tl.max(tl.abs(x), 1)  # tl.max drops NaN: put it back for groups that hold one
-    amax = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), amax)
-    amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
-    q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -qmax, propagate_nan=tl.PropagateNan.ALL), qmax, propagate_nan=tl.PropagateNan.ALL)
-    q = round_to_fp8_grid(q, MIN_EXP)
+    q, scale = quantize_groups(x, qmax, amax_floor, MIN_EXP)
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + pid_g, scale, mask=row_ok)
 
