@@ -378,7 +378,11 @@ def test_fused_gemv_matches_float64(m, n, k, granularity, fp8_dtype, in_dtype):
     ref = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(w_q, w_s).double().T
     if bias is not None:
         ref += bias.double()
-    assert rel_err(y, ref) < KERNEL_GEMM_TOL[in_dtype]
+    # KERNEL_GEMM_TOL counts on the Frobenius norm averaging the output roundings (about a third
+    # of one unit roundoff); with a handful of outputs one rounding can take a whole unit (2^-11
+    # for fp16: measured 4.9e-4 against the 5e-4 bound with 3 outputs), so allow one unit more.
+    tol = KERNEL_GEMM_TOL[in_dtype] * (1 if m * n >= 64 else 2)
+    assert rel_err(y, ref) < tol
 
 
 @pytest.mark.parametrize("config", [dict(block_n=4, groups_per_step=1, num_warps=1, num_stages=1),
