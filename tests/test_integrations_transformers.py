@@ -407,6 +407,21 @@ def test_generate_cpu(tmp_path):
     assert (ref[0, 8:] == out[0, 8:]).float().mean() >= 0.5  # random tiny model: loose agreement
 
 
+
+def test_per_module_device_map_needs_no_container_entries(tmp_path):
+    """A map that names only leaf modules (as accelerate's infer_auto_device_map returns) loads: the
+    root, `model` and `model.layers` hold no tensors and need no entry; a tensor left unplaced is an error."""
+    quantized = build("deepseek_v3")
+    quantize_model_(quantized)
+    save_pretrained(quantized, tmp_path)
+    layers = {f"model.layers.{i}": "cpu" for i in range(quantized.config.num_hidden_layers)}
+    dmap = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu", **layers}
+    model = from_pretrained(tmp_path, device_map=dmap)
+    assert_same_state(model, quantized)
+    del dmap["model.norm"]
+    with pytest.raises(ValueError, match="device_map does not place 'model.norm'"):
+        from_pretrained(tmp_path, device_map=dmap)
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_generate_static_cache_compiled(tmp_path):

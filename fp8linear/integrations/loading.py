@@ -426,12 +426,14 @@ def load_fp8_state_(
         for mod_name, module in model.named_modules():
             if mod_name in fused_names or any(mod_name.startswith(f + ".") for f in fused_names):
                 continue
-            device = _device_for(mod_name, device_map) if mod_name else _device_for("", device_map)
             entries = [(n, t, False) for n, t in module._parameters.items() if t is not None]
             entries += [
                 (n, t, True) for n, t in module._buffers.items()
                 if t is not None and n not in module._non_persistent_buffers_set
             ]
+            if not entries and all(b is None for b in module._buffers.values()):
+                continue  # a container (the root, model, model.layers): the map need not name it
+            device = _device_for(mod_name, device_map)
             pairs: dict[str, torch.Tensor] = {}
             for attr, target, is_buffer in entries:
                 full = f"{mod_name}.{attr}" if mod_name else attr
