@@ -1,9 +1,11 @@
 """Which implementation runs an op: the Triton kernels or the pure-PyTorch reference.
 
 Choose per call with ``backend=`` or for the process with ``FP8LINEAR_BACKEND`` =
-``auto`` (default: Triton for CUDA/ROCm tensors, reference elsewhere), ``triton`` or
-``reference``. Forcing Triton on CPU tensors needs ``TRITON_INTERPRET=1`` (set before the
-kernels are first used); ``auto`` never picks the slow interpreter.
+``auto`` (default: our Triton kernels for CUDA/ROCm tensors, reference elsewhere; on Hopper,
+prefill-sized GEMMs that cuBLAS blockwise FP8 takes run there, see :mod:`fp8linear.ops.cublas_gemm`),
+``triton`` (our Triton kernels only) or ``reference``. Forcing Triton on CPU tensors needs
+``TRITON_INTERPRET=1`` (set before the kernels are first used); ``auto`` never picks the slow
+interpreter.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from .ops import HAS_TRITON
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "resolve_backend"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "cublas_allowed", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "reference")
 BACKEND_ENV = "FP8LINEAR_BACKEND"
@@ -24,9 +26,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _requested(backend: str | None) -> str:
+    return (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
+
+
+def cublas_allowed(backend: str | None) -> bool:
+    """Whether GEMMs may go to cuBLAS blockwise FP8 where it is faster: under 'auto' only."""
+    return _requested(backend) == "auto"
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Return 'triton' or 'reference' for tensors on `device`; clear error if a forced backend cannot run."""
-    requested = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
+    requested = _requested(backend)
     if requested not in BACKENDS:
         source = "backend argument" if backend else BACKEND_ENV
         raise ValueError(f"{source} must be one of {BACKENDS}, got {requested!r}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .backend import resolve_backend
+from .backend import cublas_allowed, resolve_backend
 from .formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
 from .ops import HAS_TRITON
 from .reference import (
@@ -77,14 +77,28 @@ if HAS_TRITON:
         granularity: str,
         out_dtype: torch.dtype,
         bias: torch.Tensor | None,
+        allow_cublas: bool,
     ) -> torch.Tensor:
         from .ops.gemm import block_fp8_gemm
 
-        return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias)
+        return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas)
 
     @_gemm_op.register_fake
-    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias):
+    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas):
         return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
+
+    @torch.library.custom_op("fp8linear::fp8_linear_tokens", mutates_args=())
+    def _linear_op(
+        x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
+        allow_cublas: bool,
+    ) -> torch.Tensor:
+        from .ops.linear import fp8_linear_tokens
+
+        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas)
+
+    @_linear_op.register_fake
+    def _(x, w_q, w_s, granularity, bias, allow_cublas):
+        return x.new_empty((x.shape[0], w_q.shape[0]))
 
     @torch.library.custom_op("fp8linear::fused_fp8_gemv", mutates_args=())
     def _fused_gemv_op(
@@ -101,10 +115,15 @@ if HAS_TRITON:
     from .ops.fused_gemv import fused_fp8_gemv as _fused_gemv_launcher
     from .ops.fused_gemv import use_fused_gemv
     from .ops.gemm import block_fp8_gemm as _gemm_launcher
+    from .ops.linear import fp8_linear_tokens as _linear_launcher
     from .ops.quant import act_quant as _act_quant_launcher
 
+    def _gemm_launch(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas):
+        return _gemm_launcher(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas)
+
     _act_quant_call = eager_or_traced(_act_quant_op, _act_quant_launcher)
-    _gemm_call = eager_or_traced(_gemm_op, _gemm_launcher)
+    _gemm_call = eager_or_traced(_gemm_op, _gemm_launch)
+    _linear_call = eager_or_traced(_linear_op, _linear_launcher)
     _fused_gemv_call = eager_or_traced(_fused_gemv_op, _fused_gemv_launcher)
 
 
@@ -234,12 +253,17 @@ def block_fp8_matmul(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """y = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias), fp32 accumulation, shape (M, N)."""
+    """y = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias), fp32 accumulation, shape (M, N).
+
+    Under backend "auto" on Hopper, GEMMs with M >= 128 (a multiple of 4) that cuBLAS blockwise
+    FP8 takes run there (:mod:`fp8linear.ops.cublas_gemm`); "triton" always runs our kernel.
+    """
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
     if resolve_backend(backend, x_q.device) == "reference":
         return block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype, bias)
     w_s = w_s.reshape(()) if granularity == "tensor" else w_s  # the kernel takes any scale strides
-    return _gemm_call(_k_contiguous(x_q), x_s.contiguous(), _k_contiguous(w_q), w_s, granularity, out_dtype, bias)
+    return _gemm_call(_k_contiguous(x_q), x_s.contiguous(), _k_contiguous(w_q), w_s, granularity, out_dtype, bias,
+                      cublas_allowed(backend))
 
 
 def fp8_linear(
@@ -256,7 +280,8 @@ def fp8_linear(
     (no per-call tensor work) and calls the ops directly, not through the public wrappers. A
     single token with a weight below 64M elements runs one fused quantize+GEMV kernel
     (:mod:`fp8linear.ops.fused_gemv`: same quantized values, fp32 sums in another order);
-    everything else quantizes x, then runs the GEMM.
+    everything else quantizes x, then runs the GEMM (:mod:`fp8linear.ops.linear`: cuBLAS
+    blockwise FP8 for prefill-sized GEMMs on Hopper under backend "auto", else ours).
     """
     _check_tensor("x", x)
     if x.dtype not in _FLOAT_INPUTS:
@@ -284,6 +309,5 @@ def fp8_linear(
         if use_fused_gemv(x2.shape[0], n, k):  # one token: quantize x inside the GEMV (one launch)
             y = _fused_gemv_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias)
         else:
-            x_q, x_s = _act_quant_call(_k_contiguous(x2), weight.dtype)
-            y = _gemm_call(x_q, x_s, _k_contiguous(weight), w_s, granularity, x.dtype, bias)
+            y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend))
     return y.reshape(*lead, n)

@@ -300,8 +300,10 @@ def test_custom_ops_pass_opcheck():
         w_q, w_s = quantize_weight(torch.randn(130, 300, device=KERNEL_DEVICE), gran)
         bias = torch.randn(130, device=KERNEL_DEVICE)
         torch.library.opcheck(
-            functional._gemm_op, (x_q, x_s, w_q, w_s, gran, torch.bfloat16, bias), test_utils=utils
+            functional._gemm_op, (x_q, x_s, w_q, w_s, gran, torch.bfloat16, bias, False), test_utils=utils
         )
+        x2 = torch.randn(3, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+        torch.library.opcheck(functional._linear_op, (x2, w_q, w_s, gran, bias.bfloat16(), True), test_utils=utils)
 
 
 def test_fp8_linear_traces_fullgraph():
@@ -420,7 +422,7 @@ def test_fused_gemv_nan_row_propagates_and_config_validation():
 @pytest.mark.parametrize("m,n,k,fused", [(1, 576, 7168, True), (1, 130, 300, True), (2, 130, 300, False),
                                          (1, 18432, 7168, False), (1, 8192, 8192, False), (1, 8191, 8192, True)])
 def test_fp8_linear_fused_dispatch(m, n, k, fused, monkeypatch):
-    """One token below 64M weight elements runs the fused kernel alone; otherwise act_quant + GEMM."""
+    """One token below 64M weight elements runs the fused kernel alone; otherwise act_quant + GEMM (one op)."""
     from fp8linear import functional
     from fp8linear.ops.fused_gemv import use_fused_gemv
 
@@ -428,13 +430,13 @@ def test_fp8_linear_fused_dispatch(m, n, k, fused, monkeypatch):
     if n * k > 1 << 20:
         return  # the rule is what matters; large weights are run by the GPU tests above
     calls: list[str] = []
-    for name in ("_fused_gemv_call", "_act_quant_call", "_gemm_call"):
+    for name in ("_fused_gemv_call", "_linear_call"):
         orig = getattr(functional, name)
         monkeypatch.setattr(functional, name, lambda *a, _o=orig, _n=name: (calls.append(_n), _o(*a))[1])
     x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE) / 20, "row")
     y = functional.fp8_linear(x, w_q, w_s, backend="triton")
-    assert calls == (["_fused_gemv_call"] if fused else ["_act_quant_call", "_gemm_call"])
+    assert calls == (["_fused_gemv_call"] if fused else ["_linear_call"])
     ref = functional.fp8_linear(x, w_q, w_s, backend="reference")
     assert y.dtype == x.dtype and rel_err(y, ref) < KERNEL_GEMM_TOL[torch.bfloat16]
 

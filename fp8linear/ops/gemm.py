@@ -30,6 +30,8 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
+from .cublas_gemm import cublas_device_ok, cublas_fp8_gemm, cublas_shape_ok
+from .quant import CUBLAS_ROW_ALIGN
 from .gemm_common import promote, store_tile, weight_scale_ptrs
 from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
@@ -148,9 +150,12 @@ def block_fp8_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     config: GemmConfig | SplitKConfig | None = None,
+    allow_cublas: bool = False,
 ) -> torch.Tensor:
     """Launch the GEMM on validated, K-contiguous operands: x_q (M, K), w_q (N, K).
 
+    With `allow_cublas` and no `config`, GEMMs cuBLAS blockwise takes and runs faster
+    (:mod:`fp8linear.ops.cublas_gemm`; here M must also be a multiple of 4) go there.
     Without a `config`: GEMMs with M <= SMALL_M_MAX whose tiles leave SMs idle over a long K
     take the split-K kernel (:mod:`fp8linear.ops.splitk_gemm`); short-K GEMMs with M >= 2048 and
     uniform weight scales the persistent TMA kernel; everything else the tiled kernel with the
@@ -158,6 +163,9 @@ def block_fp8_gemm(
     """
     m, k = x_q.shape
     n = w_q.shape[0]
+    if (allow_cublas and config is None and m % CUBLAS_ROW_ALIGN == 0
+            and cublas_shape_ok(m, n, k, granularity, w_q.dtype, out_dtype, bias) and cublas_device_ok(x_q.device)):
+        return cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
     if config is None and m <= SMALL_M_MAX:
         config = splitk_config(m, n, k, x_q.device)
     if isinstance(config, SplitKConfig):

@@ -9,7 +9,11 @@ import triton.language as tl
 from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 
-__all__ = ["act_quant", "quantize_groups", "round_to_fp8_grid"]
+__all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "cublas_rows", "quantize_groups", "round_to_fp8_grid"]
+
+# torch._scaled_mm's blockwise path needs M (the activation scales' leading dimension) to be a
+# multiple of 4 (16 bytes of fp32); see ops/cublas_gemm.py.
+CUBLAS_ROW_ALIGN = 4
 
 
 @triton.jit
@@ -44,8 +48,8 @@ def quantize_groups(x, qmax, amax_floor, MIN_EXP: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr,
-    M, K,
-    stride_xm, stride_qm, stride_sm,
+    M, M_IN, K,
+    stride_xm, stride_qm, stride_sm, stride_sg,
     qmax, amax_floor,
     MIN_EXP: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -54,19 +58,36 @@ def _act_quant_kernel(
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_k = pid_g * GROUP + tl.arange(0, GROUP)
     row_ok = offs_m < M
-    mask = row_ok[:, None] & (offs_k[None, :] < K)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    k_ok = offs_k[None, :] < K
+    # Rows M_IN..M-1 are padding (cuBLAS layout): read as zeros, stored as zeros with the floor scale.
+    x_mask = (offs_m < M_IN)[:, None] & k_ok
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
     q, scale = quantize_groups(x, qmax, amax_floor, MIN_EXP)
-    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + offs_m * stride_sm + pid_g, scale, mask=row_ok)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & k_ok)
+    tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, scale, mask=row_ok)
 
 
-def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D `x` (M, K) with unit stride along K -> (x_q (M, K), x_s (M, ceil(K/128)))."""
-    m, k = x.shape
+def cublas_rows(m: int) -> int:
+    """Rows of the cuBLAS-layout output for an M-row input: M rounded up to a multiple of 4."""
+    return -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
+
+
+def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D `x` (M, K) with unit stride along K -> (x_q (M, K), x_s (M, ceil(K/128))).
+
+    With `cublas_layout`, the layout torch._scaled_mm's blockwise path takes: M is padded to
+    M' = cublas_rows(M) with zero rows (scale = the amax floor's), x_q is (M', K) and x_s is
+    (M', ceil(K/128)) with strides (1, M') (M-major).
+    """
+    m_in, k = x.shape
+    m = cublas_rows(m_in) if cublas_layout else m_in
     groups = triton.cdiv(k, GROUP_SIZE)
     x_q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
-    x_s = torch.empty((m, groups), dtype=SCALE_DTYPE, device=x.device)
+    if cublas_layout:
+        x_s = torch.empty((groups, m), dtype=SCALE_DTYPE, device=x.device).t()
+    else:
+        x_s = torch.empty((m, groups), dtype=SCALE_DTYPE, device=x.device)
     if m == 0 or k == 0:
         return x_q, x_s
     # Rows per program: 16 (4 KB of bf16) saturates HBM at prefill; decode-sized inputs take fewer
@@ -75,8 +96,8 @@ def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, to
     block_m, num_warps = (1, 1) if m == 1 else ((4, 4) if m <= 64 else (16, 4))
     grid = (triton.cdiv(m, block_m), groups)
     _act_quant_kernel[grid](
-        x, x_q, x_s, m, k,
-        x.stride(0), x_q.stride(0), x_s.stride(0),
+        x, x_q, x_s, m, m_in, k,
+        x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
         activation_max(fp8_dtype), AMAX_FLOOR,
         MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE,
         num_warps=num_warps,

@@ -1,0 +1,108 @@
+"""Prefill-sized blockwise FP8 GEMMs on cuBLAS (``torch._scaled_mm``), where it is faster than ours.
+
+On Hopper, cuBLAS (CUDA >= 12.9, reached through ``torch._scaled_mm``) runs the DeepSeek-V3
+recipe itself: 1x128 activation scales with 128x128 ("block") or 1x128 ("row") weight scales,
+promoted to fp32 per K group like our kernel. At M >= 1024 it beat our Triton kernel by 1.43x
+(geometric mean of the H100 benchmark, docs/benchmarks.md): Triton 3.6 cannot overlap a K
+group's promotion with the next group's tensor-core work, cuBLAS's warp-specialised kernels do.
+At decode sizes our kernels win (split-K and the fused GEMV), and cuBLAS refuses M that is not a
+multiple of 4. So ``backend="auto"`` hands GEMMs with M >= CUBLAS_MIN_M (small weights: M >= 1024)
+to cuBLAS where it takes them correctly, and ``backend="triton"`` never does.
+
+What cuBLAS takes, probed on H100 with torch 2.11 + CUDA 13.0 (the GPU tests in
+tests/test_kernels.py check these rules against the reference):
+
+- activations: FP8 (M, K) row-major, M a multiple of 4, K a multiple of 16; scales (M, K/128)
+  M-major (stride (1, M)). :func:`fp8linear.ops.quant.act_quant` writes them that way directly
+  (``cublas_layout=True``), padding M with zero rows, so no copy is needed;
+- 128x128 weights: scale_b = ``w_s.t()`` of the contiguous (N/128, K/128) grid. With K/128 not a
+  multiple of 4 (K=256, 2304, 384, 640) cuBLAS *accepts* that layout and returns garbage
+  (relative error 0.09 to 1e3), so those shapes stay on Triton;
+- 1x128 weights: scale_b = the (K/128, N) transpose, contiguous (a small copy per call);
+- N a multiple of 16; ``float8_e4m3fn`` only; bf16 output (the only one verified), bias fused.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..formats import GROUP_SIZE
+
+__all__ = ["CUBLAS_MIN_M", "cublas_shape_ok", "cublas_device_ok", "cublas_fp8_gemm"]
+
+# Under backend="auto", GEMMs with at least CUBLAS_MIN_M rows go to cuBLAS, and those with a
+# weight below CUBLAS_SMALL_WEIGHT elements only from CUBLAS_SMALL_WEIGHT_MIN_M rows. H100,
+# `fp8linear bench` (CUDA graphs, L2-cold): ours wins at M <= 64 on every shape; at M=128..512
+# cuBLAS wins on weights of 11M+ elements (1536x7168 M=128: 22.4 vs 29.9 us; 7168x2048 and up)
+# but not on small ones, where it sits at a ~22 us floor (576x7168 M=512: 22.2 vs 19.1 us;
+# 512x7168, 3072x1536, 4096x512 likewise); at M >= 1024 it wins everywhere but 512x7168 M=1024.
+CUBLAS_MIN_M = 128
+CUBLAS_SMALL_WEIGHT = 8 * 2**20
+CUBLAS_SMALL_WEIGHT_MIN_M = 1024
+# cuBLAS wants 16-byte aligned rows: K and N multiples of 16 (M: see quant.CUBLAS_ROW_ALIGN).
+_ALIGN_KN = 16
+# The 128x128 scale grid's row (K/128 fp32 values) must be 16-byte aligned (see module docstring).
+_BLOCK_SCALE_ROW_ALIGN = 4
+# Blockwise scaling in torch._scaled_mm was verified with this torch (2.11 + CUDA 13.0, H100).
+_MIN_TORCH = (2, 11)
+_MIN_CUDA = (12, 9)
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    parts = []
+    for p in (text or "0").split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def cublas_shape_ok(m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                    bias: torch.Tensor | None) -> bool:
+    """Whether cuBLAS blockwise takes this GEMM correctly and is the faster choice (device aside)."""
+    if m < (CUBLAS_MIN_M if n * k >= CUBLAS_SMALL_WEIGHT else CUBLAS_SMALL_WEIGHT_MIN_M):
+        return False
+    if n % _ALIGN_KN or k % _ALIGN_KN:
+        return False
+    if fp8_dtype != torch.float8_e4m3fn or out_dtype != torch.bfloat16:
+        return False
+    if bias is not None and bias.dtype != torch.bfloat16:
+        return False
+    if granularity == "block":
+        return (-(-k // GROUP_SIZE)) % _BLOCK_SCALE_ROW_ALIGN == 0
+    return granularity == "row"
+
+
+@lru_cache(maxsize=16)
+def _device_ok(index: int) -> bool:
+    if torch.version.hip is not None or _version(torch.__version__) < _MIN_TORCH:
+        return False
+    if _version(torch.version.cuda) < _MIN_CUDA:
+        return False
+    return torch.cuda.get_device_capability(index)[0] == 9  # Hopper: SM90's cuBLAS blockwise kernels
+
+
+def cublas_device_ok(device: torch.device) -> bool:
+    """Whether this device and torch build run cuBLAS blockwise FP8 (Hopper, CUDA >= 12.9, torch >= 2.11)."""
+    if device.type != "cuda":
+        return False
+    return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def cublas_fp8_gemm(
+    x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on cuBLAS.
+
+    x_q (M, K) with M a multiple of 4; x_s (M, K/128) in any layout (M-major is used as is);
+    w_s (N/128, K/128) for 'block', (N, K/128) for 'row'. Shapes must pass cublas_shape_ok.
+    """
+    if x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
+        x_s = x_s.t().contiguous().t()  # M-major
+    if granularity == "block":
+        scale_b = (w_s if w_s.is_contiguous() else w_s.contiguous()).t()
+    else:
+        scale_b = w_s.t().contiguous()
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)

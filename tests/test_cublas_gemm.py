@@ -1,0 +1,165 @@
+"""cuBLAS blockwise dispatch (backend "auto", Hopper): the rules on CPU, the numbers on the GPU.
+
+The cuBLAS-layout activation quantization is a Triton kernel and runs in the interpreter here;
+torch._scaled_mm's blockwise path needs an H100/H200, so those tests skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8linear import Fp8BlockLinear, block_fp8_matmul, fp8_linear, quantize_activation, quantize_weight
+from fp8linear.backend import cublas_allowed
+from fp8linear.ops import HAS_TRITON
+from fp8linear.reference import AMAX_FLOOR, quantize_activation_ref
+
+from _utils import GEMM_TOL, rel_err, same_bits
+from conftest import HAS_CUDA, KERNEL_DEVICE
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+HOPPER_CUBLAS = False
+if HAS_CUDA and HAS_TRITON:
+    from fp8linear.ops.cublas_gemm import cublas_device_ok
+
+    HOPPER_CUBLAS = cublas_device_ok(torch.device("cuda"))
+needs_hopper = pytest.mark.skipif(not HOPPER_CUBLAS, reason="needs cuBLAS blockwise FP8 (Hopper, torch >= 2.11)")
+
+
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (8, 256), (130, 576)])
+def test_act_quant_cublas_layout(m, k):
+    """M padded to a multiple of 4 with zero rows, scales M-major; real rows bit-exact with the reference."""
+    from fp8linear.ops.quant import act_quant, cublas_rows
+
+    x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16) * 5
+    x_q, x_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+    mp, groups = cublas_rows(m), -(-k // 128)
+    assert mp % 4 == 0 and mp - m < 4
+    assert x_q.shape == (mp, k) and x_s.shape == (mp, groups) and x_s.stride() == (1, mp)
+    r_q, r_s = quantize_activation_ref(x, torch.float8_e4m3fn)
+    assert same_bits(x_q[:m], r_q) and same_bits(x_s[:m].contiguous(), r_s)
+    assert (x_q[m:].float() == 0).all()
+    assert torch.equal(x_s[m:], torch.full_like(x_s[m:], AMAX_FLOOR / 448.0))
+
+
+@pytest.mark.parametrize(
+    "m,n,k,gran,fp8,out,bias,ok",
+    [
+        (4096, 7168, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (128, 1536, 7168, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (130, 1536, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, torch.bfloat16, True),  # M padded
+        (127, 1536, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # decode-sized: ours
+        (512, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # small weight: ours
+        (1024, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (4096, 7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # K/128 = 18: garbage
+        (4096, 7168, 256, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),
+        (4096, 7168, 2304, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),  # row scales are fine
+        (4096, 300, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # N % 16
+        (4096, 512, 300, "row", torch.float8_e4m3fn, torch.bfloat16, None, False),  # K % 16
+        (4096, 512, 512, "tensor", torch.float8_e4m3fn, torch.bfloat16, None, False),
+        (4096, 512, 512, "block", torch.float8_e4m3fnuz, torch.bfloat16, None, False),
+        (4096, 512, 512, "block", torch.float8_e4m3fn, torch.float16, None, False),
+        (4096, 512, 512, "block", torch.float8_e4m3fn, torch.bfloat16, torch.float32, False),
+    ],
+)
+def test_cublas_shape_rules(m, n, k, gran, fp8, out, bias, ok):
+    from fp8linear.ops.cublas_gemm import cublas_shape_ok
+
+    b = None if bias is None else torch.zeros(n, dtype=bias)
+    assert cublas_shape_ok(m, n, k, gran, fp8, out, b) is ok
+
+
+def test_cublas_only_under_auto(monkeypatch):
+    from fp8linear.ops.cublas_gemm import cublas_device_ok
+
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    assert cublas_allowed(None) and cublas_allowed("auto") and cublas_allowed("AUTO")
+    assert not cublas_allowed("triton") and not cublas_allowed("reference")
+    monkeypatch.setenv("FP8LINEAR_BACKEND", "triton")
+    assert not cublas_allowed(None) and cublas_allowed("auto")
+    assert not cublas_device_ok(torch.device("cpu"))
+
+
+def test_cpu_auto_path_never_reaches_cublas(monkeypatch):
+    """On the interpreter the "auto" flag reaches the launcher, which must keep our kernels."""
+    from fp8linear.ops import linear
+
+    monkeypatch.setattr(linear, "cublas_fp8_gemm", lambda *a: pytest.fail("cuBLAS called without a Hopper GPU"))
+    x = torch.randn(130, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    w_q, w_s = quantize_weight(torch.randn(64, 256, device=KERNEL_DEVICE) / 16, "block")
+    y = linear.fp8_linear_tokens(x, w_q, w_s, "block", None, True)
+    ref = fp8_linear(x, w_q, w_s, backend="reference")
+    assert y.shape == (130, 64) and rel_err(y, ref) < 2 * GEMM_TOL[torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------- GPU (Hopper)
+CUBLAS_CASES = [
+    (m, n, k, gran)
+    for m, n, k in [(128, 1536, 7168), (130, 2112, 512), (1027, 7168, 2048), (4096, 576, 7168), (257, 4096, 2304),
+                    (1030, 2112, 576)]
+    for gran in ("block", "row")
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("m,n,k,gran", CUBLAS_CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gpu_auto_matches_triton_and_reference(m, n, k, gran, with_bias, monkeypatch):
+    """fp8_linear under "auto" (cuBLAS where it takes the shape) vs our kernels vs float64, and the path taken."""
+    from fp8linear.ops import cublas_gemm, linear
+
+    taken: list[bool] = []
+    orig = linear.cublas_fp8_gemm
+    monkeypatch.setattr(linear, "cublas_fp8_gemm", lambda *a: (taken.append(True), orig(*a))[1])
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2
+    w_q, w_s = quantize_weight(torch.randn(n, k, device="cuda") / k**0.5, gran)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    y = fp8_linear(x, w_q, w_s, bias)
+    y_triton = fp8_linear(x, w_q, w_s, bias, backend="triton")
+    x_q, x_s = quantize_activation_ref(x, w_q.dtype)
+    ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias, backend="reference").double()
+    expected = cublas_gemm.cublas_shape_ok(m, n, k, gran, w_q.dtype, x.dtype, bias)
+    assert taken == ([True] if expected else [])
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] and rel_err(y_triton, ref) < GEMM_TOL[torch.bfloat16]
+
+
+@needs_hopper
+@pytest.mark.parametrize("gran", ["block", "row"])
+def test_gpu_block_fp8_matmul_auto_uses_cublas(gran, monkeypatch):
+    """block_fp8_matmul takes row-major activation scales; the cuBLAS path transposes them."""
+    from fp8linear.ops import gemm
+
+    taken: list[bool] = []
+    orig = gemm.cublas_fp8_gemm
+    monkeypatch.setattr(gemm, "cublas_fp8_gemm", lambda *a: (taken.append(True), orig(*a))[1])
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    w_q, w_s = quantize_weight(torch.randn(4096, 2048, device="cuda") / 45, gran)
+    x_q, x_s = quantize_activation(x)
+    y = block_fp8_matmul(x_q, x_s, w_q, w_s)
+    y_t = block_fp8_matmul(x_q, x_s, w_q, w_s, backend="triton")
+    assert taken == [True]
+    ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, backend="reference").double()
+    assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] and rel_err(y_t, ref) < GEMM_TOL[torch.bfloat16]
+
+
+@needs_hopper
+def test_gpu_cublas_path_captures_in_cuda_graph_and_compiles():
+    lin = torch.nn.Linear(2048, 4096, bias=True, device="cuda", dtype=torch.bfloat16)
+    mod = Fp8BlockLinear.from_linear(lin)
+    x = torch.randn(2, 65, 2048, device="cuda", dtype=torch.bfloat16)  # M=130: padded to 132
+    eager = mod(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        mod(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, eager)
+    compiled = torch.compile(mod, fullgraph=True)
+    assert same_bits(compiled(x), eager)
