@@ -50,15 +50,20 @@ def main() -> None:
     p.add_argument("--m", default="1,16,2048", help="comma-separated token counts")
     p.add_argument("--calls", type=int, default=DEFAULT_CALLS)
     p.add_argument("--profile-top", type=int, default=25, help="cProfile rows (0: no profile)")
+    p.add_argument("--profile-backend", default="auto", help="backend of the profiled calls")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_overhead.py needs a CUDA GPU")
+    from fp8linear.ops.cublas_gemm import cublas_fp8_gemm
     from fp8linear.ops.gemm import block_fp8_gemm
     from fp8linear.ops.quant import act_quant
 
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"{'shape':>12s} {'M':>5s} {'bf16':>7s} {'fp8_linear':>10s} {'act_quant':>9s} {'gemm':>7s}  (host us/call)")
+    print("host us/call; fp8_linear under backend auto (cuBLAS where ops/cublas_gemm.py sends it) and triton;")
+    print("act_quant and gemm = our launchers alone; cublas = torch._scaled_mm blockwise alone (M % 4 == 0)")
+    print(f"{'shape':>12s} {'M':>5s} {'bf16':>7s} {'fp8 auto':>8s} {'fp8 triton':>10s} {'act_quant':>9s} {'gemm':>7s}"
+          f" {'cublas':>7s}")
     for spec in args.shapes:
         n, k = map(int, spec.split(":"))
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -68,11 +73,17 @@ def main() -> None:
             x_q, x_s = act_quant(x, w_q.dtype)
             t = {
                 "bf16": host_us(lambda: F.linear(x, w), args.calls),
-                "fp8": host_us(lambda: fp8_linear(x, w_q, w_s), args.calls),
+                "auto": host_us(lambda: fp8_linear(x, w_q, w_s, backend="auto"), args.calls),
+                "triton": host_us(lambda: fp8_linear(x, w_q, w_s, backend="triton"), args.calls),
                 "aq": host_us(lambda: act_quant(x, w_q.dtype), args.calls),
                 "gemm": host_us(lambda: block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16), args.calls),
+                "cublas": float("nan"),
             }
-            print(f"{spec:>12s} {m:5d} {t['bf16']:7.1f} {t['fp8']:10.1f} {t['aq']:9.1f} {t['gemm']:7.1f}")
+            if m % 4 == 0:
+                sa = x_s.t().contiguous().t()
+                t["cublas"] = host_us(lambda: cublas_fp8_gemm(x_q, sa, w_q, w_s, "block", None), args.calls)
+            print(f"{spec:>12s} {m:5d} {t['bf16']:7.1f} {t['auto']:8.1f} {t['triton']:10.1f} {t['aq']:9.1f}"
+                  f" {t['gemm']:7.1f} {t['cublas']:7.1f}")
     if args.profile_top:
         n, k = map(int, args.shapes[0].split(":"))
         m = int(args.m.split(",")[-1])
@@ -81,12 +92,12 @@ def main() -> None:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):
-            fp8_linear(x, w_q, w_s)
+            fp8_linear(x, w_q, w_s, backend=args.profile_backend)
         prof.disable()
         torch.cuda.synchronize()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile_top)
-        print(f"cProfile of 200 fp8_linear calls, M={m}, {n}x{k}, sorted by own time:")
+        print(f"cProfile of 200 fp8_linear calls (backend {args.profile_backend}), M={m}, {n}x{k}, by own time:")
         print(s.getvalue())
 
 

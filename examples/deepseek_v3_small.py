@@ -4,13 +4,15 @@ The model is built from a scaled-down DeepSeek-V3 config (MLA attention with q/k
 with 64 routed experts + a shared expert, the first layer dense) with random weights, which is
 enough to measure memory and speed:
 
-    python examples/deepseek_v3_small.py                   # GPU: hidden 2048, 64 experts, 6 layers (~7 GB BF16)
+    python examples/deepseek_v3_small.py                   # GPU: hidden 2048, 64 experts, 6 layers (~6 GB BF16)
+    python examples/deepseek_v3_small.py --preset v3 --compile   # DeepSeek-V3's own layer widths, 4 layers (~12 GB)
     python examples/deepseek_v3_small.py --layers 12 --compile
     python examples/deepseek_v3_small.py --preset tiny     # CPU-sized (the default without a GPU)
 
-Steps: BF16 prefill/decode timings and logits -> quantize_model_ in place -> save_pretrained
--> from_pretrained (FP8 straight from disk) -> the same timings, logits vs BF16, greedy-token
-agreement; on a GPU also the experts module alone, BF16 vs FP8, at batch sizes 1..64.
+Steps: BF16 logits -> quantize_model_ on a copy -> save_pretrained -> from_pretrained (FP8 straight
+from disk) -> logits vs BF16, then BF16 and FP8 timed side by side (alternating calls, so drifts
+of the machine hit both) -> greedy-token agreement; on a GPU also the experts module alone, BF16
+vs FP8, at batch sizes 1..64.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ PRESETS = {
     "small": dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
                   num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4, num_attention_heads=16,
                   q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+    # DeepSeek-V3's own layer widths (hidden 7168, MLA with 128 heads, experts of 2048, top-8),
+    # with 32 routed experts instead of 256 so that BF16 and FP8 copies fit one GPU side by side.
+    "v3": dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=32,
+               num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, num_attention_heads=128,
+               q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
     # CPU-sized, with dims that are not multiples of 128.
     "tiny": dict(hidden_size=320, intermediate_size=896, moe_intermediate_size=192, n_routed_experts=16,
                  num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, num_attention_heads=4,
@@ -55,16 +62,19 @@ def sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def timed_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 3) -> tuple[float, float, torch.Tensor]:
-    """(prefill tokens/s, decode tokens/s, generated ids) for greedy generation at this batch.
+def timed_generation_pair(models: dict, prompt: torch.Tensor, new_tokens: int, repeats: int = 5) -> dict:
+    """Per model: (prefill tokens/s, decode tokens/s, generated ids) for greedy generation at this batch.
 
-    Medians of `repeats` timed calls after a warm-up (single calls were seen 4x off on an H100).
+    The models are timed side by side: each round calls every model once, so slow phases of the
+    machine (this example's eager runs are bound by the host CPU, whose speed was seen to drift
+    by 30% between runs) hit all of them. Medians of `repeats` rounds after a warm-up.
     Prefill = generate(max_new_tokens=1); decode = (full generation - prefill) / (new_tokens - 1).
     """
     kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
-    model.generate(prompt, max_new_tokens=new_tokens, **kw)  # warm-up (and compilation)
-    model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
     dev = prompt.device
+    for model in models.values():
+        model.generate(prompt, max_new_tokens=new_tokens, **kw)  # warm-up (and compilation)
+        model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     def timed(fn) -> float:
         sync(dev)
@@ -73,15 +83,20 @@ def timed_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int 
         sync(dev)
         return time.perf_counter() - t0
 
-    prefill = statistics.median(
-        timed(lambda: model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)) for _ in range(repeats)
-    )
-    outs = []
-    full = statistics.median(
-        timed(lambda: outs.append(model.generate(prompt, max_new_tokens=new_tokens, **kw))) for _ in range(repeats)
-    )
-    decode = full - prefill
-    return prompt.numel() / prefill, prompt.shape[0] * (new_tokens - 1) / max(decode, 1e-9), outs[-1][:, prompt.shape[1]:]
+    pre = {name: [] for name in models}
+    full = {name: [] for name in models}
+    outs = {}
+    for _ in range(repeats):
+        for name, model in models.items():
+            pre[name].append(timed(lambda: model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)))
+        for name, model in models.items():
+            full[name].append(timed(lambda: outs.__setitem__(name, model.generate(prompt, max_new_tokens=new_tokens, **kw))))
+    result = {}
+    for name in models:
+        p, f = statistics.median(pre[name]), statistics.median(full[name])
+        result[name] = (prompt.numel() / p, prompt.shape[0] * (new_tokens - 1) / max(f - p, 1e-9),
+                        outs[name][:, prompt.shape[1]:])
+    return result
 
 
 @torch.no_grad()
@@ -169,7 +184,7 @@ def profile_forward(model, prompt: torch.Tensor, label: str, out_dir: str | None
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=tuple(PRESETS), default="small" if torch.cuda.is_available() else "tiny")
-    ap.add_argument("--layers", type=int, default=None, help="default: 6 (small), 3 (tiny)")
+    ap.add_argument("--layers", type=int, default=None, help="default: 6 (small), 4 (v3), 3 (tiny)")
     ap.add_argument("--granularity", default="block", choices=("block", "row", "tensor"))
     ap.add_argument("--prefill", type=int, default=None, help="prompt tokens; default 2048 on a GPU, 32 on the CPU")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 on a GPU, 8 on the CPU")
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    layers = args.layers or (6 if args.preset == "small" else 3)
+    layers = args.layers or {"small": 6, "v3": 4}.get(args.preset, 3)
     prefill = args.prefill or (2048 if on_gpu else 32)
     new_tokens = args.new_tokens or (64 if on_gpu else 8)
 
@@ -200,33 +215,36 @@ def main(argv: list[str] | None = None) -> int:
     bf16_bytes = weight_bytes(model)
     with torch.no_grad():
         ref_logits = model(probe).logits.float()
-    bf16_pre, bf16_dec, bf16_ids = timed_generation(model, prompt, new_tokens)
     if args.profile is not None:
         profile_forward(model, prompt, "bf16", args.profile or None)
-    bf16_experts = copy.deepcopy(model.model.layers[1].mlp.experts) if on_gpu else None
+    bf16_experts = model.model.layers[1].mlp.experts if on_gpu else None
 
-    report = quantize_model_(model, granularity=args.granularity)
+    to_quantize = copy.deepcopy(model)  # the BF16 model stays, to be timed side by side
+    report = quantize_model_(to_quantize, granularity=args.granularity)
     print(report)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        save_pretrained(model, tmp)
+        save_pretrained(to_quantize, tmp)
         saved = time.perf_counter() - t0
-        del model
+        del to_quantize
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()  # the BF16 model, kept for the side-by-side timings
         t0 = time.perf_counter()
         fp8 = from_pretrained(tmp, device_map=str(device))
         loaded = time.perf_counter() - t0
-    peak = f", peak GPU memory while loading {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if on_gpu else ""
+    peak = (f", peak GPU memory added while loading {(torch.cuda.max_memory_allocated() - held) / 2**30:.2f} GiB"
+            if on_gpu else "")
     print(f"saved in {saved:.1f} s, reloaded with from_pretrained in {loaded:.1f} s{peak}")
     if args.compile:  # with a static cache on a GPU, generate() compiles the forward itself (CUDA graphs)
         fp8.generation_config.cache_implementation = "static"
     fp8_bytes = weight_bytes(fp8)
     with torch.no_grad():
         out_logits = fp8(probe).logits.float()
-    fp8_pre, fp8_dec, fp8_ids = timed_generation(fp8, prompt, new_tokens)
+    timings = timed_generation_pair({"bf16": model, "fp8": fp8}, prompt, new_tokens)
+    (bf16_pre, bf16_dec, bf16_ids), (fp8_pre, fp8_dec, fp8_ids) = timings["bf16"], timings["fp8"]
     if args.profile is not None:
         profile_forward(fp8, prompt, "fp8", args.profile or None)
 
