@@ -397,3 +397,12 @@ def test_gpu_grouped_gemm_speed_report():
     """Not a timed assertion: prints FP8 grouped GEMM vs BF16 times (run with -s)."""
     rows = grouped_gemm_speed(tokens=(1, 16, 64, 2048), iters=20)
     assert all(r["fp8_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("pairs,experts,tile", [(6, 64, (16, 64)), (1024, 64, (16, 64)), (2048 * 6, 64, (64, 128)),
+                                                (384 * 32, 32, (64, 128)), (2048 * 8, 32, (128, 128))])
+def test_grouped_config_follows_rows_per_expert(pairs, experts, tile):
+    from fp8linear.ops.grouped_gemm import grouped_config
+
+    cfg = grouped_config(pairs, experts, 4096, 7168)
+    assert (cfg.block_m, cfg.block_n) == tile
