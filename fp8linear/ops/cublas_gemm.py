@@ -10,7 +10,7 @@ multiple of 4. So ``backend="auto"`` hands GEMMs with M >= CUBLAS_MIN_M (small w
 to cuBLAS where it takes them correctly, and ``backend="triton"`` never does.
 
 What cuBLAS takes, probed on H100 with torch 2.11 + CUDA 13.0 (the GPU tests in
-tests/test_kernels.py check these rules against the reference):
+tests/test_cublas_gemm.py check these rules against the reference):
 
 - activations: FP8 (M, K) row-major, M a multiple of 4, K a multiple of 16; scales (M, K/128)
   M-major (stride (1, M)). :func:`fp8linear.ops.quant.act_quant` writes them that way directly
@@ -30,7 +30,7 @@ import torch
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["CUBLAS_MIN_M", "cublas_shape_ok", "cublas_device_ok", "cublas_fp8_gemm"]
+__all__ = ["CUBLAS_MIN_M", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "cublas_fp8_gemm"]
 
 # Under backend="auto", GEMMs with at least CUBLAS_MIN_M rows go to cuBLAS, and those with a
 # weight below CUBLAS_SMALL_WEIGHT elements only from CUBLAS_SMALL_WEIGHT_MIN_M rows. H100,
@@ -88,6 +88,14 @@ def cublas_device_ok(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def use_cublas(x: torch.Tensor, w_q: torch.Tensor, granularity: str, out_dtype: torch.dtype,
+               bias: torch.Tensor | None, allow_cublas: bool) -> bool:
+    """The one dispatch rule: allowed (backend "auto"), a shape cuBLAS gets right and wins, a Hopper device."""
+    return (allow_cublas
+            and cublas_shape_ok(x.shape[0], w_q.shape[0], x.shape[1], granularity, w_q.dtype, out_dtype, bias)
+            and cublas_device_ok(x.device))
 
 
 def cublas_fp8_gemm(

@@ -30,9 +30,9 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
-from .cublas_gemm import cublas_device_ok, cublas_fp8_gemm, cublas_shape_ok
-from .quant import CUBLAS_ROW_ALIGN
+from .cublas_gemm import cublas_fp8_gemm, use_cublas
 from .gemm_common import promote, store_tile, weight_scale_ptrs
+from .quant import CUBLAS_ROW_ALIGN
 from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -163,8 +163,8 @@ def block_fp8_gemm(
     """
     m, k = x_q.shape
     n = w_q.shape[0]
-    if (allow_cublas and config is None and m % CUBLAS_ROW_ALIGN == 0
-            and cublas_shape_ok(m, n, k, granularity, w_q.dtype, out_dtype, bias) and cublas_device_ok(x_q.device)):
+    if (config is None and m % CUBLAS_ROW_ALIGN == 0
+            and use_cublas(x_q, w_q, granularity, out_dtype, bias, allow_cublas)):
         return cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
     if config is None and m <= SMALL_M_MAX:
         config = splitk_config(m, n, k, x_q.device)

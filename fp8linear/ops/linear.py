@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .cublas_gemm import cublas_device_ok, cublas_fp8_gemm, cublas_shape_ok
+from .cublas_gemm import cublas_fp8_gemm, use_cublas
 from .gemm import block_fp8_gemm
 from .quant import act_quant
 
@@ -23,9 +23,8 @@ def fp8_linear_tokens(
     allow_cublas: bool,
 ) -> torch.Tensor:
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K)."""
-    m, k = x.shape
-    n = w_q.shape[0]
-    if allow_cublas and cublas_shape_ok(m, n, k, granularity, w_q.dtype, x.dtype, bias) and cublas_device_ok(x.device):
+    m = x.shape[0]
+    if use_cublas(x, w_q, granularity, x.dtype, bias, allow_cublas):
         x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
         y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
         return y if y.shape[0] == m else y[:m]  # drop the padding rows (a contiguous view)
