@@ -451,3 +451,20 @@ def test_shipped_tables_are_valid(path):
     for buckets in table.shapes.values():
         for entry in buckets.values():
             assert entry["us"] > 0 and entry["us"] <= entry["heuristic_us"] * 1.05
+
+
+def test_summary_leaves_out_wrong_results_and_reports_triton_alone():
+    """A method whose output is wrong (cuBLAS with a misread scale layout) must not count as fast."""
+    t = {(7168, 2304, 4096, "ours_block"): 100.0, (7168, 2304, 4096, "triton_block"): 150.0,
+         (7168, 7168, 4096, "ours_block"): 100.0, (7168, 7168, 4096, "triton_block"): 140.0,
+         (7168, 7168, 4096, "cublas_block"): 100.0}
+    rows = _rows(t)
+    for r in rows:
+        r.rel_err = 0.03
+    rows.append(bench.BenchRow(shape="", n=7168, k=2304, m=4096, method="cublas_block", status="ok", us=10.0,
+                               rel_err=300.0))
+    s = bench.summarize(rows)
+    assert s["prefill_ours_over_cublas_block"]["cases"] == 1  # the wrong 10 us cuBLAS row is not a case
+    assert s["prefill_ours_over_cublas_block"]["value"] == pytest.approx(1.0)
+    assert s["prefill_triton_over_cublas_block"]["value"] == pytest.approx(1.4)
+    assert "Triton kernel alone" in bench.format_summary(s)
