@@ -52,7 +52,9 @@ def test_act_quant_cublas_layout(m, k):
         (127, 1536, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # decode-sized: ours
         (512, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # small weight: ours
         (1024, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
-        (4096, 7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # K/128 = 18: garbage
+        (4096, 7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 18: as 1x128
+        (4096, 4096, 1152, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 9: as 1x128
+        (4096, 7168, 640, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # short K: ours
         (4096, 7168, 256, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),
         (4096, 7168, 2304, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),  # row scales are fine
         (4096, 300, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # N % 16
@@ -97,7 +99,7 @@ def test_cpu_auto_path_never_reaches_cublas(monkeypatch):
 CUBLAS_CASES = [
     (m, n, k, gran)
     for m, n, k in [(128, 1536, 7168), (130, 2112, 512), (1027, 7168, 2048), (4096, 576, 7168), (257, 4096, 2304),
-                    (1030, 2112, 576)]
+                    (1030, 2112, 576), (1030, 2112, 1152), (1024, 4000, 2304)]
     for gran in ("block", "row")
 ]
 

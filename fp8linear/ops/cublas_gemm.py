@@ -17,7 +17,10 @@ tests/test_cublas_gemm.py check these rules against the reference):
   (``cublas_layout=True``), padding M with zero rows, so no copy is needed;
 - 128x128 weights: scale_b = ``w_s.t()`` of the contiguous (N/128, K/128) grid. With K/128 not a
   multiple of 4 (K=256, 2304, 384, 640) cuBLAS *accepts* that layout and returns garbage
-  (relative error 0.09 to 1e3), so those shapes stay on Triton;
+  (relative error 0.09 to 1e3). Such weights run as 1x128 weights instead: each 128x128 block's
+  scale repeated over its 128 rows is the same dequantization, exactly (a (K/128, N) grid made
+  per call, ~1.5 us). That pays where K is long enough (K >= CUBLAS_EXPANDED_MIN_K); shorter K
+  stays on our kernel;
 - 1x128 weights: scale_b = the (K/128, N) transpose, contiguous (a small copy per call);
 - N a multiple of 16; ``float8_e4m3fn`` only; bf16 output (the only one verified), bias fused.
 """
@@ -30,7 +33,7 @@ import torch
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["CUBLAS_MIN_M", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "cublas_fp8_gemm"]
+__all__ = ["CUBLAS_MIN_M", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "cublas_fp8_gemm"]
 
 # Under backend="auto", GEMMs with at least CUBLAS_MIN_M rows go to cuBLAS, and those with a
 # weight below CUBLAS_SMALL_WEIGHT elements only from CUBLAS_SMALL_WEIGHT_MIN_M rows. H100,
@@ -45,6 +48,11 @@ CUBLAS_SMALL_WEIGHT_MIN_M = 1024
 _ALIGN_KN = 16
 # The 128x128 scale grid's row (K/128 fp32 values) must be 16-byte aligned (see module docstring).
 _BLOCK_SCALE_ROW_ALIGN = 4
+# 128x128 weights whose K/128 is not a multiple of 4 go to cuBLAS as 1x128 weights from this K up.
+# H100, CUDA graphs, M=1024/2048/4096, ours vs cuBLAS with the expanded grid made per call:
+# 7168x2304 50.8/89.9/184.2 vs 47.2/85.1/164.5 us; 4096x1152 15.2/28.4/57.2 vs 14.9/28.1/55.1;
+# 7168x640 20.4/31.5/61.6 vs 20.4/31.8/61.1 (a tie); 7168x256 13.4/19.0/35.3 vs 14.6/21.6/36.3.
+CUBLAS_EXPANDED_MIN_K = 1024
 # Blockwise scaling in torch._scaled_mm was verified with this torch (2.11 + CUDA 13.0, H100).
 _MIN_TORCH = (2, 11)
 _MIN_CUDA = (12, 9)
@@ -70,8 +78,13 @@ def cublas_shape_ok(m: int, n: int, k: int, granularity: str, fp8_dtype: torch.d
     if bias is not None and bias.dtype != torch.bfloat16:
         return False
     if granularity == "block":
-        return (-(-k // GROUP_SIZE)) % _BLOCK_SCALE_ROW_ALIGN == 0
+        return not _block_needs_row_scales(k) or k >= CUBLAS_EXPANDED_MIN_K
     return granularity == "row"
+
+
+def _block_needs_row_scales(k: int) -> bool:
+    """Whether cuBLAS misreads this K's 128x128 scale grid, so the weight must go as 1x128 (see above)."""
+    return (-(-k // GROUP_SIZE)) % _BLOCK_SCALE_ROW_ALIGN != 0
 
 
 @lru_cache(maxsize=16)
@@ -109,7 +122,10 @@ def cublas_fp8_gemm(
     """
     if x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
         x_s = x_s.t().contiguous().t()  # M-major
-    if granularity == "block":
+    if granularity == "block" and _block_needs_row_scales(x_q.shape[1]):
+        # Each block scale repeated over its 128 rows: the same weight, as cuBLAS's 1x128 grid (K/128, N).
+        scale_b = w_s.t().repeat_interleave(GROUP_SIZE, dim=1)[:, : w_q.shape[0]].contiguous()
+    elif granularity == "block":
         scale_b = (w_s if w_s.is_contiguous() else w_s.contiguous()).t()
     else:
         scale_b = w_s.t().contiguous()
