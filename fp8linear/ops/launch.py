@@ -10,11 +10,10 @@ later calls with the same key launch that ``CompiledKernel`` directly.
 
 The key is at least as fine as Triton's own specialisation, so a cached kernel is only reused
 where Triton would pick the same binary: per argument, tensors by dtype and 16-byte alignment of
-the data pointer, integers by ``== 1``, divisibility by 16, 32/64-bit range and sign, constexprs,
-other scalars and launch options (``num_warps`` ...) by value; plus the current CUDA device.
-Anything else (defaulted or unhashable arguments, the interpreter) takes Triton's own path;
-launch hooks (profilers) are called as Triton calls them. H100 machine, act_quant launch: 25.4 us
-through ``JITFunction.run``; its floor, ``CompiledKernel.run`` alone, 8.4 us.
+the data pointer, integers by ``== 1``, divisibility by 16 and 32/64-bit range, other scalars by
+type, constexprs and launch options (``num_warps`` ...) by value; plus the current CUDA device.
+Anything else (an argument of another kind, a launch hook set by a profiler, the interpreter)
+takes Triton's own path.
 """
 
 from __future__ import annotations
@@ -26,27 +25,35 @@ from typing import Any
 import torch
 from triton.runtime.jit import JITFunction
 
-try:  # Triton >= 3.4
-    from triton import knobs
-except ImportError:  # pragma: no cover - older Triton: every launch takes Triton's own path
-    knobs = None
-
 __all__ = ["FastKernel", "specialization_key"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ALIGN = 16  # Triton specialises pointers and integers on divisibility by 16
-_Tensor = torch.Tensor
 
 
-def specialization_key(values: Sequence[Any], constexpr: Sequence[bool]) -> tuple:
-    """Per argument: constexprs and non-integer scalars by value, tensors by (dtype, 16-byte
-    alignment), integers by (== 1, % 16 == 0, fits int32, sign: int64 vs uint64). Unhashable arguments make the key
-    unhashable (the caller then launches through Triton)."""
-    return tuple(
-        v if c else (v.dtype, v.data_ptr() % _ALIGN == 0) if type(v) is _Tensor
-        else (v == 1, v % _ALIGN == 0, _INT32_MIN <= v <= _INT32_MAX, v >= 0) if type(v) is int else v
-        for v, c in zip(values, constexpr)
-    )
+class _Unkeyable(Exception):
+    """An argument the key does not cover: launch through Triton."""
+
+
+def _arg_key(value: Any, constexpr: bool) -> Any:
+    if constexpr:
+        return ("c", value)
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % _ALIGN == 0)
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, int):
+        return ("i", value == 1, value % _ALIGN == 0, _INT32_MIN <= value <= _INT32_MAX, value < 0)
+    if isinstance(value, float):
+        return "f"
+    if value is None:
+        return "n"
+    raise _Unkeyable(type(value).__name__)
+
+
+def specialization_key(values: Sequence[Any], constexpr: Sequence[bool], options: dict[str, Any]) -> tuple:
+    """The cache key of one launch (see the module docstring); raises _Unkeyable for other argument kinds."""
+    return (tuple(_arg_key(v, c) for v, c in zip(values, constexpr)), tuple(sorted(options.items())))
 
 
 class FastKernel:
@@ -55,10 +62,10 @@ class FastKernel:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         # Under TRITON_INTERPRET=1 the kernel is an InterpretedFunction: always Triton's own path.
-        self._fast = isinstance(fn, JITFunction) and knobs is not None
+        self._fast = isinstance(fn, JITFunction)
         params = list(inspect.signature(fn.fn).parameters.values())
         self._names = tuple(p.name for p in params)
-        self._name_set = frozenset(self._names)
+        self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self._constexpr = tuple(bool(p.is_constexpr) for p in fn.params) if self._fast else ()
         self._compiled: dict[tuple, Any] = {}  # (device, key) -> CompiledKernel, like Triton's own cache
 
@@ -66,28 +73,32 @@ class FastKernel:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self._fast or len(args) + len(kwargs) < len(self._names):  # defaults in play: Triton's path
+        if not self._fast or _launch_hooks_set():
             self.fn[grid](*args, **kwargs)
             return
         try:
-            values = args + tuple(kwargs[name] for name in self._names[len(args):])
-            options = tuple((k, v) for k, v in kwargs.items() if k not in self._name_set)
-            device = torch.cuda.current_device()
-            key = (device, options, specialization_key(values, self._constexpr))
-            compiled = self._compiled.get(key)
-        except (KeyError, TypeError):  # a default or an unhashable argument: Triton's own path
+            values = list(args)
+            for name in self._names[len(args):]:
+                values.append(kwargs[name] if name in kwargs else self._defaults[name])
+            options = {k: v for k, v in kwargs.items() if k not in self._names}
+            key = (torch.cuda.current_device(), specialization_key(values, self._constexpr, options))
+        except (_Unkeyable, KeyError):
             self.fn[grid](*args, **kwargs)
             return
+        compiled = self._compiled.get(key)
         if compiled is None:  # first launch of this specialisation: Triton compiles and launches it
             compiled = self.fn[grid](*args, **kwargs)
             if compiled is not None:
                 self._compiled[key] = compiled
             return
-        # What CompiledKernel's own runner does, without building a closure per call; launch hooks
-        # (profilers) are passed on as Triton passes them. The raw stream is what Triton's driver reads.
         g = tuple(grid) + (1,) * (3 - len(grid))
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        hooks = knobs.runtime
-        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(g, stream, *values), hooks.launch_enter_hook, hooks.launch_exit_hook,
-                     *values)
+        compiled[g](*values, stream=torch.cuda.current_stream().cuda_stream)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a profiler (e.g. Triton's proton) hooks launches: then every launch goes through Triton."""
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - older Triton has no knobs; never take the fast path there
+        return True
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
