@@ -17,7 +17,6 @@ weight tile read for row 0 is in L2 for the others.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -27,7 +26,6 @@ from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 from .gemm_common import weight_scale_ptrs
 from .quant import quantize_groups
-from .launch import FastKernel
 
 __all__ = ["FUSED_GEMV_MAX_WEIGHT", "GemvConfig", "gemv_config", "use_fused_gemv", "fused_fp8_gemv"]
 
@@ -65,7 +63,6 @@ def use_fused_gemv(m: int, n: int, k: int) -> bool:
     return m == 1 and n * k < FUSED_GEMV_MAX_WEIGHT
 
 
-@lru_cache(maxsize=1024)  # called on every decode step: the frozen config is reused, not rebuilt
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """Default launch config (H100 sweep, benchmarks/gemv_sweep.py, M=1).
 
@@ -125,9 +122,6 @@ def _fused_fp8_gemv_kernel(
     tl.store(y_ptr + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-_fused_fp8_gemv_launch = FastKernel(_fused_fp8_gemv_kernel)
-
-
 def fused_fp8_gemv(
     x: torch.Tensor,
     w_q: torch.Tensor,
@@ -152,7 +146,7 @@ def fused_fp8_gemv(
         stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1)
     uniform = granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0)
     grid = (m, triton.cdiv(n, cfg.block_n))
-    _fused_fp8_gemv_launch[grid](
+    _fused_fp8_gemv_kernel[grid](
         x, w_q, w_s, y, bias if bias is not None else y,
         n, k,
         x.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),

@@ -34,7 +34,6 @@ from .cublas_gemm import cublas_fp8_gemm, use_cublas
 from .gemm_common import promote, store_tile, weight_scale_ptrs
 from .quant import CUBLAS_ROW_ALIGN
 from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
-from .launch import FastKernel
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -98,9 +97,6 @@ def _block_fp8_gemm_kernel(
     store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
 
 
-_block_fp8_gemm_launch = FastKernel(_block_fp8_gemm_kernel)
-
-
 @triton.jit
 def _block_fp8_gemm_persistent_kernel(
     x_desc, xs_ptr, w_desc, ws_ptr, y_ptr, bias_ptr,
@@ -130,9 +126,6 @@ def _block_fp8_gemm_persistent_kernel(
             w_s = tl.load(ws_ptrs + k_group * stride_wsk)
             acc = promote(acc, tl.dot(x, w.T), x_s, w_s, W_SCALE_UNIFORM)
         store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
-
-
-_block_fp8_gemm_persistent_launch = FastKernel(_block_fp8_gemm_persistent_kernel)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -193,7 +186,7 @@ def block_fp8_gemm(
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if persistent:
         programs = min(tiles, sm_count(x_q.device))
-        _block_fp8_gemm_persistent_launch[(programs,)](
+        _block_fp8_gemm_persistent_kernel[(programs,)](
             TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k]), x_s,
             TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k]), w_s, y, bias if bias is not None else y,
             m, n, k,
@@ -205,7 +198,7 @@ def block_fp8_gemm(
         )
         return y
     grid = (tiles,)
-    _block_fp8_gemm_launch[grid](
+    _block_fp8_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, y, bias if bias is not None else y,
         m, n, k,
         x_q.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),

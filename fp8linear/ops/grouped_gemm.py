@@ -36,7 +36,6 @@ import triton.language as tl
 from ..formats import GROUP_SIZE
 from .configs import GemmConfig
 from .gemm_common import promote, weight_scale_ptrs
-from .launch import FastKernel
 
 __all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeRouting", "align_num_blocks", "grouped_config", "moe_align_block_size", "grouped_fp8_gemm"]
 
@@ -127,9 +126,6 @@ def _moe_align_kernel(
         tl.store(block_expert_ptr + b, owner, mask=b < num_blocks)
 
 
-_moe_align_launch = FastKernel(_moe_align_kernel)
-
-
 def align_num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Blocks needed at most: min(S, E + 1) non-empty experts each waste at most block_m - 1 rows."""
     # torch.sym_min / floor division: also valid on symbolic sizes (fake implementations)
@@ -166,7 +162,7 @@ def moe_align_block_size(
         sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
         block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
         num_bins = triton.next_power_of_2(num_experts + 1)
-        _moe_align_launch[(1,)](
+        _moe_align_kernel[(1,)](
             top_k_index.reshape(-1).contiguous(), sorted_pair_ids, block_expert,
             num_pairs, num_experts, num_blocks,
             BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=max(16, min(128, _ALIGN_TILE // num_bins)),
@@ -271,9 +267,6 @@ def _grouped_fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n[None, :] < N))
 
 
-_grouped_fp8_gemm_launch = FastKernel(_grouped_fp8_gemm_kernel)
-
-
 def grouped_fp8_gemm(
     a_q: torch.Tensor,
     a_s: torch.Tensor,
@@ -312,7 +305,7 @@ def grouped_fp8_gemm(
         ws_group_n = GROUP_SIZE if granularity == "block" else 1
         stride_wse, stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1), w_s.stride(2)
     grid = (num_blocks * triton.cdiv(n, cfg.block_n),)
-    _grouped_fp8_gemm_launch[grid](
+    _grouped_fp8_gemm_kernel[grid](
         a_q, a_s, w_q, w_s, c,
         bias if bias is not None else c,
         topk_weights if topk_weights is not None else c,

@@ -8,7 +8,6 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
-from .launch import FastKernel
 
 __all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "cublas_rows", "quantize_groups", "round_to_fp8_grid"]
 
@@ -69,9 +68,6 @@ def _act_quant_kernel(
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, scale, mask=row_ok)
 
 
-_act_quant_launch = FastKernel(_act_quant_kernel)
-
-
 def cublas_rows(m: int) -> int:
     """Rows of the cuBLAS-layout output for an M-row input: M rounded up to a multiple of 4."""
     return -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
@@ -99,7 +95,7 @@ def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = Fal
     # with 1 row / 1 warp; M=16 5.1 vs 5.6 us with 4 rows; M=4096 42.2 vs 42.4 us, unchanged).
     block_m, num_warps = (1, 1) if m == 1 else ((4, 4) if m <= 64 else (16, 4))
     grid = (triton.cdiv(m, block_m), groups)
-    _act_quant_launch[grid](
+    _act_quant_kernel[grid](
         x, x_q, x_s, m, m_in, k,
         x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
         activation_max(fp8_dtype), AMAX_FLOOR,

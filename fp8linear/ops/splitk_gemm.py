@@ -25,7 +25,6 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .gemm_common import promote, store_tile, weight_scale_ptrs
-from .launch import FastKernel
 
 __all__ = ["SplitKConfig", "sm_count", "splitk_config", "splitk_fp8_gemm"]
 
@@ -112,9 +111,6 @@ def _splitk_fp8_gemm_kernel(
         store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
 
 
-_splitk_fp8_gemm_launch = FastKernel(_splitk_fp8_gemm_kernel)
-
-
 @lru_cache(maxsize=16)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (4 for the CPU interpreter)."""
@@ -182,7 +178,7 @@ def splitk_fp8_gemm(
     else:
         part = count = y  # unused
     uniform = granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0)
-    _splitk_fp8_gemm_launch[grid](
+    _splitk_fp8_gemm_kernel[grid](
         x, x_s, w_q, w_s, y, bias if bias is not None else y, part, count,
         m, n, k, groups_per_split,
         x.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
