@@ -523,9 +523,11 @@ def _method_setup(
         return per_tensor, (x_q, x_s, w_q, w_s), n * k + m * k + 8 + out_bytes, out_bytes
     x_q, x_s = quantize_activation(x, fp8_dtype=fp8_dtype, backend=cfg.backend)
     act_bytes = m * k + x_s.numel() * 4
+    # (M, K/128) M-major, stride (1, M): the layout cuBLAS reads and Fp8BlockLinear's forward
+    # writes for it. cuBLAS and ours get the same activation operands.
+    scale_a = x_s.t().contiguous().t()
     if method == "cublas_block":
         w_q, w_s = ops.quant["block"]
-        scale_a = x_s.t().contiguous().t()  # (M, K/128), M-major: stride (1, M)
         scale_b = _cublas_block_scale_b(w_s, cublas_layout)
 
         def cublas_block(a, sa, b, sb):
@@ -539,7 +541,7 @@ def _method_setup(
         def ours(a, sa, b, sb):
             return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend)
 
-        return ours, (x_q, x_s, w_q, w_s), n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
+        return ours, (x_q, scale_a, w_q, w_s), n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
     if method == "ours_forward":
         w_q, w_s = ops.quant["block"]
         bias = ops.bias if cfg.bias else None

@@ -257,12 +257,15 @@ def block_fp8_matmul(
 
     Under backend "auto" on Hopper, GEMMs with M >= 128 (a multiple of 4) that cuBLAS blockwise
     FP8 takes run there (:mod:`fp8linear.ops.cublas_gemm`); "triton" always runs our kernel.
+    The scales may have any strides: row-major x_s (M, K/128) as `quantize_activation` returns
+    it, or M-major (strides (1, M)), the layout cuBLAS reads, which then costs no copy on either
+    path; likewise a row-wise w_s stored N-major (strides (1, N)).
     """
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
     if resolve_backend(backend, x_q.device) == "reference":
         return block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype, bias)
-    w_s = w_s.reshape(()) if granularity == "tensor" else w_s  # the kernel takes any scale strides
-    return _gemm_call(_k_contiguous(x_q), x_s.contiguous(), _k_contiguous(w_q), w_s, granularity, out_dtype, bias,
+    w_s = w_s.reshape(()) if granularity == "tensor" else w_s  # the kernels take any scale strides
+    return _gemm_call(_k_contiguous(x_q), x_s, _k_contiguous(w_q), w_s, granularity, out_dtype, bias,
                       cublas_allowed(backend))
 
 

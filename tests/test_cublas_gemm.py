@@ -130,7 +130,7 @@ def test_gpu_auto_matches_triton_and_reference(m, n, k, gran, with_bias, monkeyp
 @needs_hopper
 @pytest.mark.parametrize("gran", ["block", "row"])
 def test_gpu_block_fp8_matmul_auto_uses_cublas(gran, monkeypatch):
-    """block_fp8_matmul takes row-major activation scales; the cuBLAS path transposes them."""
+    """block_fp8_matmul takes row-major activation scales (the cuBLAS path transposes them) and M-major ones."""
     from fp8linear.ops import gemm
 
     taken: list[bool] = []
@@ -142,6 +142,7 @@ def test_gpu_block_fp8_matmul_auto_uses_cublas(gran, monkeypatch):
     y = block_fp8_matmul(x_q, x_s, w_q, w_s)
     y_t = block_fp8_matmul(x_q, x_s, w_q, w_s, backend="triton")
     assert taken == [True]
+    assert torch.equal(block_fp8_matmul(x_q, x_s.t().contiguous().t(), w_q, w_s), y)
     ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, backend="reference").double()
     assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] and rel_err(y_t, ref) < GEMM_TOL[torch.bfloat16]
 

@@ -154,6 +154,26 @@ def test_gemm_noncontiguous_and_empty():
     assert block_fp8_matmul(e_q, e_s, w_q, w_s, backend="triton").shape == (0, 200)
 
 
+# split-K (M <= 64), tiled, and on Hopper the persistent TMA kernel (M >= 2048, K <= 2304).
+_LAYOUT_SHAPES = [(5, 300, 640), (70, 200, 300)] + ([(2048, 384, 1152)] if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("m,n,k", _LAYOUT_SHAPES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_gemm_takes_m_major_activation_scales(m, n, k, granularity):
+    """x_s M-major (strides (1, M), cuBLAS's layout) and row-wise w_s N-major give the same bits."""
+    x_q, x_s = quantize_activation(torch.randn(m, k, device=KERNEL_DEVICE), backend="triton")
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE), granularity)
+    x_s_mm = x_s.t().contiguous().t()
+    assert x_s_mm.stride() == (1, m) and torch.equal(x_s_mm, x_s)
+    w_s_nm = w_s.t().contiguous().t() if granularity == "row" else w_s
+    y = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, backend="triton")
+    y_mm = block_fp8_matmul(x_q, x_s_mm, w_q, w_s_nm, torch.float32, backend="triton")
+    assert torch.equal(y_mm, y)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64)
+    assert rel_err(y_mm, ref) < KERNEL_GEMM_TOL[torch.float32]
+
+
 @pytest.mark.parametrize("m", [4, 70])  # split-K kernel, tiled kernel
 def test_gemm_nan_rows_propagate(m):
     x = torch.randn(m, 256, device=KERNEL_DEVICE)
