@@ -257,9 +257,9 @@ def block_fp8_matmul(
 
     Under backend "auto" on Hopper, GEMMs with M >= 128 (a multiple of 4) that cuBLAS blockwise
     FP8 takes run there (:mod:`fp8linear.ops.cublas_gemm`); "triton" always runs our kernel.
-    The scales may have any strides: row-major x_s (M, K/128) as `quantize_activation` returns
-    it, or M-major (strides (1, M)), the layout cuBLAS reads, which then costs no copy on either
-    path; likewise a row-wise w_s stored N-major (strides (1, N)).
+    x_s may be row-major (M, K/128), as `quantize_activation` returns it, or M-major (strides
+    (1, M)), the layout cuBLAS reads: each path copies the other layout into its own (cuBLAS
+    reads M-major scales, our kernels row-major ones). w_s may have any strides.
     """
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
     if resolve_backend(backend, x_q.device) == "reference":

@@ -63,7 +63,7 @@ class SplitKConfig:
 def _splitk_fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
     M, N, K, groups_per_split,
-    stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk, stride_ym,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -88,7 +88,7 @@ def _splitk_fp8_gemm_kernel(
         k_left = K - g * GROUP
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        x_s = tl.load(xs_ptr + safe_m * stride_xsm + g * stride_xsk)
+        x_s = tl.load(xs_ptr + safe_m * stride_xsm + g)
         w_s = tl.load(ws_ptrs + g * stride_wsk)
         acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
         x_ptrs += GROUP
@@ -181,7 +181,7 @@ def splitk_fp8_gemm(
     _splitk_fp8_gemm_kernel[grid](
         x, x_s, w_q, w_s, y, bias if bias is not None else y, part, count,
         m, n, k, groups_per_split,
-        x.stride(0), x_s.stride(0), x_s.stride(1), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
+        x.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
