@@ -505,7 +505,9 @@ def _method_setup(
     cublas_layout: str = "plain",
 ) -> tuple[Callable[..., torch.Tensor], tuple, int, int]:
     """(fn, args of one set, bytes one call moves (weight + scales + activation + output), output bytes)."""
+    from .backend import cublas_allowed
     from .functional import block_fp8_matmul, fp8_linear, quantize_activation
+    from .ops.cublas_gemm import CUBLAS_ROW_ALIGN, use_cublas
 
     m, k = x.shape
     n = ops.w.shape[0]
@@ -523,9 +525,7 @@ def _method_setup(
         return per_tensor, (x_q, x_s, w_q, w_s), n * k + m * k + 8 + out_bytes, out_bytes
     x_q, x_s = quantize_activation(x, fp8_dtype=fp8_dtype, backend=cfg.backend)
     act_bytes = m * k + x_s.numel() * 4
-    # (M, K/128) M-major, stride (1, M): the layout cuBLAS reads and Fp8BlockLinear's forward
-    # writes for it. cuBLAS and ours get the same activation operands.
-    scale_a = x_s.t().contiguous().t()
+    scale_a = x_s.t().contiguous().t()  # (M, K/128) M-major, stride (1, M): the layout cuBLAS reads
     if method == "cublas_block":
         w_q, w_s = ops.quant["block"]
         scale_b = _cublas_block_scale_b(w_s, cublas_layout)
@@ -535,13 +535,19 @@ def _method_setup(
 
         return cublas_block, (x_q, scale_a, w_q, scale_b), n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
     if method in ("ours_block", "triton_block", "ours_row"):
-        w_q, w_s = ops.quant["row" if method == "ours_row" else "block"]
+        granularity = "row" if method == "ours_row" else "block"
+        w_q, w_s = ops.quant[granularity]
         backend = "triton" if method == "triton_block" and cfg.backend != "reference" else cfg.backend
+        # The activation scales in the layout Fp8BlockLinear's forward writes for the path this GEMM
+        # takes: M-major where it goes to cuBLAS (as cuBLAS-blk gets them), row-major for our kernels.
+        on_cublas = (m % CUBLAS_ROW_ALIGN == 0
+                     and use_cublas(x_q, w_q, granularity, torch.bfloat16, None, cublas_allowed(backend)))
 
         def ours(a, sa, b, sb):
             return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend)
 
-        return ours, (x_q, scale_a, w_q, w_s), n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
+        args = (x_q, scale_a if on_cublas else x_s, w_q, w_s)
+        return ours, args, n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
     if method == "ours_forward":
         w_q, w_s = ops.quant["block"]
         bias = ops.bias if cfg.bias else None

@@ -33,7 +33,7 @@ import torch
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["CUBLAS_MIN_M", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "cublas_fp8_gemm"]
+__all__ = ["CUBLAS_MIN_M", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "cublas_fp8_gemm"]
 
 # Under backend="auto", GEMMs with at least CUBLAS_MIN_M rows go to cuBLAS, and those with a
 # weight below CUBLAS_SMALL_WEIGHT elements only from CUBLAS_SMALL_WEIGHT_MIN_M rows. H100,
@@ -44,8 +44,10 @@ __all__ = ["CUBLAS_MIN_M", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_d
 CUBLAS_MIN_M = 128
 CUBLAS_SMALL_WEIGHT = 8 * 2**20
 CUBLAS_SMALL_WEIGHT_MIN_M = 1024
-# cuBLAS wants 16-byte aligned rows: K and N multiples of 16 (M: see quant.CUBLAS_ROW_ALIGN).
+# cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
 _ALIGN_KN = 16
+# and M (the M-major activation scales' leading dimension) a multiple of 4 (16 bytes of fp32).
+CUBLAS_ROW_ALIGN = 4
 # The 128x128 scale grid's row (K/128 fp32 values) must be 16-byte aligned (see module docstring).
 _BLOCK_SCALE_ROW_ALIGN = 4
 # 128x128 weights whose K/128 is not a multiple of 4 go to cuBLAS as 1x128 weights from this K up.

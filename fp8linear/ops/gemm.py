@@ -30,9 +30,8 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
-from .cublas_gemm import cublas_fp8_gemm, use_cublas
+from .cublas_gemm import CUBLAS_ROW_ALIGN, cublas_fp8_gemm, use_cublas
 from .gemm_common import promote, store_tile, weight_scale_ptrs
-from .quant import CUBLAS_ROW_ALIGN
 from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
 try:  # host-side TMA descriptors (Triton >= 3.3)

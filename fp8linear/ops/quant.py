@@ -8,12 +8,10 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
+from .cublas_gemm import CUBLAS_ROW_ALIGN
 
 __all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "cublas_rows", "quantize_groups", "round_to_fp8_grid"]
 
-# torch._scaled_mm's blockwise path needs M (the activation scales' leading dimension) to be a
-# multiple of 4 (16 bytes of fp32); see ops/cublas_gemm.py.
-CUBLAS_ROW_ALIGN = 4
 
 
 @triton.jit
