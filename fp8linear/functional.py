@@ -281,7 +281,7 @@ def fp8_linear(
 
     This is the hot path of `Fp8BlockLinear.forward`: it checks what can go wrong cheaply
     (no per-call tensor work) and calls the ops directly, not through the public wrappers. A
-    single token with a weight below 64M elements runs one fused quantize+GEMV kernel
+    single token with a weight below 24M elements runs one fused quantize+GEMV kernel
     (:mod:`fp8linear.ops.fused_gemv`: same quantized values, fp32 sums in another order);
     everything else quantizes x, then runs the GEMM (:mod:`fp8linear.ops.linear`: cuBLAS
     blockwise FP8 for prefill-sized GEMMs on Hopper under backend "auto", else ours).

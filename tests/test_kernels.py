@@ -440,9 +440,9 @@ def test_fused_gemv_nan_row_propagates_and_config_validation():
 
 
 @pytest.mark.parametrize("m,n,k,fused", [(1, 576, 7168, True), (1, 130, 300, True), (2, 130, 300, False),
-                                         (1, 18432, 7168, False), (1, 8192, 8192, False), (1, 8191, 8192, True)])
+                                         (1, 18432, 7168, False), (1, 3072, 8192, False), (1, 3071, 8192, True)])
 def test_fp8_linear_fused_dispatch(m, n, k, fused, monkeypatch):
-    """One token below 64M weight elements runs the fused kernel alone; otherwise act_quant + GEMM (one op)."""
+    """One token below 24M weight elements (FUSED_GEMV_MAX_WEIGHT) runs the fused kernel alone; otherwise act_quant + GEMM (one op)."""
     from fp8linear import functional
     from fp8linear.ops.fused_gemv import use_fused_gemv
 
