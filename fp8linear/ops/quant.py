@@ -13,7 +13,6 @@ from .cublas_gemm import CUBLAS_ROW_ALIGN
 __all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "cublas_rows", "quantize_groups", "round_to_fp8_grid"]
 
 
-
 @triton.jit
 def round_to_fp8_grid(v, MIN_EXP: tl.constexpr):
     """Triton twin of reference.round_to_fp8_grid: round fp32 to the FP8 grid, ties to even."""
