@@ -507,7 +507,7 @@ def _method_setup(
     """(fn, args of one set, bytes one call moves (weight + scales + activation + output), output bytes)."""
     from .backend import cublas_allowed
     from .functional import block_fp8_matmul, fp8_linear, quantize_activation
-    from .ops.cublas_gemm import CUBLAS_ROW_ALIGN, use_cublas
+    from .ops.cublas_gemm import use_cublas_prequantized
 
     m, k = x.shape
     n = ops.w.shape[0]
@@ -540,8 +540,7 @@ def _method_setup(
         backend = "triton" if method == "triton_block" and cfg.backend != "reference" else cfg.backend
         # The activation scales in the layout Fp8BlockLinear's forward writes for the path this GEMM
         # takes: M-major where it goes to cuBLAS (as cuBLAS-blk gets them), row-major for our kernels.
-        on_cublas = (m % CUBLAS_ROW_ALIGN == 0
-                     and use_cublas(x_q, w_q, granularity, torch.bfloat16, None, cublas_allowed(backend)))
+        on_cublas = use_cublas_prequantized(x_q, w_q, granularity, torch.bfloat16, None, cublas_allowed(backend))
 
         def ours(a, sa, b, sb):
             return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend)

@@ -101,7 +101,7 @@ def test_block_fp8_matmul_hands_each_path_its_scale_layout(to_cublas, monkeypatc
     from fp8linear.ops import gemm
 
     seen: list[torch.Tensor] = []
-    monkeypatch.setattr(gemm, "use_cublas", lambda *a: to_cublas)
+    monkeypatch.setattr(gemm, "use_cublas_prequantized", lambda *a: to_cublas)
     monkeypatch.setattr(gemm, "cublas_fp8_gemm", lambda x_q, x_s, *a: (seen.append(x_s), x_q.new_empty(0))[1])
     kernel = gemm._block_fp8_gemm_kernel
 
@@ -113,7 +113,7 @@ def test_block_fp8_matmul_hands_each_path_its_scale_layout(to_cublas, monkeypatc
     x_q, x_s = quantize_activation(torch.randn(8, 300, device=KERNEL_DEVICE), backend="triton")
     w_q, w_s = quantize_weight(torch.randn(64, 300, device=KERNEL_DEVICE), "block")  # short K: tiled kernel
     x_s_mm = x_s.t().contiguous().t()
-    # use_cublas is patched, so the backend name only has to pick the Triton launchers over the reference
+    # the cuBLAS rule is patched, so the backend name only has to pick the Triton launchers over the reference
     y = block_fp8_matmul(x_q, x_s_mm, w_q, w_s, torch.float32, backend="triton")
     assert len(seen) == 1
     if to_cublas:

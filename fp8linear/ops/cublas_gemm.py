@@ -33,7 +33,8 @@ import torch
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["CUBLAS_MIN_M", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "cublas_fp8_gemm"]
+__all__ = ["CUBLAS_MIN_M", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "use_cublas_prequantized",
+           "cublas_fp8_gemm"]
 
 # Under backend="auto", GEMMs with at least CUBLAS_MIN_M rows go to cuBLAS, and those with a
 # weight below CUBLAS_SMALL_WEIGHT elements only from CUBLAS_SMALL_WEIGHT_MIN_M rows. H100,
@@ -111,6 +112,12 @@ def use_cublas(x: torch.Tensor, w_q: torch.Tensor, granularity: str, out_dtype: 
     return (allow_cublas
             and cublas_shape_ok(x.shape[0], w_q.shape[0], x.shape[1], granularity, w_q.dtype, out_dtype, bias)
             and cublas_device_ok(x.device))
+
+
+def use_cublas_prequantized(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, out_dtype: torch.dtype,
+                            bias: torch.Tensor | None, allow_cublas: bool) -> bool:
+    """The rule for an already quantized x_q (block_fp8_matmul), which cannot be padded: M a multiple of 4 too."""
+    return x_q.shape[0] % CUBLAS_ROW_ALIGN == 0 and use_cublas(x_q, w_q, granularity, out_dtype, bias, allow_cublas)
 
 
 def cublas_fp8_gemm(

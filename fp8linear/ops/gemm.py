@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
-from .cublas_gemm import CUBLAS_ROW_ALIGN, cublas_fp8_gemm, use_cublas
+from .cublas_gemm import cublas_fp8_gemm, use_cublas_prequantized
 from .gemm_common import promote, store_tile, weight_scale_ptrs
 from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
@@ -163,8 +163,7 @@ def block_fp8_gemm(
     """
     m, k = x_q.shape
     n = w_q.shape[0]
-    if (config is None and m % CUBLAS_ROW_ALIGN == 0
-            and use_cublas(x_q, w_q, granularity, out_dtype, bias, allow_cublas)):
+    if config is None and use_cublas_prequantized(x_q, w_q, granularity, out_dtype, bias, allow_cublas):
         return cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
     # Our kernels read x_s row-major. M-major scales (cuBLAS's layout) were measured 1.2-1.9x slower
     # in the tiled kernel (H100, 512x7168 M=1024: 37.1 vs 19.4 us; 18432x7168 M=4096: 1628 vs 1190):
