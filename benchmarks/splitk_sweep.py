@@ -5,10 +5,13 @@ Times, per DeepSeek-V3 shape and M, per-tensor cuBLAS FP8, the tiled kernel with
 dispatch (`default`: split-K where fp8linear.ops.splitk_gemm.splitk_config asks for it), row-wise
 weights, and a grid of split-K configs (block_m x block_n x stages x programs-per-SM x warps; p0 =
 no split). CUDA-graph timing over weight copies larger than 2x L2, as `fp8linear bench` does. This
-is the sweep behind splitk_config's rules; needs a CUDA GPU (~2.5 minutes on H100).
+is the sweep behind splitk_config's rules; needs a CUDA GPU (~1 minute per shape on H100).
 
-    python benchmarks/splitk_sweep.py [M,M,...] [N:K,N:K,...]    # default 1,4,16,64 and the DeepSeek-V3 shapes
+    python benchmarks/splitk_sweep.py [M,M,...] [N:K,N:K,...] [out.csv]    # default 1,4,16,32,64 and the DeepSeek-V3 shapes
+
+With a third argument every timing is also written there as CSV (n, k, m, name, us, rel_err).
 """
+import csv
 import itertools
 import math
 import sys
@@ -33,10 +36,11 @@ def main() -> None:
     dev = torch.device("cuda")
     l2 = _l2_bytes(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    MS = [int(a) for a in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 4, 16, 64]
+    MS = [int(a) for a in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 4, 16, 32, 64]
     print(torch.cuda.get_device_name(), "SMs", sms, flush=True)
     t_start = time.time()
     geo = {}
+    csv_rows = []
     shapes = [tuple(int(v) for v in s.split(":")) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else SHAPES
     for (n, k) in shapes:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
@@ -65,12 +69,19 @@ def main() -> None:
             t("default", lambda x, xq, xs, wq, ws, wr: block_fp8_gemm(xq, xs, wq, ws, "block", torch.bfloat16))
             t("default_row", lambda x, xq, xs, wq, ws, wr: block_fp8_gemm(xq, xs, wq, wr, "row", torch.bfloat16))
             groups = triton.cdiv(k, 128)
-            bms = (16,) if m <= 16 else (16, 32, 64)
-            for bm, bn, st, pps, nw in itertools.product(bms, (64, 128), (4, 6), (0, 1, 2, 4), (4, 8)):
+            seen: set[SplitKConfig] = set()
+            # block_m: 16, and the one tile that covers M (with 4 or 8 warps); pps = target programs
+            # per SM (0: no split), at least 2 K groups per program.
+            grid = [(16, 4)] + ([] if m <= 16 else [(triton.next_power_of_2(m), 4), (triton.next_power_of_2(m), 8)])
+            for (bm, nw), bn, st, pps in itertools.product(grid, (32, 64, 128), (4, 6), (0, 1, 2, 3, 4)):
                 tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
                 split = 1 if pps == 0 else max(1, min(triton.cdiv(pps * sms, tiles), groups // 2))
+                split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
                 c = SplitKConfig(bm, bn, split, nw, st)
-                t(f"f_bm{bm}_bn{bn}_s{st}_p{pps}_w{nw}", lambda x, xq, xs, wq, ws, wr, c=c: splitk_fp8_gemm(xq, xs, wq, ws, "block", torch.bfloat16, None, c))
+                if c in seen:
+                    continue
+                seen.add(c)
+                t(f"f_bm{bm}_bn{bn}_s{st}_S{split}_w{nw}", lambda x, xq, xs, wq, ws, wr, c=c: splitk_fp8_gemm(xq, xs, wq, ws, "block", torch.bfloat16, None, c))
             best = min((v[0], kk) for kk, v in res.items() if kk.startswith("f_"))
             pt = res["pertensor"][0]
             print(f"\n== M={m} N={n} K={k} split-K heuristic={h} W={n*k/1e6:.1f}MB  [{time.time()-t_start:.0f}s]", flush=True)
@@ -78,8 +89,12 @@ def main() -> None:
                 us, e = res[name]
                 print(f"  {name:14s} {us:8.2f} us  {n*k/us/1e6:6.2f} TB/s  vs_pt={us/pt:5.2f}  err={e:.1e}", flush=True)
             print(f"  best sweep {best[1]} {best[0]:.2f} us vs_pt={best[0]/pt:.2f}", flush=True)
-            top = sorted((v[0], kk) for kk, v in res.items() if kk.startswith("f_"))[:4]
-            print("  top4:", ", ".join(f"{kk}={v:.1f}" for v, kk in top), flush=True)
+            csv_rows += [(n, k, m, name, f"{us:.3f}", f"{e:.2e}") for name, (us, e) in res.items()]
+            top = sorted((v[0], kk) for kk, v in res.items() if kk.startswith("f_"))[:6]
+            print("  top6:", ", ".join(f"{kk}={v:.1f}" for v, kk in top), flush=True)
+    if len(sys.argv) > 3:
+        with open(sys.argv[3], "w", newline="") as f:
+            csv.writer(f).writerows([("n", "k", "m", "name", "us", "rel_err")] + csv_rows)
     print("\nGEOMEAN per M:")
     for m in MS:
         g = {name: math.exp(sum(map(math.log, v)) / len(v)) for (mm, name), v in geo.items() if mm == m}

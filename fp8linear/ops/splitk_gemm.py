@@ -28,7 +28,9 @@ from .gemm_common import promote, store_tile, weight_scale_ptrs
 
 __all__ = ["SplitKConfig", "sm_count", "splitk_config", "splitk_fp8_gemm"]
 
-# Split-K targets about this many programs per SM (H100 sweep: 2 beat 1 and 4).
+# Split-K gives each output tile the fewest splits that make at least this many programs per SM
+# (H100 sweep: 2 beat 1 and 4; rounding the split up rather than to nearest, so N=7168 at M=16-64
+# with 224 tiles on 132 SMs splits in 2: K=18432 M=16 55.4 vs 58.2 us, M=64 61.6 vs 68.6).
 _PROGRAMS_PER_SM = 2
 # Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits.
 _MIN_GROUPS_PER_SPLIT = 4
@@ -99,8 +101,10 @@ def _splitk_fp8_gemm_kernel(
         mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_s.to(tl.int64) * M * N + mn, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the counter says so
-        arrived = tl.atomic_add(count_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+        count_ptr += pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:  # the last program of this tile reduces it
+            tl.atomic_xchg(count_ptr, 0)  # and leaves the counter at zero for the next launch
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             part_ptrs = part_ptr + mn
             for _ in range(0, tl.num_programs(1)):  # split order, whoever arrived last
@@ -123,10 +127,10 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     """Split-K launch config for a small-M GEMM, or None where the tiled kernel is the better choice.
 
     From H100 sweeps (benchmarks/splitk_sweep.py, DeepSeek-V3 shapes plus 4608x7168, M in
-    {1, 4, 16, 64}): splitting pays when K is long (>= 32 groups), e.g. M=1, N=576, K=7168: 7.1
-    vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. About two programs per SM
-    were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
-    us at N=4608), with at least 4 K groups each. Tiles: 16/32/64 rows (as M needs) x 64 columns
+    {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups), e.g. M=1, N=576, K=7168:
+    7.1 vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. At least two programs per
+    SM were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
+    us at N=4608), with at least 4 K groups each; the split is the smallest that reaches two. Tiles: 16/32/64 rows (as M needs) x 64 columns
     for M <= 8, x 32 columns above (more tiles to spread: M=16, N=2048: 10.5 vs 11.7 us); 4
     warps, 4 stages. Short K stays tiled: there the partial-sum round trip and the counter
     reset cost more than the extra SMs bring (N=4096, K=512, M=16: 6.0 vs 3.7 us).
@@ -137,7 +141,7 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 8 else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = min(round(_PROGRAMS_PER_SM * sm_count(device) / tiles), groups // _MIN_GROUPS_PER_SPLIT)
+    split = min(triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles), groups // _MIN_GROUPS_PER_SPLIT)
     if split < 2:
         return None
     split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
