@@ -17,9 +17,11 @@ For every weight shape (N, K) and batch M it times, per call:
 ==================  ===========================================================================
 
 Timing: each method's operands are cloned into enough sets that one pass over them reads
-more than twice the L2 cache; a CUDA graph of R calls cycling over the sets is captured and
-replayed, and the median replay time is divided by R (falls back to CUDA events if capture
-fails). Every method's output (its first 128 rows) is also compared with a float64 product of
+more than twice the L2 cache; a CUDA graph of R calls cycling over the sets is captured per
+method (falls back to CUDA events if capture fails); then the graphs of one (shape, M) are
+replayed in interleaved rounds, one replay of each method per round, so clock drift during the
+run reaches every method alike; the median replay time divided by R is the time per call.
+``ours_*`` count split-K tiles in a per-layer workspace, as ``Fp8BlockLinear`` does. Every method's output (its first 128 rows) is also compared with a float64 product of
 the BF16 inputs.
 Output: a table on stdout, per-target summaries (issue 3), CSV + JSON with versions, a PNG.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import os
@@ -358,31 +361,43 @@ def _n_sets(bytes_per_set: int, l2: int) -> int:
     return max(1, min(_MAX_SETS, math.ceil(_ROTATE_L2_FACTOR * l2 / max(1, bytes_per_set))))
 
 
-def _time_wall(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[float, str]:
+# Each method is first prepared (warmed up and, for the 'graph' timer, captured in a CUDA graph);
+# then the methods of one (shape, M) are timed in interleaved rounds, one sample each per round,
+# starting each round one method further on. Timed one after another, later methods ran at
+# other clocks: H100 session 6, ours (which hands these GEMMs to the same cuBLAS call) measured
+# 1.03-1.24x cuBLAS's time right after it, while the two alternating took 218.0/219.2 us.
+Round = Callable[[], float]  # one timed sample: µs per call
+
+
+def _prepare_wall(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:
     for i in range(cfg.warmup):
         fn(*sets[i % len(sets)])
-    times = []
-    for i in range(cfg.replays):
+    turn = itertools.count()
+
+    def one_round() -> float:
+        args = sets[next(turn) % len(sets)]
         t0 = time.perf_counter()
-        fn(*sets[i % len(sets)])
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times), "wall"
+        fn(*args)
+        return 1e6 * (time.perf_counter() - t0)
+
+    return one_round, "wall"
 
 
-def _time_events(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig, calls: int) -> float:
+def _prepare_events(fn: Callable[..., Any], sets: Sequence[tuple], calls: int) -> Round:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(cfg.replays):
+
+    def one_round() -> float:
         start.record()
         for i in range(calls):
             fn(*sets[i % len(sets)])
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+        return start.elapsed_time(end) * 1e3 / calls
+
+    return one_round
 
 
-def _time_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[float, str]:
+def _prepare_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:
     n = len(sets)
     # Warm up on a side stream (compiles Triton kernels, creates cuBLAS handles/workspaces):
     # what torch.cuda.graphs asks for before capture.
@@ -403,30 +418,50 @@ def _time_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) 
     est_us = max(start.elapsed_time(end) * 1e3 / n, 0.5)
     calls = min(_MAX_CALLS, max(_MIN_CALLS, n, math.ceil(_TARGET_GRAPH_US / est_us)))
     calls = max(n, calls - calls % n)  # whole passes over the sets
-    if cfg.timer == "graph":
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                for i in range(calls):
-                    fn(*sets[i % n])
-        except RuntimeError as e:
-            print(f"    CUDA-graph capture failed ({str(e).splitlines()[0][:100]}); timing with events",
-                  file=sys.stderr)
-            del graph
-            torch.cuda.synchronize()
-            return _time_events(fn, sets, cfg, calls), "events"
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(cfg.replays):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
+    if cfg.timer != "graph":
+        return _prepare_events(fn, sets, calls), "events"
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(*sets[i % n])
+    except RuntimeError as e:
+        print(f"    CUDA-graph capture failed ({str(e).splitlines()[0][:100]}); timing with events", file=sys.stderr)
         del graph
-        return statistics.median(times), "graph"
-    return _time_events(fn, sets, cfg, calls), "events"
+        torch.cuda.synchronize()
+        return _prepare_events(fn, sets, calls), "events"
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def one_round() -> float:
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / calls
+
+    return one_round, "graph"
+
+
+def _prepare(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:
+    return _prepare_wall(fn, sets, cfg) if cfg.timer == "wall" else _prepare_cuda(fn, sets, cfg)
+
+
+def _time_rounds(rounds: Mapping[str, Round], replays: int) -> dict[str, float]:
+    """Median µs per call of each prepared method, sampled in `replays` interleaved rounds."""
+    names = list(rounds)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(replays):
+        first = r % max(1, len(names))
+        for name in names[first:] + names[:first]:
+            samples[name].append(rounds[name]())
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _time_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[float, str]:
+    """Median µs per call of `fn` alone (the kernel sweeps in benchmarks/ use this)."""
+    one_round, used = _prepare(fn, sets, cfg)
+    return _time_rounds({"fn": one_round}, cfg.replays)["fn"], used
 
 
 # ----------------------------------------------------------------------------- methods
@@ -500,6 +535,17 @@ def _make_shape_operands(shape: Shape, device: torch.device, gen: torch.Generato
     return _ShapeOperands(w=w, w64=w.double(), bias=bias, quant=quant)
 
 
+def _ours_workspace(n: int, device: torch.device) -> torch.Tensor | None:
+    """The split-K counters Fp8BlockLinear keeps per layer, so ours is timed as the layer runs it."""
+    from .ops import HAS_TRITON
+
+    if not HAS_TRITON:
+        return None
+    from .ops.splitk_gemm import splitk_workspace
+
+    return splitk_workspace(n, device)
+
+
 def _method_setup(
     method: str, x: torch.Tensor, ops: _ShapeOperands, fp8_dtype: torch.dtype, cfg: BenchConfig,
     cublas_layout: str = "plain",
@@ -542,8 +588,10 @@ def _method_setup(
         # takes: M-major where it goes to cuBLAS (as cuBLAS-blk gets them), row-major for our kernels.
         on_cublas = use_cublas_prequantized(x_q, w_q, granularity, torch.bfloat16, None, cublas_allowed(backend))
 
+        workspace = _ours_workspace(n, x.device)
+
         def ours(a, sa, b, sb):
-            return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend)
+            return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend, workspace=workspace)
 
         args = (x_q, scale_a if on_cublas else x_s, w_q, w_s)
         return ours, args, n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
@@ -551,8 +599,10 @@ def _method_setup(
         w_q, w_s = ops.quant["block"]
         bias = ops.bias if cfg.bias else None
 
+        workspace = _ours_workspace(n, x.device)
+
         def forward(a, b, sb, bb):
-            return fp8_linear(a, b, sb, bb, backend=cfg.backend)
+            return fp8_linear(a, b, sb, bb, backend=cfg.backend, workspace=workspace)
 
         extra = n * 2 if bias is not None else 0
         return forward, (x, w_q, w_s, bias), n * k + w_s.numel() * 4 + m * k * 2 + extra + out_bytes, out_bytes
@@ -588,6 +638,7 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, l2: int
         ref_bias = ref + ops.bias.double() if cfg.bias else ref
         times: dict[str, float] = {}
         m_rows: list[BenchRow] = []
+        prepared: dict[str, tuple[BenchRow, Round, str, int]] = {}  # method -> (row, round, timer, bytes)
         for method in cfg.methods:
             row = BenchRow(shape=shape.name, n=shape.n, k=shape.k, m=m, method=method, status="ok")
             m_rows.append(row)
@@ -620,25 +671,34 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, l2: int
                 del y
                 # the output is written, not read: only inputs count towards exceeding L2
                 sets = [args] + [_clone_set(args) for _ in range(_n_sets(nbytes - out_bytes, l2) - 1)]
-                if cfg.timer == "wall":
-                    us, used = _time_wall(fn, sets, cfg)
-                else:
-                    us, used = _time_cuda(fn, sets, cfg)
-                del sets
-                row.us = us
-                row.tflops = 2.0 * m * shape.n * shape.k / us * 1e-6
-                row.gbps = nbytes / us * 1e-3
-                w_bytes = shape.n * shape.k * (2 if method == "bf16" else 1)
-                row.weight_tbps = w_bytes / us * 1e-6
-                if used != cfg.timer:
-                    row.note = (row.note + "; " if row.note else "") + f"timed with {used}"
-                if method in ("ours_block", "triton_block", "ours_row", "ours_forward"):
-                    row.config = _describe_config(m, shape.n, shape.k, device)
-                times[method] = us
+                one_round, used = _prepare(fn, sets, cfg)
+                prepared[method] = (row, one_round, used, nbytes)
+                del sets  # the round's closure keeps them
             except (RuntimeError, ValueError, TypeError) as e:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
                 row.status, row.note = "error", _first_line(e)
+        try:
+            medians = _time_rounds({meth: p[1] for meth, p in prepared.items()}, cfg.replays)
+        except RuntimeError as e:  # a failure while replaying: no method of this M gets a time
+            medians = {}
+            for row, *_ in prepared.values():
+                row.status, row.note = "error", _first_line(e)
+        for method, (row, _, used, nbytes) in prepared.items():
+            if method not in medians:
+                continue
+            us = medians[method]
+            row.us = us
+            row.tflops = 2.0 * m * shape.n * shape.k / us * 1e-6
+            row.gbps = nbytes / us * 1e-3
+            w_bytes = shape.n * shape.k * (2 if method == "bf16" else 1)
+            row.weight_tbps = w_bytes / us * 1e-6
+            if used != cfg.timer:
+                row.note = (row.note + "; " if row.note else "") + f"timed with {used}"
+            if method in ("ours_block", "triton_block", "ours_row", "ours_forward"):
+                row.config = _describe_config(m, shape.n, shape.k, device)
+            times[method] = us
+        del prepared
         for row in m_rows:
             if row.us is not None:
                 if "bf16" in times:
@@ -704,7 +764,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] | None = None) ->
     l2 = _l2_bytes(device)
     meta = _versions(device)
     meta.update(
-        timer=cfg.timer, replays=cfg.replays, fp8_dtype=str(fp8_dtype).removeprefix("torch."),
+        timer=cfg.timer, replays=cfg.replays, interleaved=True, fp8_dtype=str(fp8_dtype).removeprefix("torch."),
         rotate_bytes=_ROTATE_L2_FACTOR * l2, backend=cfg.backend or "auto", bias=cfg.bias,
         shapes=[asdict(s) for s in cfg.shapes], ms=list(cfg.ms), methods=list(cfg.methods),
     )

@@ -68,6 +68,8 @@ if HAS_TRITON:
         m, k = x.shape
         return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, -(-k // GROUP_SIZE)), dtype=SCALE_DTYPE)
 
+    # `workspace` (split-K tile counters, below) is written during a kernel but left all zeros, as it
+    # came: no mutation is visible outside the op, so none is declared.
     @torch.library.custom_op("fp8linear::block_fp8_gemm", mutates_args=())
     def _gemm_op(
         x_q: torch.Tensor,
@@ -78,26 +80,28 @@ if HAS_TRITON:
         out_dtype: torch.dtype,
         bias: torch.Tensor | None,
         allow_cublas: bool,
+        workspace: torch.Tensor | None,
     ) -> torch.Tensor:
         from .ops.gemm import block_fp8_gemm
 
-        return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas)
+        return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
+                              counters=workspace)
 
     @_gemm_op.register_fake
-    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas):
+    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, workspace):
         return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
 
     @torch.library.custom_op("fp8linear::fp8_linear_tokens", mutates_args=())
     def _linear_op(
         x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
-        allow_cublas: bool,
+        allow_cublas: bool, workspace: torch.Tensor | None,
     ) -> torch.Tensor:
         from .ops.linear import fp8_linear_tokens
 
-        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas)
+        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas, workspace)
 
     @_linear_op.register_fake
-    def _(x, w_q, w_s, granularity, bias, allow_cublas):
+    def _(x, w_q, w_s, granularity, bias, allow_cublas, workspace):
         return x.new_empty((x.shape[0], w_q.shape[0]))
 
     @torch.library.custom_op("fp8linear::fused_fp8_gemv", mutates_args=())
@@ -118,8 +122,9 @@ if HAS_TRITON:
     from .ops.linear import fp8_linear_tokens as _linear_launcher
     from .ops.quant import act_quant as _act_quant_launcher
 
-    def _gemm_launch(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas):
-        return _gemm_launcher(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas)
+    def _gemm_launch(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, workspace):
+        return _gemm_launcher(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
+                              counters=workspace)
 
     _act_quant_call = eager_or_traced(_act_quant_op, _act_quant_launcher)
     _gemm_call = eager_or_traced(_gemm_op, _gemm_launch)
@@ -142,6 +147,17 @@ def _check_fp8(name: str, t: torch.Tensor) -> None:
 def _check_out_dtype(out_dtype: torch.dtype) -> None:
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+
+
+def _check_workspace(workspace: torch.Tensor | None, device: torch.device) -> None:
+    if workspace is None:
+        return
+    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.dim() != 1:
+        got = (f"{workspace.dtype} of shape {tuple(workspace.shape)}" if isinstance(workspace, torch.Tensor)
+               else type(workspace).__name__)
+        raise TypeError(f"workspace must be a 1-D int32 tensor (ops.splitk_gemm.splitk_workspace), got {got}")
+    if workspace.device != device:
+        raise ValueError(f"workspace is on {workspace.device} but the activations are on {device}")
 
 
 def _check_group_size(group_size: int) -> None:
@@ -252,6 +268,7 @@ def block_fp8_matmul(
     bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias), fp32 accumulation, shape (M, N).
 
@@ -259,14 +276,16 @@ def block_fp8_matmul(
     FP8 takes run there (:mod:`fp8linear.ops.cublas_gemm`); "triton" always runs our kernel.
     x_s may be row-major (M, K/128), as `quantize_activation` returns it, or M-major (strides
     (1, M)), the layout cuBLAS reads: each path copies the other layout into its own (cuBLAS
-    reads M-major scales, our kernels row-major ones). w_s may have any strides.
+    reads M-major scales, our kernels row-major ones). w_s may have any strides. `workspace`: as
+    for :func:`fp8_linear`.
     """
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
+    _check_workspace(workspace, x_q.device)
     if resolve_backend(backend, x_q.device) == "reference":
         return block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype, bias)
     w_s = w_s.reshape(()) if granularity == "tensor" else w_s  # the kernels take any scale strides
     return _gemm_call(_k_contiguous(x_q), x_s, _k_contiguous(w_q), w_s, granularity, out_dtype, bias,
-                      cublas_allowed(backend))
+                      cublas_allowed(backend), workspace)
 
 
 def fp8_linear(
@@ -276,6 +295,7 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N).
 
@@ -285,6 +305,11 @@ def fp8_linear(
     (:mod:`fp8linear.ops.fused_gemv`: same quantized values, fp32 sums in another order);
     everything else quantizes x, then runs the GEMM (:mod:`fp8linear.ops.linear`: cuBLAS
     blockwise FP8 for prefill-sized GEMMs on Hopper under backend "auto", else ours).
+
+    `workspace`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
+    for this weight's N, on x's device; decode GEMMs then count their split-K tiles there instead
+    of zeroing fresh counters each call (one launch less). The kernels leave it zeroed; calls that
+    run concurrently on different streams must not share one. `Fp8BlockLinear` keeps its own.
     """
     _check_tensor("x", x)
     if x.dtype not in _FLOAT_INPUTS:
@@ -302,6 +327,7 @@ def fp8_linear(
         raise ValueError(f"bias must have shape (N,) = {(n,)}, got {tuple(bias.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but the weight is on {weight.device}")
+    _check_workspace(workspace, x.device)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if resolve_backend(backend, x.device) == "reference":
@@ -312,5 +338,6 @@ def fp8_linear(
         if use_fused_gemv(x2.shape[0], n, k):  # one token: quantize x inside the GEMV (one launch)
             y = _fused_gemv_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias)
         else:
-            y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend))
+            y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend),
+                             workspace)
     return y.reshape(*lead, n)

@@ -7,6 +7,7 @@ from torch import nn
 
 from .formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight
+from .ops import HAS_TRITON
 from .reference import GRANULARITIES, weight_granularity, weight_scale_shape
 
 __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
@@ -46,6 +47,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
 
     Activations are quantized on the fly per token in 1x128 groups. The granularity is
     read from the scale's shape, so loading a state dict of another granularity just works.
+    Decode-sized GEMMs count their split-K tiles in a small workspace the layer keeps (which
+    spares a memset launch per call), so one layer must not run on two streams at the same time.
     """
 
     def __init__(
@@ -80,6 +83,10 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        # Split-K tile counters for decode GEMMs (fp8linear.ops.splitk_gemm.splitk_workspace): a
+        # plain attribute, not a buffer (never saved, never filled from a checkpoint or by
+        # `to_empty`), made on first eager use on the weight's device and dropped on device moves.
+        self._workspace: torch.Tensor | None = None
 
     @property
     def granularity(self) -> str:
@@ -142,10 +149,32 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             lin.bias = nn.Parameter(self.bias.detach().to(dtype).clone())
         return lin
 
+    def _apply(self, fn, recurse=True):
+        self._workspace = None  # made again, zeroed, where the weight now lives
+        return super()._apply(fn, recurse)
+
+    def _split_k_workspace(self) -> torch.Tensor | None:
+        """This layer's split-K counters, made (zeroed) on first eager use; None where none can be
+        made here (Triton-less, while torch.compile traces or a CUDA graph is captured: those calls
+        zero fresh counters as plain `fp8_linear` does)."""
+        ws = self._workspace
+        device = self.weight.device
+        if ws is not None and ws.device == device:
+            return ws
+        if not HAS_TRITON or device.type == "meta" or torch.compiler.is_compiling():
+            return None
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        from .ops.splitk_gemm import splitk_workspace
+
+        self._workspace = splitk_workspace(self.out_features, device)
+        return self._workspace
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not is_fp8_dtype(self.weight.dtype):
             raise TypeError(f"Fp8BlockLinear.weight must be FP8, got {self.weight.dtype}")
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, backend=self.backend)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, backend=self.backend,
+                          workspace=self._split_k_workspace())
 
     def extra_repr(self) -> str:
         return (

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -417,6 +418,43 @@ def test_bench_dry_run_end_to_end(tmp_path, capsys):
     except ImportError:
         return
     assert (out / "bench_gemm.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("replays", [1, 3, 4, 7])
+def test_methods_are_timed_in_interleaved_rounds(replays):
+    """Every method gets one sample per round, rounds start one method further on, and the
+    reported time is the median of that method's own samples."""
+    calls: list[str] = []
+
+    def sampler(name: str, values: list[float]):
+        it = iter(values)
+        return lambda: (calls.append(name), next(it))[1]
+
+    values = {"a": [5.0, 1.0, 9.0, 2.0, 8.0, 3.0, 7.0], "b": [10.0] * 7, "c": [float(i) for i in range(7)]}
+    medians = bench._time_rounds({n: sampler(n, v) for n, v in values.items()}, replays)
+    rounds = [calls[3 * r: 3 * r + 3] for r in range(replays)]
+    assert len(calls) == 3 * replays and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert [r[0] for r in rounds] == ["abc"[r % 3] for r in range(replays)]
+    for name, v in values.items():
+        assert medians[name] == statistics.median(v[:replays])
+
+
+def test_bench_times_every_method_of_a_case_together(monkeypatch):
+    """_measure_shape prepares all methods of one M first, then samples them in shared rounds."""
+    events: list[tuple[str, str]] = []
+    real_prepare = bench._prepare
+
+    def spy_prepare(fn, sets, cfg):
+        one_round, used = real_prepare(fn, sets, cfg)
+        events.append(("prepare", ""))
+        return (lambda: (events.append(("round", "")), one_round())[1]), used
+
+    monkeypatch.setattr(bench, "_prepare", spy_prepare)
+    cfg = bench.BenchConfig(shapes=(bench.Shape(256, 384, "t"),), ms=(2,), device="cpu", timer="wall",
+                            backend="reference", replays=3, methods=("bf16", "ours_block", "ours_row"))
+    rows = bench.run_benchmark(cfg, log=lambda s: None).rows
+    assert [r.status for r in rows] == ["ok"] * 3
+    assert [e[0] for e in events] == ["prepare"] * 3 + ["round"] * 9
 
 
 def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):

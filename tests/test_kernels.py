@@ -320,10 +320,22 @@ def test_custom_ops_pass_opcheck():
         w_q, w_s = quantize_weight(torch.randn(130, 300, device=KERNEL_DEVICE), gran)
         bias = torch.randn(130, device=KERNEL_DEVICE)
         torch.library.opcheck(
-            functional._gemm_op, (x_q, x_s, w_q, w_s, gran, torch.bfloat16, bias, False), test_utils=utils
+            functional._gemm_op, (x_q, x_s, w_q, w_s, gran, torch.bfloat16, bias, False, None), test_utils=utils
         )
         x2 = torch.randn(3, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
-        torch.library.opcheck(functional._linear_op, (x2, w_q, w_s, gran, bias.bfloat16(), True), test_utils=utils)
+        torch.library.opcheck(functional._linear_op, (x2, w_q, w_s, gran, bias.bfloat16(), True, None),
+                              test_utils=utils)
+    # a decode GEMM long enough to split K, counting in a workspace
+    from fp8linear.ops.splitk_gemm import splitk_workspace
+
+    w_q, w_s = quantize_weight(torch.randn(130, 4096, device=KERNEL_DEVICE), "block")
+    x3 = torch.randn(3, 4096, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    ws = splitk_workspace(130, KERNEL_DEVICE)
+    torch.library.opcheck(functional._linear_op, (x3, w_q, w_s, "block", None, False, ws), test_utils=utils)
+    x3_q, x3_s = quantize_activation(x3, backend="triton")
+    torch.library.opcheck(functional._gemm_op, (x3_q, x3_s, w_q, w_s, "block", torch.bfloat16, None, False, ws),
+                          test_utils=utils)
+    assert not ws.any()
 
 
 def test_fp8_linear_traces_fullgraph():
@@ -335,6 +347,13 @@ def test_fp8_linear_traces_fullgraph():
     x = torch.randn(2, 3, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     compiled = torch.compile(mod, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
     assert same_bits(compiled(x), mod(x))
+    # a split-K decode GEMM whose layer already has its workspace (made by an eager call)
+    mod = Fp8BlockLinear.from_linear(torch.nn.Linear(4096, 130, device=KERNEL_DEVICE), backend="triton")
+    x = torch.randn(3, 4096, device=KERNEL_DEVICE)
+    eager = mod(x)
+    assert mod._workspace is not None
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
+    assert same_bits(compiled(x), eager) and not mod._workspace.any()
 
 
 def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):

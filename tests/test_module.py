@@ -8,6 +8,8 @@ from torch import nn
 
 from fp8linear import Fp8BlockLinear, dequantize_weight
 
+from fp8linear.ops import HAS_TRITON
+
 from _utils import FP8_LINEAR_TOL, rel_err, same_bits
 from conftest import HAS_CUDA, KERNEL_DEVICE
 
@@ -97,22 +99,63 @@ def test_triton_path_matches_reference_path():
     assert rel_err(a, b) < 1e-2  # same FP8 operands; only fp32 summation order and bf16 rounding differ
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("granularity", GRANS)
+def test_decode_split_k_counts_in_the_layer_workspace(granularity):
+    """Decode GEMMs long enough to split K count their tiles in the layer's workspace: the same
+    bits as fresh counters, the workspace left zeroed, dropped on device moves, never saved."""
+    from fp8linear import fp8_linear
+    from fp8linear.ops.splitk_gemm import splitk_config
+
+    k, n, m = 4096, 200, 3
+    assert splitk_config(m, n, k, torch.device(KERNEL_DEVICE)) is not None  # this shape does split K
+    mod = Fp8BlockLinear.from_linear(nn.Linear(k, n, device=KERNEL_DEVICE), granularity, backend="triton")
+    assert mod._workspace is None
+    for _ in range(2):
+        x = torch.randn(m, k, device=KERNEL_DEVICE)
+        fresh = fp8_linear(x, mod.weight, mod.weight_scale_inv, mod.bias, backend="triton")
+        assert same_bits(mod(x), fresh)
+        ws = mod._workspace
+        assert ws is not None and ws.dtype == torch.int32 and ws.device == mod.weight.device and not ws.any()
+    assert "_workspace" not in "".join(mod.state_dict())
+    mod.to(KERNEL_DEVICE)
+    assert mod._workspace is None
+
+
+def test_fp8_linear_refuses_a_bad_workspace():
+    from fp8linear import block_fp8_matmul, fp8_linear, quantize_activation
+
+    mod = Fp8BlockLinear.from_linear(nn.Linear(256, 64))
+    x = torch.randn(2, 256)
+    with pytest.raises(TypeError, match="workspace must be a 1-D int32"):
+        fp8_linear(x, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(64))
+    with pytest.raises(ValueError, match="workspace is on meta"):
+        fp8_linear(x, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(64, dtype=torch.int32, device="meta"))
+    x_q, x_s = quantize_activation(x)
+    with pytest.raises(TypeError, match="workspace must be a 1-D int32"):
+        block_fp8_matmul(x_q, x_s, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(2, 64, dtype=torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", GRANS)
-def test_cuda_graph_capture(granularity):
-    lin = nn.Linear(2048, 576, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("k", [2048, 4096])  # 4096: split K, counting in the layer's workspace
+def test_cuda_graph_capture(granularity, k):
+    lin = nn.Linear(k, 576, device="cuda", dtype=torch.bfloat16)
     mod = Fp8BlockLinear.from_linear(lin, granularity)
-    static_x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
+    static_x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
     mod(static_x)  # compile the kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y = mod(static_x)
-    fresh = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
-    static_x.copy_(fresh)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert same_bits(static_y, mod(fresh))
+    for _ in range(2):
+        fresh = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same_bits(static_y, mod(fresh))
+    if k == 4096:
+        assert mod._workspace is not None and not mod._workspace.any()
 
 
 @pytest.mark.gpu

@@ -150,6 +150,7 @@ def block_fp8_gemm(
     bias: torch.Tensor | None = None,
     config: GemmConfig | SplitKConfig | None = None,
     allow_cublas: bool = False,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the GEMM on validated, K-contiguous operands: x_q (M, K), w_q (N, K); x_s (M, K/128)
     row-major or M-major (cuBLAS reads the latter as is, our kernels the former).
@@ -159,7 +160,8 @@ def block_fp8_gemm(
     Without a `config`: GEMMs with M <= SMALL_M_MAX whose tiles leave SMs idle over a long K
     take the split-K kernel (:mod:`fp8linear.ops.splitk_gemm`); short-K GEMMs with M >= 2048 and
     uniform weight scales the persistent TMA kernel; everything else the tiled kernel with the
-    tuned/heuristic config.
+    tuned/heuristic config. `counters` (a :func:`~fp8linear.ops.splitk_gemm.splitk_workspace`)
+    spares the split-K kernel its per-call counter memset.
     """
     m, k = x_q.shape
     n = w_q.shape[0]
@@ -172,7 +174,7 @@ def block_fp8_gemm(
     if config is None and m <= SMALL_M_MAX:
         config = splitk_config(m, n, k, x_q.device)
     if isinstance(config, SplitKConfig):
-        return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, config)
+        return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, config, counters)
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return y

@@ -20,13 +20,14 @@ __all__ = ["fp8_linear_tokens"]
 
 def fp8_linear_tokens(
     x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
-    allow_cublas: bool,
+    allow_cublas: bool, workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K)."""
+    """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K); `workspace`:
+    split-K counters (:func:`fp8linear.ops.splitk_gemm.splitk_workspace`) or None."""
     m = x.shape[0]
     if use_cublas(x, w_q, granularity, x.dtype, bias, allow_cublas):
         x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
         y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
         return y if y.shape[0] == m else y[:m]  # drop the padding rows (a contiguous view)
     x_q, x_s = act_quant(x, w_q.dtype)
-    return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, x.dtype, bias)
+    return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, x.dtype, bias, counters=workspace)
