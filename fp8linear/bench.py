@@ -432,15 +432,24 @@ def _prepare_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfi
         return _prepare_events(fn, sets, calls), "events"
     graph.replay()
     torch.cuda.synchronize()
+    return _GraphRound(graph, calls, (fn, sets)), "graph"
 
-    def one_round() -> float:
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / calls
 
-    return one_round, "graph"
+class _GraphRound:
+    """One timed replay of a captured graph. It owns what the graph reads (the operand sets, fn's
+    workspace): capturing the next method's graph empties the allocator's cache, which would
+    otherwise hand their memory back to the driver under the graph."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, calls: int, keep_alive: tuple) -> None:
+        self.graph, self.calls, self.keep_alive = graph, calls, keep_alive
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __call__(self) -> float:
+        self.start.record()
+        self.graph.replay()
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) * 1e3 / self.calls
 
 
 def _prepare(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:

@@ -457,6 +457,21 @@ def test_bench_times_every_method_of_a_case_together(monkeypatch):
     assert [e[0] for e in events] == ["prepare"] * 3 + ["round"] * 9
 
 
+@pytest.mark.gpu
+def test_bench_on_the_gpu_with_graphs():
+    """Every method of every case captured in its graph, replayed in interleaved rounds: each
+    graph keeps its operands alive while the next ones are captured (which empties the cache)."""
+    cfg = bench.BenchConfig(shapes=(bench.Shape(1536, 7168, "a"), bench.Shape(576, 2048, "b")), ms=(1, 16, 1024),
+                            replays=3)
+    rows = bench.run_benchmark(cfg, log=lambda s: None).rows
+    assert len(rows) == 2 * 3 * len(bench.METHODS)
+    for r in rows:
+        if r.method == "cublas_block" and r.status == "refused":
+            continue
+        assert r.status == "ok", (r.shape, r.m, r.method, r.note)
+        assert r.us > 0 and r.rel_err < (0.01 if r.method in ("bf16",) else 0.06), (r.shape, r.m, r.method)
+
+
 def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):
     """The real tuning path: Triton GEMM launches (CPU interpreter), timing, table writing, lookup."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
