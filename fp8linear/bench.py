@@ -397,14 +397,16 @@ def _prepare_events(fn: Callable[..., Any], sets: Sequence[tuple], calls: int) -
     return one_round
 
 
-def _prepare_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:
+def _prepare_cuda(fn: Callable[..., Any], sets: Sequence[tuple], warmup: int, graph_timer: bool) -> tuple[Round, str]:
+    """Warm `fn` up over `sets`, then capture a CUDA graph of whole passes over them (CUDA events
+    where `graph_timer` is False or capture fails); returns one timed round and the timer used."""
     n = len(sets)
     # Warm up on a side stream (compiles Triton kernels, creates cuBLAS handles/workspaces):
     # what torch.cuda.graphs asks for before capture.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for i in range(max(cfg.warmup, n)):
+        for i in range(max(warmup, n)):
             fn(*sets[i % n])
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
@@ -418,7 +420,7 @@ def _prepare_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfi
     est_us = max(start.elapsed_time(end) * 1e3 / n, 0.5)
     calls = min(_MAX_CALLS, max(_MIN_CALLS, n, math.ceil(_TARGET_GRAPH_US / est_us)))
     calls = max(n, calls - calls % n)  # whole passes over the sets
-    if cfg.timer != "graph":
+    if not graph_timer:
         return _prepare_events(fn, sets, calls), "events"
     graph = torch.cuda.CUDAGraph()
     try:
@@ -453,7 +455,9 @@ class _GraphRound:
 
 
 def _prepare(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:
-    return _prepare_wall(fn, sets, cfg) if cfg.timer == "wall" else _prepare_cuda(fn, sets, cfg)
+    if cfg.timer == "wall":
+        return _prepare_wall(fn, sets, cfg)
+    return _prepare_cuda(fn, sets, cfg.warmup, cfg.timer == "graph")
 
 
 def _time_rounds(rounds: Mapping[str, Round], replays: int) -> dict[str, float]:
@@ -471,6 +475,19 @@ def _time_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) 
     """Median µs per call of `fn` alone (the kernel sweeps in benchmarks/ use this)."""
     one_round, used = _prepare(fn, sets, cfg)
     return _time_rounds({"fn": one_round}, cfg.replays)["fn"], used
+
+
+def time_graph(fn: Callable[..., Any], sets: Sequence[tuple], warmup: int = 3, replays: int = 5) -> float:
+    """Median µs per call of `fn` over rotated operand `sets`, from CUDA-graph replays (the
+    benchmark's timer, also used by `fp8linear tune`)."""
+    one_round, _ = _prepare_cuda(fn, sets, warmup, graph_timer=True)
+    return _time_rounds({"fn": one_round}, replays)["fn"]
+
+
+def rotation_sets(args: tuple, bytes_per_set: int, device: torch.device) -> list[tuple]:
+    """`args` plus enough copies at new addresses that one pass over them reads more than twice
+    the L2 cache (tensors below 256 KiB are shared, not copied)."""
+    return [args] + [_clone_set(args) for _ in range(_n_sets(bytes_per_set, _l2_bytes(device)) - 1)]
 
 
 # ----------------------------------------------------------------------------- methods
@@ -636,7 +653,7 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
     return (f"{type(e).__name__}: " + (text[0] if text else ""))[:limit]
 
 
-def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, l2: int, fp8_dtype: torch.dtype,
+def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, fp8_dtype: torch.dtype,
                    gen: torch.Generator, log: Callable[[str], None]) -> list[BenchRow]:
     rows: list[BenchRow] = []
     ops = _make_shape_operands(shape, device, gen, fp8_dtype, cfg.methods)
@@ -679,7 +696,7 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, l2: int
                     row.note = (row.note + "; " if row.note else "") + "SUSPICIOUS ERROR"
                 del y
                 # the output is written, not read: only inputs count towards exceeding L2
-                sets = [args] + [_clone_set(args) for _ in range(_n_sets(nbytes - out_bytes, l2) - 1)]
+                sets = rotation_sets(args, nbytes - out_bytes, device)
                 one_round, used = _prepare(fn, sets, cfg)
                 prepared[method] = (row, one_round, used, nbytes)
                 del sets  # the round's closure keeps them
@@ -786,7 +803,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] | None = None) ->
             skipped.append(shape.label)
             continue
         log(f"[{time.monotonic() - t0:6.1f}s] ({shape.n},{shape.k}) {shape.name}")
-        result.rows += _measure_shape(shape, cfg, device, l2, fp8_dtype, gen, log)
+        result.rows += _measure_shape(shape, cfg, device, fp8_dtype, gen, log)
     meta["seconds"] = round(time.monotonic() - t0, 1)
     if skipped:
         meta["truncated"] = f"deadline of {cfg.deadline_s:.0f}s reached; not measured: {skipped}"

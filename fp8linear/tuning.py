@@ -485,30 +485,30 @@ def _candidate_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
-# do_bench warm-up and measurement windows (ms): short, since a tuning run times many configs;
-# do_bench flushes L2 before every call, so each call reads its operands from HBM.
-_BENCH_WARMUP_MS = 5
-_BENCH_REP_MS = 25
 # A candidate whose output differs from the heuristic's by more than this is rejected
 # (configs only change the fp32 summation order, which moves bf16 outputs ~1e-3 at most).
 _MAX_CANDIDATE_DIFF = 1e-2
 
+# Timer(fn, sets): median µs per call of fn(*set), cycling over the operand sets.
+Timer = Callable[[Callable[..., object], Sequence[tuple]], float]
 
-def _default_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Median microseconds of one call: triton.testing.do_bench on a GPU, wall clock on CPU."""
+
+def _default_timer(device: torch.device) -> Timer:
+    """On a GPU, the benchmark's timer: CUDA-graph replays over weight copies larger than twice
+    the L2, so each call reads its weight from HBM with no launch gaps, as decode in a captured
+    model does. (triton's do_bench, used before, flushes L2 with a memset and times each call
+    alone: at decode sizes it added 4-15 us and picked e.g. 16x128 w8 for 7168x2048 at M=16,
+    11.1 us under graphs, against 8.7 for 16x32 w4; H100.) Wall clock on a CPU."""
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from .bench import time_graph
 
-        def gpu_timer(fn: Callable[[], object]) -> float:
-            return 1e3 * float(do_bench(fn, warmup=_BENCH_WARMUP_MS, rep=_BENCH_REP_MS, return_mode="median"))
+        return time_graph
 
-        return gpu_timer
-
-    def wall_timer(fn: Callable[[], object]) -> float:  # CPU / Triton interpreter dry runs
+    def wall_timer(fn: Callable[..., object], sets: Sequence[tuple]) -> float:  # CPU / interpreter dry runs
         times = []
-        for _ in range(3):
+        for i in range(3):
             t0 = time.perf_counter()
-            fn()
+            fn(*sets[i % len(sets)])
             times.append(time.perf_counter() - t0)
         return 1e6 * statistics.median(times)
 
@@ -542,7 +542,7 @@ def tune_shape(
     granularity: str = "block",
     budget_s: float = 30.0,
     max_candidates: int | None = None,
-    timer: Callable[[Callable[[], object]], float] | None = None,
+    timer: Timer | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[TuneResult]:
     """Tune one (N, K) for the buckets of `ms` within about `budget_s` seconds.
@@ -563,6 +563,12 @@ def tune_shape(
     deadline = start + budget_s
     results: list[TuneResult] = []
     w_q, w_s = _make_weight(n, k, granularity, dev)
+    if dev.type == "cuda":
+        from .bench import rotation_sets
+
+        w_sets = rotation_sets((w_q, w_s), w_q.numel() * w_q.element_size(), dev)
+    else:
+        w_sets = [(w_q, w_s)]
     for i, bucket in enumerate(buckets):
         t_bucket = time.monotonic()
         bucket_deadline = t_bucket + max(0.0, deadline - t_bucket) / (len(buckets) - i)
@@ -574,18 +580,18 @@ def tune_shape(
         def measure(cfg: GemmConfig) -> None:
             nonlocal failed, reference
 
-            def call() -> torch.Tensor:
+            def call(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
                 return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.bfloat16, None, config=cfg)
 
             try:
-                y = call()
+                y = call(*w_sets[0])
                 if reference is None:
                     reference = y.float()
                 else:
                     diff = ((y.float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
                     if not diff <= _MAX_CANDIDATE_DIFF:
                         raise ValueError(f"output differs from the heuristic config's by {diff:.3g}")
-                times[cfg] = timer(call)
+                times[cfg] = timer(call, w_sets)
             except errors as e:
                 failed += 1
                 if log:

@@ -472,6 +472,23 @@ def test_bench_on_the_gpu_with_graphs():
         assert r.us > 0 and r.rel_err < (0.01 if r.method in ("bf16",) else 0.06), (r.shape, r.m, r.method)
 
 
+@pytest.mark.gpu
+def test_tune_times_with_graphs_over_rotated_weights(monkeypatch):
+    """On a GPU the tuner times candidates with the benchmark's graph timer, cycling over weight
+    copies that exceed the L2 (here 4 MB of weight: many copies)."""
+    seen: list[int] = []
+    real = bench.time_graph
+
+    def spy(fn, sets, *a, **kw):
+        seen.append(len(sets))
+        return real(fn, sets, *a, **kw)
+
+    monkeypatch.setattr(bench, "time_graph", spy)
+    res = tuning.tune_shape(576, 7168, ms=(16,), device="cuda", max_candidates=3, budget_s=60)
+    assert len(res) == 1 and res[0].tried >= 1 and 0 < res[0].us < 1000 and res[0].heuristic_us is not None
+    assert seen and all(n_sets * 576 * 7168 >= 2 * bench._l2_bytes(torch.device("cuda")) for n_sets in seen)
+
+
 def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):
     """The real tuning path: Triton GEMM launches (CPU interpreter), timing, table writing, lookup."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
