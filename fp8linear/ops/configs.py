@@ -41,8 +41,13 @@ class GemmConfig:
 
 def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
     """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py, 2026-11-22)."""
-    if m <= SMALL_M_MAX:  # decode shapes split-K does not take: 16x64 s6 was best at M=4..64
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6)
+    if m <= SMALL_M_MAX:
+        # Decode shapes split-K does not take. What H100 `fp8linear tune` picked under CUDA graphs
+        # (7th session, 8 shapes x M 1..64): one tile of 16/32/64 rows covering M, 64 columns up to
+        # M=8 and 32 above, 4 warps, 3-6 stages (18432x7168 M=64: 64x64 54 us where the former
+        # heuristic, 16x64 s6 for every M, took 91 us).
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        return GemmConfig(block_m=block_m, block_n=64 if m <= 8 else 32, block_k=128, num_warps=4, num_stages=4)
     if m <= 256 or k <= 256:  # short K or few rows: more CTAs (64x128 best for K=256: 47.5 us)
         return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
     # prefill: 128x128, 8 warps (two consumer warpgroups), 4 stages: 871 TF/s at 4096x18432x7168
