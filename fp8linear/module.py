@@ -85,8 +85,9 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             self.register_parameter("bias", None)
         # Split-K tile counters for decode GEMMs (fp8linear.ops.splitk_gemm.splitk_workspace): a
         # plain attribute, not a buffer (never saved, never filled from a checkpoint or by
-        # `to_empty`), made on first eager use on the weight's device and dropped on device moves.
+        # `to_empty`), made zeroed on the weight's device (see init_workspace).
         self._workspace: torch.Tensor | None = None
+        self.init_workspace()
 
     @property
     def granularity(self) -> str:
@@ -121,6 +122,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         mod.weight_scale_inv = nn.Parameter(w_s, requires_grad=False)
         if has_bias:
             mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        mod.init_workspace()
         return mod
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -150,13 +152,24 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         return lin
 
     def _apply(self, fn, recurse=True):
-        self._workspace = None  # made again, zeroed, where the weight now lives
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self.init_workspace()  # made again, zeroed, where the weight now lives
+        return out
+
+    def init_workspace(self) -> None:
+        """(Re)make this layer's split-K counters, zeroed, on the weight's device.
+
+        Done on construction, `from_linear`, device moves and by the loaders in
+        :mod:`fp8linear.integrations`; otherwise the first eager forward makes them. A layer that
+        torch.compile traces before it has them zeroes fresh counters in every call instead.
+        """
+        self._workspace = None
+        self._split_k_workspace()
 
     def _split_k_workspace(self) -> torch.Tensor | None:
-        """This layer's split-K counters, made (zeroed) on first eager use; None where none can be
-        made here (Triton-less, while torch.compile traces or a CUDA graph is captured: those calls
-        zero fresh counters as plain `fp8_linear` does)."""
+        """This layer's split-K counters, made (zeroed) if missing; None where none can be made
+        here (no Triton, a meta weight, while torch.compile traces or a CUDA graph is captured:
+        those calls zero fresh counters as plain `fp8_linear` does)."""
         ws = self._workspace
         device = self.weight.device
         if ws is not None and ws.device == device:

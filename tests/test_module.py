@@ -110,7 +110,8 @@ def test_decode_split_k_counts_in_the_layer_workspace(granularity):
     k, n, m = 4096, 200, 3
     assert splitk_config(m, n, k, torch.device(KERNEL_DEVICE)) is not None  # this shape does split K
     mod = Fp8BlockLinear.from_linear(nn.Linear(k, n, device=KERNEL_DEVICE), granularity, backend="triton")
-    assert mod._workspace is None
+    assert mod._workspace is not None  # made with the weight, before any forward (what compile traces)
+    mod._workspace = None  # a layer without one makes it on its first eager forward
     for _ in range(2):
         x = torch.randn(m, k, device=KERNEL_DEVICE)
         fresh = fp8_linear(x, mod.weight, mod.weight_scale_inv, mod.bias, backend="triton")
@@ -118,8 +119,13 @@ def test_decode_split_k_counts_in_the_layer_workspace(granularity):
         ws = mod._workspace
         assert ws is not None and ws.dtype == torch.int32 and ws.device == mod.weight.device and not ws.any()
     assert "_workspace" not in "".join(mod.state_dict())
-    mod.to(KERNEL_DEVICE)
-    assert mod._workspace is None
+    ws.fill_(7)
+    mod.to(KERNEL_DEVICE)  # a device move makes it again, zeroed, where the weight lives
+    assert mod._workspace is not ws and not mod._workspace.any()
+    meta = Fp8BlockLinear(k, n, device="meta")
+    assert meta._workspace is None
+    meta.to_empty(device=KERNEL_DEVICE)  # to_empty leaves garbage in parameters, never in the counters
+    assert meta._workspace is not None and not meta._workspace.any()
 
 
 def test_fp8_linear_refuses_a_bad_workspace():
@@ -186,11 +192,13 @@ def test_dtype_casts_keep_fp8_weights():
 def test_torch_compile_reduce_overhead():
     """Inductor + CUDA graphs (mode='reduce-overhead') around a stack of FP8 linears."""
     torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(576, 1536), nn.SiLU(), nn.Linear(1536, 576)).cuda().bfloat16()
+    # K=4096 at M=8: a split-K GEMM counting in the layer's workspace inside the compiled graph
+    mlp = nn.Sequential(nn.Linear(4096, 1536), nn.SiLU(), nn.Linear(1536, 576)).cuda().bfloat16()
     fp8 = nn.Sequential(Fp8BlockLinear.from_linear(mlp[0]), nn.SiLU(), Fp8BlockLinear.from_linear(mlp[2], "row"))
     compiled = torch.compile(fp8, mode="reduce-overhead", fullgraph=True)
     for _ in range(3):  # warm-up, record, replay
-        x = torch.randn(8, 576, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             out = compiled(x).clone()
             assert rel_err(out, fp8(x)) < 1e-2
+    assert not fp8[0]._workspace.any()

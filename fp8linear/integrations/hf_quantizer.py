@@ -198,6 +198,9 @@ class Fp8LinearHfQuantizer(HfQuantizer):
             self.quantization_config.granularity, self._kept, self._fp8()
         )
         keep_experts_fused_on_save(model)
+        for module in model.modules():
+            if isinstance(module, Fp8BlockLinear):
+                module.init_workspace()  # on the device its weight was loaded to
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:

@@ -549,5 +549,8 @@ def from_pretrained(
         dispatch_model(model, device_map={k: str(v) for k, v in dmap.items()})
     if getattr(model, "can_generate", lambda: False)() and (root / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    for module in model.modules():
+        if isinstance(module, Fp8BlockLinear):
+            module.init_workspace()  # on the device its weight was placed on
     model.eval()
     return model
