@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -11,6 +13,22 @@ from .ops import HAS_TRITON
 from .reference import GRANULARITIES, weight_granularity, weight_scale_shape
 
 __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
+
+
+def _mark_static_address(t: torch.Tensor) -> None:
+    """`torch._dynamo.mark_static_address(t)`, without importing Dynamo (1 s) where nothing has.
+
+    A plain tensor attribute that torch.compile lifts into a graph is not a parameter or buffer,
+    so CUDA-graph trees would copy it into a static buffer before every replay: one copy launch
+    per layer per decode step. Marked static, the graph reads it where it is. (Dynamo reads the
+    mark when it traces; mark_static_address itself only sets this attribute, tested against
+    the installed torch in tests/test_module.py.)
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.mark_static_address(t)
+    else:
+        t._dynamo_static_input_type = "unguarded"
 
 
 class QuantizedDtypesMixin(nn.Module):
@@ -180,8 +198,9 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             return None
         from .ops.splitk_gemm import splitk_workspace
 
-        self._workspace = splitk_workspace(self.out_features, device)
-        return self._workspace
+        self._workspace = ws = splitk_workspace(self.out_features, device)
+        _mark_static_address(ws)
+        return ws
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not is_fp8_dtype(self.weight.dtype):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -126,6 +128,26 @@ def test_decode_split_k_counts_in_the_layer_workspace(granularity):
     assert meta._workspace is None
     meta.to_empty(device=KERNEL_DEVICE)  # to_empty leaves garbage in parameters, never in the counters
     assert meta._workspace is not None and not meta._workspace.any()
+
+
+def test_workspace_is_marked_static_for_cuda_graphs(monkeypatch):
+    """CUDA-graph trees must read the workspace in place, not copy it in before each replay: it is
+    marked as torch._dynamo.mark_static_address would (with or without Dynamo imported)."""
+    import torch._dynamo
+    from fp8linear.module import _mark_static_address
+
+    expected = torch.zeros(4, dtype=torch.int32)
+    torch._dynamo.mark_static_address(expected)
+    ours = torch.zeros(4, dtype=torch.int32)
+    _mark_static_address(ours)
+    assert ours._dynamo_static_input_type == expected._dynamo_static_input_type
+    monkeypatch.delitem(sys.modules, "torch._dynamo")  # the path taken where nothing imported Dynamo yet
+    without_dynamo = torch.zeros(4, dtype=torch.int32)
+    _mark_static_address(without_dynamo)
+    assert without_dynamo._dynamo_static_input_type == expected._dynamo_static_input_type
+    if HAS_TRITON:
+        mod = Fp8BlockLinear.from_linear(nn.Linear(256, 64, device=KERNEL_DEVICE))
+        assert mod._workspace._dynamo_static_input_type == expected._dynamo_static_input_type
 
 
 def test_fp8_linear_refuses_a_bad_workspace():
