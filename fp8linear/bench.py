@@ -21,8 +21,8 @@ more than twice the L2 cache; a CUDA graph of R calls cycling over the sets is c
 method (falls back to CUDA events if capture fails); then the graphs of one (shape, M) are
 replayed in interleaved rounds, one replay of each method per round, so clock drift during the
 run reaches every method alike; the median replay time divided by R is the time per call.
-``ours_*`` count split-K tiles in a per-layer workspace, as ``Fp8BlockLinear`` does. Every method's output (its first 128 rows) is also compared with a float64 product of
-the BF16 inputs.
+``ours_*`` count split-K tiles in a per-layer workspace, as ``Fp8BlockLinear`` does. Every
+method's output (its first 128 rows) is also compared with a float64 product of the BF16 inputs.
 Output: a table on stdout, per-target summaries (issue 3), CSV + JSON with versions, a PNG.
 """
 

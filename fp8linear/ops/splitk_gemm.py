@@ -131,9 +131,9 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups), e.g. M=1, N=576, K=7168:
     7.1 vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. At least two programs per
     SM were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
-    us at N=4608), with at least 4 K groups each; the split is the smallest that reaches two. Tiles: 16/32/64 rows (as M needs) x 64 columns
-    for M <= 8, x 32 columns above (more tiles to spread: M=16, N=2048: 10.5 vs 11.7 us); 4
-    warps, 4 stages. Short K stays tiled: there the partial-sum round trip and the counter
+    us at N=4608), with at least 4 K groups each; the split is the smallest that reaches two.
+    Tiles: 16/32/64 rows (as M needs) x 64 columns for M <= 8, x 32 columns above (more tiles to
+    spread: M=16, N=2048: 10.5 vs 11.7 us); 4 warps, 4 stages. Short K stays tiled: there the partial-sum round trip and the counter
     reset cost more than the extra SMs bring (N=4096, K=512, M=16: 6.0 vs 3.7 us).
     """
     groups = triton.cdiv(k, GROUP_SIZE)
