@@ -230,6 +230,18 @@ def test_save_table_creates_folders_and_clears_lookup_cache(isolated):
 
 
 # ----------------------------------------------------------------------------- candidates
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 16, 17, 32, 33, 64])
+def test_decode_heuristic_is_one_tile_of_rows_covering_m(m):
+    """Untuned decode shapes: one 16/32/64-row tile covering M, 64 columns up to M=8, 32 above
+    (what the graph-timed tuner picked on H100), never the former 16x64 for every M."""
+    from fp8linear.ops.configs import heuristic_config
+
+    cfg = heuristic_config(m, 4096, 2048)
+    assert cfg.block_m == max(16, 1 << (m - 1).bit_length()) and cfg.block_m >= m
+    assert cfg.block_n == (64 if m <= 8 else 32) and cfg.block_k == 128
+    assert (cfg.num_warps, cfg.num_stages) == (4, 4)
+
+
 def test_candidates_are_valid_and_start_with_the_heuristic():
     from fp8linear.ops.configs import heuristic_config
 
