@@ -599,11 +599,15 @@ def tune_shape(
                     log(f"    {_cfg_str(cfg)}: skipped ({type(e).__name__}: {first})")
 
         heuristic = heuristic_config(bucket, n, k)
-        phase1 = candidate_configs(bucket, n, k)
+        # Always timed: the heuristic and the config a table already has for this bucket, so a
+        # re-tune whose budget runs out early (compiles on a fresh machine) never picks worse.
+        current = lookup_config(device_name(dev), bucket, n, k, granularity)
+        must = [heuristic] + ([current] if current is not None and current != heuristic else [])
+        phase1 = must + [c for c in candidate_configs(bucket, n, k) if c not in must]
         if max_candidates is not None:
-            phase1 = phase1[: max(1, max_candidates)]
-        for cfg in phase1:  # phase1[0] is the heuristic: always timed
-            if times and time.monotonic() > bucket_deadline:
+            phase1 = phase1[: max(len(must), max_candidates)]
+        for i, cfg in enumerate(phase1):
+            if i >= len(must) and times and time.monotonic() > bucket_deadline:
                 break
             measure(cfg)
         if times and time.monotonic() < bucket_deadline:

@@ -501,6 +501,26 @@ def test_tune_times_with_graphs_over_rotated_weights(monkeypatch):
     assert seen and all(n_sets * 576 * 7168 >= 2 * bench._l2_bytes(torch.device("cuda")) for n_sets in seen)
 
 
+def test_tune_always_times_the_heuristic_and_the_current_entry(isolated, monkeypatch):
+    """Even with no time left, a re-tune times the heuristic and the config the tables already
+    hold for the bucket, so it never replaces an entry with an untried worse one."""
+    from fp8linear.ops.configs import heuristic_config
+
+    current = GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=2)
+    assert current != heuristic_config(3, 128, 256)
+    monkeypatch.setattr(tuning, "lookup_config", lambda dev, m, n, k, g="block": current)
+    timed: list[GemmConfig] = []
+    real_gemm = __import__("fp8linear.ops.gemm", fromlist=["block_fp8_gemm"]).block_fp8_gemm
+
+    def spy(*args, config=None, **kw):
+        timed.append(config)
+        return real_gemm(*args, config=config, **kw)
+
+    monkeypatch.setattr("fp8linear.ops.gemm.block_fp8_gemm", spy)
+    res = tuning.tune_shape(128, 256, ms=(3,), device="cpu", budget_s=0.0, max_candidates=1)
+    assert res[0].tried == 2 and set(timed) == {heuristic_config(3, 128, 256), current}
+
+
 def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):
     """The real tuning path: Triton GEMM launches (CPU interpreter), timing, table writing, lookup."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
