@@ -22,7 +22,7 @@ import torch
 import triton
 
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.bench import _time_cuda, _n_sets, _clone_set, _l2_bytes
+from fp8linear.bench import _time_cuda, rotation_sets
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.quant import act_quant
 from fp8linear.ops.configs import select_config
@@ -34,7 +34,6 @@ cfg = types.SimpleNamespace(warmup=3, replays=5, timer="graph")
 
 def main() -> None:
     dev = torch.device("cuda")
-    l2 = _l2_bytes(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     MS = [int(a) for a in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 4, 16, 32, 64]
     print(torch.cuda.get_device_name(), "SMs", sms, flush=True)
@@ -50,9 +49,8 @@ def main() -> None:
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             x_q, x_s = quantize_activation(x)
-            nsets = _n_sets(n * k, l2)
             base = (x, x_q, x_s, w_q, w_s, w_s_row)
-            sets = [base] + [_clone_set(base) for _ in range(nsets - 1)]
+            sets = rotation_sets(base, n * k, dev)
             ref = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16).float()
             res = {}
             def t(name, fn):

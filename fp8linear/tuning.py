@@ -563,12 +563,9 @@ def tune_shape(
     deadline = start + budget_s
     results: list[TuneResult] = []
     w_q, w_s = _make_weight(n, k, granularity, dev)
-    if dev.type == "cuda":
-        from .bench import rotation_sets
+    from .bench import rotation_sets
 
-        w_sets = rotation_sets((w_q, w_s), w_q.numel() * w_q.element_size(), dev)
-    else:
-        w_sets = [(w_q, w_s)]
+    w_sets = rotation_sets((w_q, w_s), w_q.numel() * w_q.element_size(), dev)  # one set where there is no L2
     for i, bucket in enumerate(buckets):
         t_bucket = time.monotonic()
         bucket_deadline = t_bucket + max(0.0, deadline - t_bucket) / (len(buckets) - i)
@@ -606,8 +603,8 @@ def tune_shape(
         phase1 = must + [c for c in candidate_configs(bucket, n, k) if c not in must]
         if max_candidates is not None:
             phase1 = phase1[: max(len(must), max_candidates)]
-        for i, cfg in enumerate(phase1):
-            if i >= len(must) and times and time.monotonic() > bucket_deadline:
+        for rank, cfg in enumerate(phase1):
+            if rank >= len(must) and times and time.monotonic() > bucket_deadline:
                 break
             measure(cfg)
         if times and time.monotonic() < bucket_deadline:
