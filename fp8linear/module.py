@@ -143,6 +143,33 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         mod.init_workspace()
         return mod
 
+    @classmethod
+    def from_quantized(
+        cls,
+        weight: torch.Tensor,
+        weight_scale_inv: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        backend: str | None = None,
+    ) -> "Fp8BlockLinear":
+        """A layer holding given FP8 `weight` (N, K) and its scales (any granularity) and optional bias."""
+        if not isinstance(weight, torch.Tensor) or not is_fp8_dtype(weight.dtype) or weight.dim() != 2:
+            got = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise TypeError(f"weight must be a 2-D FP8 tensor, got {got}")
+        if not isinstance(weight_scale_inv, torch.Tensor) or weight_scale_inv.dtype != SCALE_DTYPE:
+            got = weight_scale_inv.dtype if isinstance(weight_scale_inv, torch.Tensor) else type(weight_scale_inv).__name__
+            raise TypeError(f"weight_scale_inv must be a {SCALE_DTYPE} tensor, got {got}")
+        granularity = weight_granularity(weight.shape, weight_scale_inv.shape)  # ValueError if none fits
+        n, k = weight.shape
+        if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+            raise ValueError(f"bias must be a float tensor of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
+        mod = cls(k, n, bias=bias is not None, granularity=granularity, device="meta", fp8_dtype=weight.dtype, backend=backend)
+        mod.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        mod.weight_scale_inv = nn.Parameter(weight_scale_inv.detach().to(weight.device), requires_grad=False)
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone().to(weight.device), requires_grad=False)
+        mod.init_workspace()
+        return mod
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         weight = state_dict.get(prefix + "weight")
         if weight is not None and weight.dtype != self.weight.dtype:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from ..formats import is_fp8_dtype, resolve_fp8_dtype
+from ..gptq import GPTQConfig
 from ..module import Fp8BlockLinear
 from ..reference import GRANULARITIES
 
@@ -112,6 +113,7 @@ class QuantizeReport:
     bytes_after: int = 0
     quantized_bytes_before: int = 0
     quantized_bytes_after: int = 0
+    gptq_layers: int = 0  # linear layers rounded with GPTQ (calibration_data given)
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -130,8 +132,9 @@ class QuantizeReport:
     def __str__(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.replaced.items())) or "nothing"
         dtype = str(self.fp8_dtype).removeprefix("torch.")
+        rounding = f"; {self.gptq_layers} linear layers GPTQ-rounded" if self.gptq_layers else ""
         lines = [
-            f"FP8 quantization ({self.granularity}, {dtype}): replaced {self.num_replaced} modules ({kinds})",
+            f"FP8 quantization ({self.granularity}, {dtype}): replaced {self.num_replaced} modules ({kinds}){rounding}",
             f"  kept in high precision: {len(self.kept)} modules"
             + (f" ({', '.join(self.kept[:4])}{', ...' if len(self.kept) > 4 else ''})" if self.kept else ""),
             f"  replaced modules: {_fmt_bytes(self.quantized_bytes_before)} -> {_fmt_bytes(self.quantized_bytes_after)}",
@@ -189,6 +192,8 @@ def quantize_model_(
     skip_defaults: bool = True,
     experts: bool = True,
     set_config: bool = True,
+    calibration_data: Sequence[Any] | None = None,
+    gptq: GPTQConfig | None = None,
 ) -> QuantizeReport:
     """Replace eligible linear layers and fused experts of `model` with FP8 modules, in place.
 
@@ -202,11 +207,24 @@ def quantize_model_(
         experts: also replace fused MoE experts modules.
         set_config: set ``model.config.quantization_config`` to the checkpoint format's dict, so
             ``model.save_pretrained`` writes a checkpoint that :func:`from_pretrained` reloads.
+        calibration_data: a list of batches (LongTensor input_ids ``[B, T]`` or dicts of model
+            keyword arguments). Given, the linear layers are rounded with GPTQ, block by block
+            (:mod:`fp8linear.integrations.calibration`): same format and kernels, lower output
+            error. Fused experts are rounded to nearest (first, so the calibration sees them).
+        gptq: GPTQ settings (:class:`fp8linear.gptq.GPTQConfig`); used with `calibration_data`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if gptq is not None and not isinstance(gptq, GPTQConfig):
+        raise TypeError(f"gptq must be a fp8linear.gptq.GPTQConfig, got {type(gptq).__name__}")
+    if gptq is not None and calibration_data is None:
+        raise ValueError("gptq settings were given without calibration_data; GPTQ needs calibration batches")
+    if calibration_data is not None:
+        from .calibration import check_calibration_data
+
+        check_calibration_data(calibration_data)  # before anything is replaced
     patterns = compile_patterns(ignore)
     skip = compile_patterns(DEFAULT_SKIP_PATTERNS) if skip_defaults else []
     head_ids = _output_head_ids(model) if skip_defaults else set()
@@ -233,24 +251,40 @@ def quantize_model_(
         plan.append((name, module, kind))
 
     replaced: Counter[str] = Counter()
-    q_before = q_after = 0
     chosen_dtype: torch.dtype | None = None
-    for name, module, kind in plan:
+    q_before = sum(module_state_bytes(module) for _, module, _ in plan)
+    dtypes: list[torch.dtype] = []
+    for _, module, kind in plan:
         w = module.weight if kind == "linear" else next(module.parameters())
-        dtype = resolve_fp8_dtype(fp8_dtype, w.device if w.device.type != "meta" else None)
-        chosen_dtype = chosen_dtype or dtype
-        q_before += module_state_bytes(module)
+        dtypes.append(resolve_fp8_dtype(fp8_dtype, w.device if w.device.type != "meta" else None))
+    chosen_dtype = dtypes[0] if dtypes else None
+    calibrate = calibration_data is not None
+    # Experts first: with calibration, the linear layers' GPTQ passes then run through FP8 experts.
+    order = sorted(range(len(plan)), key=lambda i: plan[i][2] != "experts")
+    for i in order:
+        name, module, kind = plan[i]
+        if kind == "linear" and calibrate:
+            continue
+        w = module.weight if kind == "linear" else next(module.parameters())
         if kind == "linear":
             if w.device.type == "meta":
-                new = _empty_fp8_linear(module, granularity, dtype, backend)
+                new = _empty_fp8_linear(module, granularity, dtypes[i], backend)
             else:
-                new = Fp8BlockLinear.from_linear(module, granularity=granularity, fp8_dtype=dtype, backend=backend)
+                new = Fp8BlockLinear.from_linear(module, granularity=granularity, fp8_dtype=dtypes[i], backend=backend)
                 new.train(module.training)
         else:
-            new = fp8_experts_cls.from_experts(module, granularity=granularity, fp8_dtype=dtype, backend=backend)
-        q_after += module_state_bytes(new)
+            new = fp8_experts_cls.from_experts(module, granularity=granularity, fp8_dtype=dtypes[i], backend=backend)
         _set_submodule(model, name, new)
         replaced[type(module).__name__] += 1
+    gptq_layers = 0
+    if calibrate:
+        from .calibration import gptq_replace_linears_
+
+        targets = [(name, module, dtypes[i]) for i, (name, module, kind) in enumerate(plan) if kind == "linear"]
+        gptq_layers = gptq_replace_linears_(model, targets, calibration_data, granularity, backend, gptq)
+        for _, module, _ in targets:
+            replaced[type(module).__name__] += 1
+    q_after = sum(module_state_bytes(model.get_submodule(name)) for name, _, _ in plan)
 
     chosen_dtype = chosen_dtype or resolve_fp8_dtype(fp8_dtype, None)
     report = QuantizeReport(
@@ -262,6 +296,7 @@ def quantize_model_(
         bytes_after=module_state_bytes(model),
         quantized_bytes_before=q_before,
         quantized_bytes_after=q_after,
+        gptq_layers=gptq_layers,
     )
     config = getattr(model, "config", None)
     if set_config and config is not None and plan:
