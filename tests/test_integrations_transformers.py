@@ -594,3 +594,27 @@ def test_fp8linear_config_refuses_prequantized(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="already quantized"):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=Fp8LinearConfig())
+
+
+@pytest.mark.gpu
+def test_gpu_gptq_calibration():
+    # The calibration passes run through Triton FP8 layers and GPTQ runs on the GPU; same bounds as on the CPU.
+    bf16 = build("qwen2_moe").cuda()
+    x = ids(64, 8, seed=1).cuda()
+    held_out = _linear_inputs(bf16, x)
+    rtn = build("qwen2_moe").cuda()
+    quantize_model_(rtn)
+    model = build("qwen2_moe").cuda()
+    report = quantize_model_(model, calibration_data=[ids(64, 8, seed=s) for s in (11, 12, 13, 14)])
+    assert report.gptq_layers == EXPECTED_COUNTS["qwen2_moe"][0] and _no_hooks_left(model)
+    ratios = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Fp8BlockLinear):
+            assert mod.weight.is_cuda
+            xs, ref_w = held_out[name], dict(bf16.named_modules())[name].weight.float()
+            ref = xs @ ref_w.T
+            other = rtn.get_submodule(name)
+            err = [_rel(xs @ dequantize_weight(m.weight, m.weight_scale_inv).T, ref) for m in (mod, other)]
+            ratios.append(err[0] / err[1])
+    assert max(ratios) < 1.15 and sum(ratios) / len(ratios) < 0.92, f"GPTQ / RTN error per layer: {ratios}"
+    assert_close_logits(logits(model, x), logits(bf16, x))
