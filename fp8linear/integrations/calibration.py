@@ -25,6 +25,7 @@ from torch import nn
 from ..gptq import GPTQConfig, gptq_quantize_weight, hessian_from_inputs
 from ..module import Fp8BlockLinear
 from ..reference import dequantize_activation_ref, quantize_activation_ref
+from .replace import _set_submodule
 
 __all__ = ["gptq_replace_linears_", "calibration_groups", "check_calibration_data"]
 
@@ -140,12 +141,6 @@ def _call_order(model: nn.Module, targets: list[_Target], run_first) -> dict[str
         for h in handles:
             h.remove()
     return order
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
 
 
 @torch.no_grad()
