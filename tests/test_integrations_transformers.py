@@ -275,6 +275,17 @@ def test_gptq_model_saves_and_reloads(tmp_path):
     assert_same_state(model, reloaded)
 
 
+def test_gptq_layer_the_data_never_reaches_is_rounded_to_nearest():
+    model = build("llama")
+    model.model.unused = nn.Linear(192, 64, bias=False, dtype=torch.bfloat16)  # outside any numbered block
+    w = model.model.unused.weight.detach().clone()
+    report = quantize_model_(model, calibration_data=[ids(32, 2, seed=5)])
+    assert report.replaced["Linear"] == 15 and report.gptq_layers == 14
+    w_q, w_s = quantize_weight(w, "block")
+    assert torch.equal(model.model.unused.weight.view(torch.uint8), w_q.view(torch.uint8))
+    assert torch.equal(model.model.unused.weight_scale_inv, w_s)
+
+
 def test_calibration_groups_and_order():
     from fp8linear.integrations.calibration import calibration_groups
 

@@ -54,10 +54,18 @@ class _Accumulator:
         self.sum = product.clone() if self.sum is None else self.sum.add_(product)
         self.rows += rows
 
-    def hessian(self, k: int, device: torch.device) -> torch.Tensor:
-        if self.sum is None or self.rows == 0:
-            return torch.zeros(k, k, device=device)  # never reached: gptq rounds to nearest
+    def hessian(self) -> torch.Tensor:
         return self.sum / self.rows
+
+
+@dataclass
+class _SeenInput:
+    """An input tensor met in the current batch, its X^T X, row count and the accumulator it went to."""
+
+    x: torch.Tensor  # held so that id(x) stays unique until the batch ends
+    product: torch.Tensor
+    rows: int
+    acc: _Accumulator | None = None
 
 
 def calibration_groups(names: Sequence[str]) -> dict[str, list[str]]:
@@ -186,9 +194,9 @@ def gptq_replace_linears_(
                 w = t.module.weight
                 acc = accs.get(t.name)
                 if acc is not None and acc.rows:
-                    h = acc.hessian(w.shape[1], w.device)
+                    h = acc.hessian()
                     calibrated += 1
-                else:
+                else:  # never reached by the data: a zero H gives the round-to-nearest result
                     h = torch.zeros(w.shape[1], w.shape[1], device=w.device)
                 w_q, w_s = gptq_quantize_weight(w, h, granularity, t.fp8_dtype, config, name=t.name)
                 new = Fp8BlockLinear.from_quantized(w_q, w_s, t.module.bias, backend=backend)
@@ -203,7 +211,7 @@ def gptq_replace_linears_(
 def _collect(model: nn.Module, group: str, members: list[_Target], run_all, config: GPTQConfig) -> dict[str, _Accumulator]:
     """Run the data through `model` up to the end of block `group`, summing X^T X of each member."""
     accs: dict[str, _Accumulator] = {}
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor, int, _Accumulator | None]] = {}
+    seen: dict[int, _SeenInput] = {}
     updated: set[int] = set()
     handles = []
 
@@ -215,14 +223,13 @@ def _collect(model: nn.Module, group: str, members: list[_Target], run_all, conf
                 xin = x
                 if config.quantized_inputs:  # what the FP8 layer will multiply: per-token 1x128 FP8
                     xin = dequantize_activation_ref(*quantize_activation_ref(x, t.fp8_dtype))
-                entry = (x, hessian_from_inputs(xin), xin.numel() // xin.shape[-1], None)
-            acc = accs.get(t.name)
-            if acc is None:  # first batch: layers fed the same tensor share an accumulator
-                acc = entry[3] or _Accumulator()
-                accs[t.name] = acc
-            seen[id(x)] = (entry[0], entry[1], entry[2], entry[3] or acc)  # keeps x alive: ids stay unique
+                entry = seen[id(x)] = _SeenInput(x, hessian_from_inputs(xin), xin.numel() // xin.shape[-1])
+            if t.name not in accs:  # first batch: layers fed the same tensor share an accumulator
+                accs[t.name] = entry.acc or _Accumulator()
+            acc = accs[t.name]
+            entry.acc = entry.acc or acc
             if id(acc) not in updated:
-                acc.add(entry[1], entry[2])
+                acc.add(entry.product, entry.rows)
                 updated.add(id(acc))
         return hook
 
