@@ -259,6 +259,10 @@ def quantize_model_(
         dtypes.append(resolve_fp8_dtype(fp8_dtype, w.device if w.device.type != "meta" else None))
     chosen_dtype = dtypes[0] if dtypes else None
     calibrate = calibration_data is not None
+    if calibrate:  # refuse before anything is replaced
+        on_meta = [name for name, module, kind in plan if kind == "linear" and module.weight.device.type == "meta"]
+        if on_meta:
+            raise ValueError(f"{on_meta[0]}: calibration needs materialised weights, got the meta device")
     # Experts first: with calibration, the linear layers' GPTQ passes then run through FP8 experts.
     order = sorted(range(len(plan)), key=lambda i: plan[i][2] != "experts")
     for i in order:
