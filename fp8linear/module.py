@@ -131,17 +131,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             raise ValueError("from_linear needs a materialised nn.Linear, got one on the meta device")
         fp8_dtype = resolve_fp8_dtype(fp8_dtype, w.device)
         w_q, w_s = quantize_weight(w, granularity, fp8_dtype)
-        has_bias = linear.bias is not None
-        mod = cls(
-            linear.in_features, linear.out_features, bias=has_bias, granularity=granularity,
-            device="meta", fp8_dtype=fp8_dtype, backend=backend,
-        )
-        mod.weight = nn.Parameter(w_q, requires_grad=False)
-        mod.weight_scale_inv = nn.Parameter(w_s, requires_grad=False)
-        if has_bias:
-            mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        mod.init_workspace()
-        return mod
+        return cls.from_quantized(w_q, w_s, linear.bias, backend=backend)
 
     @classmethod
     def from_quantized(

@@ -32,6 +32,7 @@ from transformers import (  # noqa: E402
 )
 
 from fp8linear import Fp8BlockLinear, dequantize_weight, quantize_weight  # noqa: E402
+from _utils import rel_err  # noqa: E402
 from fp8linear.integrations.experts import Fp8Experts  # noqa: E402
 from fp8linear.integrations.transformers import (  # noqa: E402
     Fp8LinearConfig,
@@ -205,10 +206,6 @@ def _no_hooks_left(model: nn.Module) -> bool:
     return not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out - ref).norm() / ref.norm()).item()
-
-
 @torch.no_grad()
 def _linear_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Input rows of every nn.Linear of `model` on `x`."""
@@ -239,7 +236,7 @@ def _assert_gptq_beats_rtn(model: nn.Module, rtn: nn.Module, bf16: nn.Module, he
             assert torch.equal(mod.weight_scale_inv, other.weight_scale_inv) and mod.weight.dtype == other.weight.dtype
             xs = held_out[name]
             ref = xs @ bf16_mods[name].weight.float().T
-            err = [_rel(xs @ dequantize_weight(m.weight, m.weight_scale_inv).T, ref) for m in (mod, other)]
+            err = [rel_err(xs @ dequantize_weight(m.weight, m.weight_scale_inv).T, ref) for m in (mod, other)]
             ratios.append(err[0] / err[1])
         elif isinstance(mod, Fp8Experts):
             assert_same_state(mod, rtn_mods[name])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8linear import Fp8BlockLinear, dequantize_weight
+from fp8linear import Fp8BlockLinear, dequantize_weight, quantize_weight
 
 from fp8linear.ops import HAS_TRITON
 
@@ -224,3 +224,24 @@ def test_torch_compile_reduce_overhead():
             out = compiled(x).clone()
             assert rel_err(out, fp8(x)) < 1e-2
     assert not fp8[0]._workspace.any()
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_from_quantized(granularity):
+    lin = nn.Linear(300, 130, dtype=torch.bfloat16)
+    w_q, w_s = quantize_weight(lin.weight, granularity)
+    mod = Fp8BlockLinear.from_quantized(w_q, w_s, lin.bias)
+    ref = Fp8BlockLinear.from_linear(lin, granularity)
+    assert mod.granularity == granularity and mod.in_features == 300 and mod.out_features == 130
+    assert list(mod.state_dict()) == list(ref.state_dict())
+    for a, b in zip(mod.state_dict().values(), ref.state_dict().values()):
+        assert same_bits(a, b)
+    assert mod.bias.data_ptr() != lin.bias.data_ptr()  # the bias is copied, not shared
+    with pytest.raises(TypeError, match="2-D FP8 tensor"):
+        Fp8BlockLinear.from_quantized(lin.weight, w_s)
+    with pytest.raises(TypeError, match="weight_scale_inv must be a torch.float32"):
+        Fp8BlockLinear.from_quantized(w_q, w_s.double())
+    with pytest.raises(ValueError, match="matches no granularity"):
+        Fp8BlockLinear.from_quantized(w_q, torch.ones(7, 7))
+    with pytest.raises(ValueError, match=r"bias must be a float tensor of shape \(130,\)"):
+        Fp8BlockLinear.from_quantized(w_q, w_s, torch.zeros(129))
