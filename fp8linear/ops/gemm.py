@@ -32,6 +32,7 @@ from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
 from .cublas_gemm import cublas_fp8_gemm, use_cublas_prequantized
 from .gemm_common import promote, store_tile, weight_scale_ptrs
+from .pdl import pdl_launch, use_pdl, wait_for_producer
 from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -67,8 +68,9 @@ def _block_fp8_gemm_kernel(
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -203,13 +205,14 @@ def block_fp8_gemm(
         )
         return y
     grid = (tiles,)
+    pdl = use_pdl(x_q.device, m)
     _block_fp8_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, y, bias if bias is not None else y,
         m, n, k,
         x_q.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return y

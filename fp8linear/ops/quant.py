@@ -9,6 +9,7 @@ import triton.language as tl
 from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 from .cublas_gemm import CUBLAS_ROW_ALIGN
+from .pdl import release_dependents
 
 __all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "cublas_rows", "quantize_groups", "round_to_fp8_grid"]
 
@@ -48,8 +49,9 @@ def _act_quant_kernel(
     M, M_IN, K,
     stride_xm, stride_qm, stride_sm, stride_sg,
     qmax, amax_floor,
-    MIN_EXP: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+    MIN_EXP: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, RELEASE_EARLY: tl.constexpr,
 ):
+    release_dependents(RELEASE_EARLY)  # the decode GEMM after us may be scheduled now (ops/pdl.py)
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -70,8 +72,12 @@ def cublas_rows(m: int) -> int:
     return -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
 
 
-def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = False,
+              release_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D `x` (M, K) with unit stride along K -> (x_q (M, K), x_s (M, ceil(K/128))).
+
+    `release_early`: let a GEMM launched next with PDL be scheduled while this kernel runs
+    (:func:`fp8linear.ops.linear.release_early`); the GEMM still waits for this kernel's results.
 
     With `cublas_layout`, the layout torch._scaled_mm's blockwise path takes: M is padded to
     M' = cublas_rows(M) with zero rows (scale = the amax floor's), x_q is (M', K) and x_s is
@@ -96,7 +102,7 @@ def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = Fal
         x, x_q, x_s, m, m_in, k,
         x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
         activation_max(fp8_dtype), AMAX_FLOOR,
-        MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE,
+        MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE, RELEASE_EARLY=release_early,
         num_warps=num_warps,
     )
     return x_q, x_s

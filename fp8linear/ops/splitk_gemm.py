@@ -26,6 +26,7 @@ import triton.language as tl
 from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX
 from .gemm_common import promote, store_tile, weight_scale_ptrs
+from .pdl import pdl_launch, use_pdl, wait_for_producer
 
 __all__ = ["SplitKConfig", "sm_count", "splitk_config", "splitk_fp8_gemm", "splitk_workspace"]
 
@@ -68,8 +69,9 @@ def _splitk_fp8_gemm_kernel(
     M, N, K, groups_per_split,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -203,12 +205,13 @@ def splitk_fp8_gemm(
     else:
         part = count = y  # unused
     uniform = granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0)
+    pdl = use_pdl(x.device, m)
     _splitk_fp8_gemm_kernel[grid](
         x, x_s, w_q, w_s, y, bias if bias is not None else y, part, count,
         m, n, k, groups_per_split,
         x.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None, SPLIT=split > 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return y
