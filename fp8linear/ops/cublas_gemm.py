@@ -3,8 +3,9 @@
 On Hopper, cuBLAS (CUDA >= 12.9, reached through ``torch._scaled_mm``) runs the DeepSeek-V3
 recipe itself: 1x128 activation scales with 128x128 ("block") or 1x128 ("row") weight scales,
 promoted to fp32 per K group like our kernel. At M >= 1024 it beat our Triton kernel by 1.43x
-(geometric mean of the H100 benchmark, docs/benchmarks.md): Triton 3.6 cannot overlap a K
-group's promotion with the next group's tensor-core work, cuBLAS's warp-specialised kernels do.
+(geometric mean of the H100 benchmark, docs/benchmarks.md): with fp32 promotion the register
+file caps a Triton tile at 128x128, and 128x128 tiles cannot feed the tensor cores at cuBLAS's
+rate even without promotion (Gluon experiment, benchmarks/gluon_prefill.py).
 At decode sizes our kernels win (split-K and the fused GEMV), and cuBLAS refuses M that is not a
 multiple of 4. So ``backend="auto"`` hands GEMMs with M >= CUBLAS_MIN_M (small weights: M >= 1024)
 to cuBLAS where it takes them correctly, and ``backend="triton"`` never does.
