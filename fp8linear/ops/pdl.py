@@ -31,9 +31,16 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .configs import SMALL_M_MAX
+
+try:  # griddepcontrol wrappers: Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: plain launches only
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
 
 __all__ = ["PDL_ENV", "use_pdl", "pdl_launch", "wait_for_producer", "release_dependents"]
 
@@ -50,7 +57,7 @@ def _device_pdl(index: int) -> bool:
 
 def use_pdl(device: torch.device, m: int) -> bool:
     """Whether a decode-sized (M rows) act_quant -> GEMM pair on `device` runs with PDL."""
-    if m > SMALL_M_MAX or device.type != "cuda" or torch.version.hip is not None:
+    if not HAS_GDC or m > SMALL_M_MAX or device.type != "cuda" or torch.version.hip is not None:
         return False
     if os.environ.get(PDL_ENV, "0") != "1" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
