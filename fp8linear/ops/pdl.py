@@ -14,8 +14,8 @@ programs placed early never keep act_quant's from starting.
 
 Why it is off by default (H100, ninth session): `benchmarks/pdl_ab.py` (interleaved CUDA-graph
 A/B, 15 shapes x M 1-64) measured the forward at 0.976x the time of plain launches (geometric
-mean; 0.988x summed; 0.95-0.97x on short K, e.g. 4096x512 5.55 -> 5.45 us) and the GEMM alone at
-0.979x, but in two of five whole `fp8linear bench` runs with early release one or two graphs ran
+mean; 0.985x summed; 0.95-0.97x on short K, e.g. 4096x512 5.55 -> 5.45 us) and the GEMM alone at
+0.979x (0.990x summed), but in two of five whole `fp8linear bench` runs with early release one or two graphs ran
 their forward 1.5-2.4x slower throughout (4608x7168 M=32: 32.6 vs 23.9 us; 32768x512 M=2: 23.3
 vs 11.5 us), and three re-runs of those cases did not reproduce it. A ~2% gain does not pay for
 an unexplained stall in serving, so plain launches stay the default. A PDL launch without the
