@@ -34,7 +34,7 @@ import torch
 import triton
 
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.bench import default_shapes, rotation_sets, time_graph
+from fp8linear.bench import _rel_err as rel, default_shapes, rotation_sets, time_graph
 from fp8linear.formats import GROUP_SIZE
 from fp8linear.ops.cublas_gemm import cublas_fp8_gemm, cublas_shape_ok
 from fp8linear.ops.gemm import block_fp8_gemm
@@ -208,10 +208,6 @@ def gluon_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias=None, block_
 def gluon_ok(x_q, w_q, out_dtype) -> bool:
     row_bytes = w_q.shape[0] * torch.empty((), dtype=out_dtype).element_size()
     return x_q.shape[1] % 16 == 0 and row_bytes % 16 == 0
-
-
-def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def check() -> None:

@@ -16,13 +16,14 @@ import torch
 
 from .ops import HAS_TRITON
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "cublas_allowed", "resolve_backend"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "cublas_allowed", "interpreting", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "reference")
 BACKEND_ENV = "FP8LINEAR_BACKEND"
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (TRITON_INTERPRET set)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -47,7 +48,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         return "triton" if HAS_TRITON and device.type == "cuda" else "reference"
     if not HAS_TRITON:
         raise RuntimeError("backend 'triton' was requested but Triton is not installed (pip install triton)")
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise RuntimeError(
             f"backend 'triton' needs CUDA/ROCm tensors, got tensors on {device}; "
             "set TRITON_INTERPRET=1 to run the Triton kernels on CPU (slow), or use backend='reference'"

@@ -19,6 +19,9 @@ def test_pdl_only_for_decode_sizes_on_a_gpu(monkeypatch):
 
     monkeypatch.delenv("FP8LINEAR_PDL", raising=False)
     assert not use_pdl(torch.device("cuda"), 1)  # opt-in: off unless asked for, never asks the device
+    monkeypatch.setenv("FP8LINEAR_PDL", "yes")
+    with pytest.raises(ValueError, match="FP8LINEAR_PDL must be 0 or 1"):
+        use_pdl(torch.device("cuda"), 1)
     monkeypatch.setenv("FP8LINEAR_PDL", "1")
     assert not use_pdl(torch.device("cpu"), 1)
     assert not use_pdl(torch.device("cuda"), SMALL_M_MAX + 1)  # prefill: no PDL, never asks the device

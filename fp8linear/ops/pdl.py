@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import interpreting
 from .configs import SMALL_M_MAX
 
 try:  # griddepcontrol wrappers: Triton >= 3.3
@@ -55,11 +56,19 @@ def _device_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= _MIN_CAPABILITY
 
 
+def _requested() -> bool:
+    value = os.environ.get(PDL_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1 (or unset), got {value!r}")
+    return value == "1"
+
+
 def use_pdl(device: torch.device, m: int) -> bool:
     """Whether a decode-sized (M rows) act_quant -> GEMM pair on `device` runs with PDL."""
-    if not HAS_GDC or m > SMALL_M_MAX or device.type != "cuda" or torch.version.hip is not None:
+    # The opt-in first: with PDL off (the default) a launch pays one environment lookup.
+    if not _requested() or not HAS_GDC or m > SMALL_M_MAX or device.type != "cuda":
         return False
-    if os.environ.get(PDL_ENV, "0") != "1" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if torch.version.hip is not None or interpreting():
         return False
     return _device_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
