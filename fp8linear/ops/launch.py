@@ -34,12 +34,19 @@ def aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGN == 0
 
 
+def _hook_set(hook: Any) -> bool:
+    """A launch hook that would run: a callable, or a non-empty chain of them (Triton >= 3.5's HookChain)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _launch_hooks_set() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:
         return False
-    return getattr(runtime, "launch_enter_hook", None) is not None or getattr(runtime, "launch_exit_hook", None) is not None
+    return _hook_set(getattr(runtime, "launch_enter_hook", None)) or _hook_set(getattr(runtime, "launch_exit_hook", None))
 
 
 def _direct(compiled: Any) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .cublas_gemm import cublas_fp8_gemm
+from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, aligned
@@ -59,10 +59,12 @@ class LinearPlan:
     Built from a first, real input `x` (..., K) (validated, contiguous); callable with any later
     contiguous input of the same shape, dtype and device whose data pointer is 16-byte aligned
     (:func:`fp8linear.ops.launch.aligned`: the caller checks), returning y (..., N). Results are
-    bit-identical to :func:`run_linear_route` on the same route. Routes without a prepared form
-    (cuBLAS, the persistent kernel, empty shapes) run :func:`run_linear_route` itself.
+    bit-identical to :func:`run_linear_route` on the same route. cuBLAS routes keep the weight
+    scale in cuBLAS's layout; routes without a prepared form (the persistent kernel, whose TMA
+    descriptors hold the activations' address, and empty shapes) run :func:`run_linear_route`.
     The weight, scales, bias and `workspace` are held by reference: a plan stays valid while
-    they are updated in place, and must be made again when they are replaced.
+    they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
+    another layout), and must be made again when they are replaced.
     """
 
     __slots__ = ("route", "run", "calls")
@@ -91,8 +93,23 @@ class LinearPlan:
         def unprepared(x: torch.Tensor) -> torch.Tensor:
             return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, workspace).reshape(out_shape)
 
-        if m == 0 or n == 0 or k == 0 or route.kernel in ("cublas", "persistent") or not aligned(x):
+        if m == 0 or n == 0 or k == 0 or route.kernel == "persistent" or not aligned(x):
             return unprepared, ()
+        fp8_dtype = w_q.dtype
+        if route.kernel == "cublas":
+            x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
+            grid, args, options = act_quant_args(x, x_q0, x_s0)
+            quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
+            w_t, scale_b = w_q.t(), cublas_weight_scale(w_q, w_s, granularity)  # made once: the weight's layout
+            padded = x_q0.shape[0] != m
+
+            def run_cublas(x: torch.Tensor) -> torch.Tensor:
+                x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
+                quant(x, x_q, x_s)
+                y = torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
+                return (y[:m] if padded else y).view(out_shape)
+
+            return run_cublas, (quant,)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         if route.kernel == "gemv":
             grid, args, options = fused_gemv_args(x, w_q, w_s, y0, granularity, bias, route.config)
@@ -104,7 +121,6 @@ class LinearPlan:
                 return y
 
             return run_gemv, (gemv,)
-        fp8_dtype = w_q.dtype
         x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device)
         grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
         quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
