@@ -82,7 +82,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     (:class:`fp8linear.ops.linear.LinearPlan`); later calls with that shape run the plan directly
     (a dictionary lookup, the output allocation, one or two kernel launches). The backend choice,
     including ``FP8LINEAR_BACKEND`` and ``FP8LINEAR_PDL``, is read when a plan is made. Plans are
-    dropped when the weight, scales, bias or backend are replaced or the layer moves.
+    dropped when the weight, scales, bias or backend are replaced, a state dict is loaded or the
+    layer moves (:meth:`clear_plans` does it by hand).
     """
 
     def __init__(
@@ -192,6 +193,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
                 torch.empty(scale.shape, dtype=SCALE_DTYPE, device=self.weight_scale_inv.device), requires_grad=False
             )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self.clear_plans()
 
     def to_linear(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
         """A dequantized nn.Linear with the same weights (up to FP8 rounding) and bias."""
@@ -207,6 +209,11 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         if name in _PLANNED_FROM and "_plans" in self.__dict__:
             self._plans.clear()
         super().__setattr__(name, value)
+
+    def clear_plans(self) -> None:
+        """Forget the launch plans (done on replacement, loading and moves; call it after changing
+        ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout)."""
+        self._plans.clear()
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)

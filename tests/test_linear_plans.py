@@ -98,14 +98,18 @@ def test_plans_dropped_when_weights_bias_backend_or_device_change():
     assert not layer._plans
 
 
-def test_in_place_weight_updates_reach_the_plan():
+def test_in_place_updates_reach_the_output():
     layer = _layer(130, 300, "block", False)
     x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     layer(x)
     other = _layer(130, 300, "block", False)
-    layer.load_state_dict(other.state_dict())  # copies into the same tensors
-    assert layer._plans
+    layer.load_state_dict(other.state_dict())  # copies into the same tensors, and forgets the plans
+    assert not layer._plans
     assert same_bits(layer(x), other(x))
+    with torch.no_grad():
+        layer.weight.copy_(_layer(130, 300, "block", False).weight)  # a plan reads the weight where it is
+    assert layer._plans
+    assert same_bits(layer(x), fp8_linear(x, layer.weight, layer.weight_scale_inv, None, backend="triton"))
 
 
 def test_misaligned_or_strided_inputs_take_the_validated_path(monkeypatch):
