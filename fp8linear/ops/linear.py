@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
 
 from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
+from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, fused_decode_outputs, split_workspace
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, aligned
@@ -33,6 +35,8 @@ def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torc
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K), weight w_q (N, K), on `route`."""
     if route.kernel == "gemv":
         return fused_fp8_gemv(x, w_q, w_s, granularity, bias, route.config)
+    if route.kernel == "decode":
+        return fused_decode_gemm(x, w_q, w_s, granularity, bias, route.config, workspace)
     m = x.shape[0]
     if route.kernel == "cublas":
         x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
@@ -111,6 +115,30 @@ class LinearPlan:
 
             return run_cublas, (quant,)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
+        if route.kernel == "decode":
+            tiles = triton.cdiv(n, route.config.block_n) * triton.cdiv(m, route.config.block_m)
+            tile_counters, sync = split_workspace(workspace, tiles, device)
+            split, count, part_shape = splitk_buffers(m, n, route.config, k, device, tile_counters)
+            if tile_counters is None:
+                return unprepared, ()  # no workspace to count in: fresh counters per call, as unprepared
+            part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
+            x_q0, x_s0 = fused_decode_outputs(m, k, fp8_dtype, device)
+            grid, args, options = fused_decode_args(x, x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
+                                                    part0, count, sync)
+            slots = ("x_ptr", "xq_ptr", "xs_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",))
+            one = KernelCall(_fused_decode_kernel, grid, args, options, slots + (("part_ptr",) if part_shape else ()))
+
+            def run_decode(x: torch.Tensor) -> torch.Tensor:
+                x_q, x_s = fused_decode_outputs(m, k, fp8_dtype, device)
+                y = torch.empty(out_shape, dtype=out_dtype, device=device)
+                if part_shape is None:
+                    one(x, x_q, x_s, y, y)
+                else:
+                    part = torch.empty(part_shape, dtype=torch.float32, device=device)
+                    one(x, x_q, x_s, y, y, part) if bias is None else one(x, x_q, x_s, y, part)
+                return y
+
+            return run_decode, (one,)
         if route.kernel == "gemv":
             grid, args, options = fused_gemv_args(x, w_q, w_s, y0, granularity, bias, route.config)
             gemv = KernelCall(_fused_fp8_gemv_kernel, grid, args, options, ("x_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",)))

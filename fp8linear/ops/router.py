@@ -6,8 +6,11 @@ Every choice between kernels is made here and nowhere else:
   quantized -> the fused quantize + GEMV kernel (:mod:`fp8linear.ops.fused_gemv`), one launch;
 - ``cublas``: on Hopper under backend "auto", prefill-sized GEMMs cuBLAS blockwise FP8 computes
   correctly and faster (:mod:`fp8linear.ops.cublas_gemm`);
+- ``decode``: 2 to SMALL_M_MAX tokens, activations not yet quantized, on NVIDIA GPUs (and the
+  CPU interpreter) -> activation quantization and the split-K GEMM in one launch
+  (:mod:`fp8linear.ops.fused_decode`), split where K is long and tiles are few, else one split;
 - ``splitk``: M <= SMALL_M_MAX with long K and too few output tiles to fill the GPU
-  (:mod:`fp8linear.ops.splitk_gemm`);
+  (:mod:`fp8linear.ops.splitk_gemm`), on quantized activations or with PDL;
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import interpreting
+from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
 from .cublas_gemm import CUBLAS_ROW_ALIGN, cublas_device_ok, cublas_shape_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
@@ -50,7 +54,7 @@ __all__ = [
     "use_persistent",
 ]
 
-KERNELS = ("gemv", "cublas", "splitk", "persistent", "tiled")
+KERNELS = ("gemv", "decode", "cublas", "splitk", "persistent", "tiled")
 
 # Short K (up to PERSISTENT_MAX_K) with M >= PERSISTENT_MIN_M and 128x128-block or per-tensor
 # weights runs the persistent TMA kernel (H100, M=4096: K=512 211 vs 304 us, K=1536 413 vs 437 us
@@ -107,6 +111,27 @@ def _tiled_or_splitk(device: torch.device, m: int, n: int, k: int, granularity: 
     return Route("tiled", select_config(device, m, n, k, granularity), pdl=pdl, release_early=pdl)
 
 
+def _decode_config(device: torch.device, m: int, n: int, k: int, granularity: str) -> SplitKConfig | None:
+    """The one-launch decode kernel's tiles: split-K's where it splits, else the tiled kernel's tuned
+    or heuristic tile as one split; None where that tile is not one the split-K program runs."""
+    split = splitk_config(m, n, k, device)
+    if split is not None:
+        return split
+    cfg = select_config(device, m, n, k, granularity)
+    if cfg.block_k != GROUP_SIZE or cfg.block_m > GROUP_SIZE or cfg.block_n > GROUP_SIZE or cfg.num_warps > 8:
+        return None
+    return SplitKConfig(block_m=cfg.block_m, block_n=cfg.block_n, split_k=1, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
+
+
+def _one_launch_decode_ok(device: torch.device) -> bool:
+    """Where the decode kernel's in-launch wait is safe: NVIDIA GPUs and the CPU interpreter
+    (both run programs in increasing id order, see :mod:`fp8linear.ops.fused_decode`)."""
+    if torch.version.hip is not None:
+        return False
+    return device.type == "cuda" or interpreting()
+
+
 def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
                  out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
                  weight_tma_ok: bool) -> Route:
@@ -119,8 +144,12 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         return Route("gemv", gemv_config(m, n, k))
     if allow_cublas and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device):
         return Route("cublas")
-    return _tiled_or_splitk(device, m, n, k, granularity, weight_tma_ok and k % _TMA_ALIGN == 0,
-                            use_pdl(device, m))
+    pdl = use_pdl(device, m)
+    if 1 <= m <= SMALL_M_MAX and not pdl and _one_launch_decode_ok(device):
+        cfg = _decode_config(device, m, n, k, granularity)
+        if cfg is not None:
+            return Route("decode", cfg)
+    return _tiled_or_splitk(device, m, n, k, granularity, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
 
 
 def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
