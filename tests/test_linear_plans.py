@@ -63,6 +63,42 @@ def test_plan_matches_routed_path_bit_for_bit(m, n, k, kernel, bias, granularity
         assert not layer._workspace.any()  # tile and wait counters left at zero for the next call
 
 
+@pytest.mark.parametrize("workspace", ["none", "too small", "layer's"])
+@pytest.mark.parametrize("m,n,k", [(2, 130, 4224), (33, 64, 300)])
+def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
+    from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
+    from fp8linear.ops.fused_decode import fused_decode_gemm
+    from fp8linear.ops.router import route_linear
+    from fp8linear.ops.splitk_gemm import splitk_workspace
+
+    dev = torch.device(KERNEL_DEVICE)
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / 30, "block")
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    route = route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True, one_launch=True)
+    assert route.kernel == "decode"
+    assert route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True).kernel != "decode"
+    ws = {"none": None, "too small": torch.zeros(3, dtype=torch.int32, device=dev),
+          "layer's": splitk_workspace(n, dev)}[workspace]
+    y = fused_decode_gemm(x, w_q, w_s, "block", bias, route.config, ws)
+    x_q, x_s = quantize_activation(x, backend="triton")
+    assert same_bits(y, block_fp8_matmul(x_q, x_s, w_q, w_s, bias=bias, backend="triton"))
+    if ws is not None:
+        assert not ws.any()
+
+
+def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
+    from fp8linear.ops import router
+
+    dev = torch.device(KERNEL_DEVICE)
+    args = (dev, 8, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False, True)
+    assert router.route_linear(*args, one_launch=True).kernel == "decode"
+    big = (dev, 8, 18432, 7168) + args[4:]
+    assert router.route_linear(*big, one_launch=True).kernel != "decode"  # GPU-bound: two launches win
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert router.route_linear(*args, one_launch=True).kernel != "decode"  # no in-launch wait on ROCm
+
+
 def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
     from fp8linear import module
 

@@ -68,9 +68,12 @@ def _fused_decode_kernel(
         pid_n = gid % num_n
         pid_s = (gid // num_n) % num_s
         pid_m = gid // (num_n * num_s)
-        ready = tl.atomic_add(sync_ptr, 0, sem="acquire")
+        # Spin on plain volatile loads (hundreds of programs spinning with atomics would queue at the
+        # counter's L2 slice ahead of the quantizers' releases), then one acquire to order the reads.
+        ready = tl.load(sync_ptr, volatile=True)
         while ready < num_q:
-            ready = tl.atomic_add(sync_ptr, 0, sem="acquire")
+            ready = tl.load(sync_ptr, volatile=True)
+        tl.atomic_add(sync_ptr, 0, sem="acquire")
         _splitk_program(
             xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
             pid_n, pid_s, pid_m, num_n, num_s,

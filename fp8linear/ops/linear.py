@@ -66,6 +66,8 @@ class LinearPlan:
     bit-identical to :func:`run_linear_route` on the same route. cuBLAS routes keep the weight
     scale in cuBLAS's layout; routes without a prepared form (the persistent kernel, whose TMA
     descriptors hold the activations' address, and empty shapes) run :func:`run_linear_route`.
+    `capture_route`: the route to run inside CUDA-graph capture where it differs from `route`
+    (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
     The weight, scales, bias and `workspace` are held by reference: a plan stays valid while
     they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
     another layout), and must be made again when they are replaced.
@@ -74,11 +76,20 @@ class LinearPlan:
     __slots__ = ("route", "run", "calls")
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                 bias: torch.Tensor | None, workspace: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, workspace: torch.Tensor | None, capture_route: Route | None = None) -> None:
         self.route = route
         run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, workspace)
+        if capture_route is not None and capture_route != route and x.device.type == "cuda":
+            # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
+            capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, workspace)
+            eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                return capture_run(x) if is_capturing() else eager_run(x)
+
+            calls = calls + capture_calls
         self.run: Callable[[torch.Tensor], torch.Tensor] = run
-        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches, in order (none: unprepared)
+        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches (none: unprepared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y (..., N) for x (..., K) of the planned shape: the kernels read x through its data
