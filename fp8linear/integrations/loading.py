@@ -362,14 +362,14 @@ def _load_fused_experts(
             target = module._parameters[attr]
             _expected_shape(f"{name}.{attr}", info, tuple(target.shape))
             t = _cast(reader.read(info, device), target)
-            used.add(info.name)
+            used.add(f"{name}.{attr}")  # index keys (after renaming)
             if attr in weights:
                 s_info = index.get(f"{name}.{attr}{SCALE_SUFFIX}")
                 if s_info is None:
                     raise ValueError(f"checkpoint lacks {name}.{attr}{SCALE_SUFFIX}, the scales of FP8 {info.name!r}")
                 _expected_shape(f"{name}.{attr}{SCALE_SUFFIX}", s_info, tuple(module._parameters[attr + SCALE_SUFFIX].shape))
                 t, s = _fp8_pair(t, reader.read(s_info, device), fp8_dtype)
-                used.add(s_info.name)
+                used.add(f"{name}.{attr}{SCALE_SUFFIX}")
                 _assign(module, attr + SCALE_SUFFIX, s, False)
             _assign(module, attr, t, False)
         return
@@ -476,7 +476,7 @@ def load_fp8_state_(
                     continue  # missing; tied weights are filled below, the rest reported
                 _expected_shape(full, info, tuple(target.shape))
                 t = _cast(reader.read(info, device), target, any(f in full for f in fp32_names))
-                used.add(info.name)
+                used.add(full)  # the index key (after renaming), not the name on disk
                 if isinstance(module, Fp8BlockLinear) and attr in ("weight", "weight" + SCALE_SUFFIX):
                     pairs[attr] = t
                     continue
