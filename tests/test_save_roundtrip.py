@@ -239,7 +239,7 @@ def save(model: nn.Module, route: str, path: Path) -> None:
 CASES = [
     ("deepseek_v3", "block"), ("deepseek_v3", "row"), ("deepseek_v3", "tensor"),
     ("qwen2_moe", "row"), ("qwen3_moe", "block"), ("qwen3_moe", "tensor"),
-    ("mixtral", "block"), ("mixtral", "row"), ("llama", "tensor"), ("llama", "block"),
+    ("mixtral", "block"), ("mixtral", "row"), ("llama", "tensor"),
 ]
 
 
@@ -258,7 +258,8 @@ def test_roundtrip_matrix(tmp_path, family, granularity):
             assert sorted(tensors) == sorted(first) and all(same(tensors[k], first[k]) for k in first), route
         reloaded = from_pretrained(path)
         assert_same_state(model, reloaded)
-        assert torch.equal(logits(reloaded), ref), route
+        if route in ("transformers_sharded", "resave_loaded"):  # same modules and bytes: one forward each suffices
+            assert torch.equal(logits(reloaded), ref), route
         check_inspect(model, granularity, path, tensors)
     # transformers' loader reads the layout (its files are the same for every route: read one sharded)
     check_transformers_load(model, tmp_path / "transformers_sharded")
