@@ -41,6 +41,7 @@ from fp8linear.integrations.transformers import (  # noqa: E402
     quantize_model_,
     save_pretrained,
 )
+from fp8linear.cli import main as cli_main  # noqa: E402
 from fp8linear.quantize import inspect_checkpoint  # noqa: E402
 
 SMALL_SHARDS = "120KB"
@@ -244,7 +245,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("family,granularity", CASES)
-def test_roundtrip_matrix(tmp_path, family, granularity):
+def test_roundtrip_matrix(tmp_path, capsys, family, granularity):
     model = build(family, granularity)
     ref = logits(model)
     first = None
@@ -263,6 +264,10 @@ def test_roundtrip_matrix(tmp_path, family, granularity):
         check_inspect(model, granularity, path, tensors)
     # transformers' loader reads the layout (its files are the same for every route: read one sharded)
     check_transformers_load(model, tmp_path / "transformers_sharded")
+    capsys.readouterr()
+    assert cli_main(["inspect", str(tmp_path / "transformers_sharded")]) == 0
+    n_fp8 = sum(t.element_size() == 1 for t in first.values())
+    assert f"quantized: {n_fp8} FP8 weights (e4m3fn, {granularity}) + {n_fp8} scale tensors" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("granularity", ["block", "row"])
@@ -291,6 +296,20 @@ def test_fused_layout_on_request(tmp_path):
     assert_same_state(model, from_pretrained(tmp_path))
     with pytest.raises(ValueError, match="experts_layout"):
         save_pretrained(model, tmp_path / "x", experts_layout="split")
+    with pytest.raises(ValueError, match="safe_serialization"):
+        save_pretrained(model, tmp_path / "x", safe_serialization=False)
+    assert not (tmp_path / "x").exists()
+    # a deep copy and a pickled copy save the same checkpoint
+    import copy
+    import io
+
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for i, clone in enumerate((copy.deepcopy(model), torch.load(buf, weights_only=False))):
+        clone.save_pretrained(tmp_path / f"copy{i}")
+        got = files_tensors(tmp_path / f"copy{i}")
+        assert "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv" in got and len(got) > len(tensors)
 
 
 def test_hf_quantizer_route_saves_per_expert(tmp_path):

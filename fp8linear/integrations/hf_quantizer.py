@@ -141,6 +141,11 @@ class Fp8LinearHfQuantizer(HfQuantizer):
         self.experts_layout = "auto"  # how save writes FP8 experts (EXPERTS_LAYOUTS)
         self._model_ref: weakref.ref | None = None  # the model this quantizer saves (is_serializable checks it)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_model_ref"] = None  # weak references do not pickle; set again when the model saves
+        return state
+
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         if self.pre_quantized:
             raise ValueError(
@@ -238,6 +243,7 @@ class Fp8LinearHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The state dict transformers writes: FP8 weights + scales, experts in ``self.experts_layout``."""
+        self._model_ref = weakref.ref(model)
         state = fp8_state_dict(model, self.experts_layout)
         _ensure_checkpoint_config(model)
         # transformers reverts the model's weight conversions after this hook: keep the key

@@ -206,8 +206,9 @@ def quantize_model_(
         backend: forced backend for the new modules (``"triton"``/``"reference"``), default auto.
         skip_defaults: also keep the output head and MoE routers/gates (:data:`DEFAULT_SKIP_PATTERNS`).
         experts: also replace fused MoE experts modules.
-        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict, so
-            ``model.save_pretrained`` writes a checkpoint that :func:`from_pretrained` reloads.
+        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict and
+            give a transformers model the quantizer whose save hook ``model.save_pretrained``
+            calls, so it writes a complete checkpoint that :func:`from_pretrained` reloads.
         calibration_data: a list of batches (LongTensor input_ids ``[B, T]`` or dicts of model
             keyword arguments). Given, the linear layers are rounded with GPTQ, block by block
             (:mod:`fp8linear.integrations.calibration`): same format and kernels, lower output

@@ -84,6 +84,10 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, experts_layout
     kwargs.pop("safe_serialization", None)
     if "state_dict" in kwargs:
         raise ValueError("state_dict cannot be given: the checkpoint is written from the model's fp8linear modules")
+    previous = getattr(getattr(model, "hf_quantizer", None), "experts_layout", "auto")
     quantizer = attach_save_hook(model, experts_layout)
-    quantizer.is_serializable()  # ValueError naming what cannot be written, before anything is
-    model.save_pretrained(path, **kwargs)
+    try:
+        quantizer.is_serializable()  # ValueError naming what cannot be written, before anything is
+        model.save_pretrained(path, **kwargs)
+    finally:
+        quantizer.experts_layout = previous  # the choice is for this call; model.save_pretrained keeps its own
