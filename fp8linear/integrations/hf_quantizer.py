@@ -16,13 +16,14 @@ quantizer, or loaded by :func:`from_pretrained`) carries an :class:`Fp8LinearHfQ
 that cannot be written raises ValueError before a file is written.
 
 Works with transformers 5.x (the ``HfQuantizer`` hooks used here -- ``param_needs_quantization``,
-``get_quantize_ops`` and the ``ConversionOps.convert`` signature -- are the same in 5.17 and 5.23).
+``get_quantize_ops`` and the ``ConversionOps.convert`` signature -- are the same in 5.17 and 5.23;
+the save hooks ``is_serializable`` and ``get_state_dict_and_metadata`` are tested with 5.24).
 """
 
 from __future__ import annotations
 
-import weakref
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
