@@ -33,15 +33,16 @@ from torch import nn
 from ..formats import GROUP_SIZE, SCALE_DTYPE, e4m3fn_to_e4m3fnuz, is_fp8_dtype, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
 from ..module import Fp8BlockLinear
-from ..reference import weight_granularity
+from ..reference import weight_granularity, weight_scale_shape
 from ..quantize.naming import SCALE_SUFFIX, torch_dtype_from_safetensors
-from .replace import experts_api
+from .replace import attach_save_hook_if_transformers, experts_api
 
 __all__ = [
     "SCALE_SUFFIX",
     "CheckpointIndex",
     "TensorInfo",
     "index_checkpoint",
+    "check_fp8_scales",
     "from_pretrained",
     "load_fp8_state_",
 ]
@@ -148,6 +149,24 @@ def _rename_index(index: CheckpointIndex, model: nn.Module) -> CheckpointIndex:
     return out
 
 
+def check_fp8_scales(index: CheckpointIndex) -> None:
+    """ValueError naming every FP8 tensor of the checkpoint that has no ``*_scale_inv`` next to it."""
+    missing = []
+    for name, info in index.tensors.items():
+        try:
+            dt = torch_dtype_from_safetensors(info.dtype)
+        except ValueError:
+            continue
+        if dt is not None and is_fp8_dtype(dt) and not name.endswith(SCALE_SUFFIX) and f"{name}{SCALE_SUFFIX}" not in index:
+            missing.append(f"{info.name!r} ({info.dtype}, in {info.file.name})")
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"checkpoint {index.root} has FP8 weights without their scales: {', '.join(sorted(missing)[:5])}{more} "
+            f"(each FP8 'X' needs an 'X{SCALE_SUFFIX}'); the checkpoint is incomplete"
+        )
+
+
 # ----------------------------------------------------------------------------- planning
 def _expected_shape(model_name: str, info: TensorInfo, expected: tuple[int, ...]) -> None:
     if tuple(info.shape) != tuple(expected):
@@ -162,6 +181,16 @@ def _per_expert_names(index: CheckpointIndex, prefix: str) -> tuple[str, str, st
         if f"{prefix}.0.{names[0]}.weight" in index:
             return names
     return None
+
+
+def _checkpoint_granularity(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> str:
+    """Granularity whose scale shape is exactly the checkpoint's: a (1, 1) grid of a 128x128 block
+    stays 'block' (its module then has the checkpoint's shapes); (), (1,) and other one-element
+    shapes are 'tensor'."""
+    for gran in ("block", "row", "tensor"):
+        if tuple(weight_scale_shape(weight_shape, gran)) == tuple(scale_shape):
+            return gran
+    return weight_granularity(weight_shape, scale_shape)
 
 
 def _checkpoint_fp8_dtype(dtype_str: str, prefix: str) -> torch.dtype:
@@ -185,7 +214,7 @@ def _replace_fp8_modules(model: nn.Module, index: CheckpointIndex, backend: str 
             if scale is None or weight is None:
                 continue
             _expected_shape(f"{name}.weight", weight, tuple(module.weight.shape))
-            gran = weight_granularity(weight.shape, scale.shape)
+            gran = _checkpoint_granularity(weight.shape, scale.shape)
             new = Fp8BlockLinear(
                 module.in_features, module.out_features, bias=module.bias is not None, granularity=gran,
                 device="meta", fp8_dtype=_checkpoint_fp8_dtype(weight.dtype, weight.name),
@@ -204,12 +233,12 @@ def _replace_fp8_modules(model: nn.Module, index: CheckpointIndex, backend: str 
             fused_scale = index.get(f"{name}.down_proj{SCALE_SUFFIX}")
             names = _per_expert_names(index, name)
             if fused_scale is not None:
-                gran = weight_granularity(down.shape, fused_scale.shape)
+                gran = _checkpoint_granularity(down.shape, fused_scale.shape)
                 dt = _checkpoint_fp8_dtype(index.tensors[f"{name}.down_proj"].dtype, f"{name}.down_proj")
             elif names is not None and f"{name}.0.{names[2]}.weight{SCALE_SUFFIX}" in index:
                 w = index.tensors[f"{name}.0.{names[2]}.weight"]
                 s = index.tensors[f"{name}.0.{names[2]}.weight{SCALE_SUFFIX}"]
-                gran = weight_granularity(w.shape, s.shape)
+                gran = _checkpoint_granularity(w.shape, s.shape)
                 dt = _checkpoint_fp8_dtype(w.dtype, w.name)
             else:
                 continue
@@ -333,14 +362,14 @@ def _load_fused_experts(
             target = module._parameters[attr]
             _expected_shape(f"{name}.{attr}", info, tuple(target.shape))
             t = _cast(reader.read(info, device), target)
-            used.add(info.name)
+            used.add(f"{name}.{attr}")  # index keys (after renaming)
             if attr in weights:
                 s_info = index.get(f"{name}.{attr}{SCALE_SUFFIX}")
                 if s_info is None:
                     raise ValueError(f"checkpoint lacks {name}.{attr}{SCALE_SUFFIX}, the scales of FP8 {info.name!r}")
                 _expected_shape(f"{name}.{attr}{SCALE_SUFFIX}", s_info, tuple(module._parameters[attr + SCALE_SUFFIX].shape))
                 t, s = _fp8_pair(t, reader.read(s_info, device), fp8_dtype)
-                used.add(s_info.name)
+                used.add(f"{name}.{attr}{SCALE_SUFFIX}")
                 _assign(module, attr + SCALE_SUFFIX, s, False)
             _assign(module, attr, t, False)
         return
@@ -359,7 +388,8 @@ def _load_fused_experts(
     out_dtype = fp8_dtype or gu_w.dtype
     gran = weight_granularity(gu_w.shape, gu_s.shape)
     # Concatenating scale grids is exact for row-wise scales and for 128x128 blocks when the
-    # gate/up boundary falls on a block edge; otherwise the fused tensor is requantized.
+    # gate/up boundary falls on a block edge, and per-tensor scales when gate and up share theirs
+    # (as fp8linear writes them); otherwise the fused tensor is requantized.
     exact_concat = gran == "row" or (gran == "block" and inter % GROUP_SIZE == 0)
     buffers = {
         "gate_up_proj": torch.empty(gu_w.shape, dtype=out_dtype, device=device),
@@ -384,9 +414,13 @@ def _load_fused_experts(
         gw, gs = read_pair(j, gate_n, (inter, hidden))
         uw, us = read_pair(j, up_n, (inter, hidden))
         dw, ds = read_pair(j, down_n, (hidden, inter))
-        if exact_concat and weight_granularity(gw.shape, gs.shape) == gran:
+        pair_gran = weight_granularity(gw.shape, gs.shape)
+        if exact_concat and pair_gran == gran:
             buffers["gate_up_proj"][j].copy_(torch.cat([gw, uw], dim=0))
             buffers["gate_up_proj_scale_inv"][j].copy_(torch.cat([gs, us], dim=0))
+        elif gran == "tensor" and pair_gran == "tensor" and torch.equal(gs.view(torch.int32), us.view(torch.int32)):
+            buffers["gate_up_proj"][j].copy_(torch.cat([gw, uw], dim=0))
+            buffers["gate_up_proj_scale_inv"][j].copy_(gs)
         else:
             full = torch.cat([dequantize_weight(gw, gs), dequantize_weight(uw, us)], dim=0)
             q, s = quantize_weight(full, gran, out_dtype)
@@ -442,7 +476,7 @@ def load_fp8_state_(
                     continue  # missing; tied weights are filled below, the rest reported
                 _expected_shape(full, info, tuple(target.shape))
                 t = _cast(reader.read(info, device), target, any(f in full for f in fp32_names))
-                used.add(info.name)
+                used.add(full)  # the index key (after renaming), not the name on disk
                 if isinstance(module, Fp8BlockLinear) and attr in ("weight", "weight" + SCALE_SUFFIX):
                     pairs[attr] = t
                     continue
@@ -529,6 +563,7 @@ def from_pretrained(
         else:
             model = model_class._from_config(config, **kwargs)
     index = _rename_index(index, model)
+    check_fp8_scales(index)
     kinds = _replace_fp8_modules(model, index, backend)
     if not kinds:
         raise ValueError(f"{root}: no FP8 tensors found (no '*{SCALE_SUFFIX}'); is this an FP8 checkpoint?")
@@ -552,5 +587,6 @@ def from_pretrained(
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
             module.init_workspace()  # on the device its weight was placed on
+    attach_save_hook_if_transformers(model)  # model.save_pretrained writes the checkpoint format
     model.eval()
     return model
