@@ -1,0 +1,284 @@
+"""Tensor parallelism of FP8 models on CPU: 2 processes with gloo against one process.
+
+The pytest process builds tiny DeepSeek-V3 and Llama models, quantizes and saves them, and
+runs the single-process FP8 model for reference logits and greedy tokens; one ``torchrun
+--nproc-per-node 2`` launch of this file (``__main__`` below) then loads and runs every case
+under tensor parallelism and writes what each rank saw to JSON. Dimensions are multiples of
+256 so every sharded layer splits on 128 boundaries at tp=2.
+
+Tolerances: in float32 the TP model computes the same products; only the rowwise layers'
+K-sums are split into two fp32 partial sums added by the all-reduce (reassociation, ~1e-7
+relative per layer), so float32 logits must agree to 1e-5 of their range and greedy tokens
+exactly. In bfloat16 each rowwise partial output is rounded to bf16 before the all-reduce
+and the sum is rounded again, where one process rounds once; the test requires the TP
+difference at the median position to stay within the single-process model's own bf16
+rounding error (its bf16 logits against its float32-activation logits). Greedy tokens of these
+random tiny models are near ties and are compared in float32 only. Any sharding mistake (a
+scale grid off by a block, gate/up halves swapped, a bias added twice) moves logits by O(1)
+of their range at every position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+GEN_TOKENS = 6
+KINDS = ("deepseek_v3", "llama")
+
+
+# ----------------------------------------------------------------------------- models
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
+
+    if kind == "deepseek_v3":
+        cfg = DeepseekV3Config(
+            vocab_size=384, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            q_lora_rank=256, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+            max_position_embeddings=64, tie_word_embeddings=False,
+        )  # fmt: skip
+    elif kind == "llama":
+        cfg = LlamaConfig(
+            vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=128, max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    for mod in model.modules():
+        if hasattr(mod, "e_score_correction_bias"):
+            mod.e_score_correction_bias = mod.e_score_correction_bias.float() + 0.05 * torch.randn(
+                mod.e_score_correction_bias.shape
+            )
+    return model.eval()
+
+
+def input_ids() -> torch.Tensor:
+    return torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+@torch.no_grad()
+def run_model(model: nn.Module) -> dict:
+    x = input_ids()
+    logits = model(x).logits.float()
+    gen = model.generate(x, max_new_tokens=GEN_TOKENS, do_sample=False, pad_token_id=0)
+    return {"logits": logits.tolist(), "tokens": gen[:, x.shape[1]:].tolist()}
+
+
+def sharded_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes this rank holds, bytes of the full tensors) over the parameters of sharded modules."""
+    from torch.distributed.tensor import DTensor
+
+    local = full = 0
+    for module in model.modules():
+        if getattr(module, "_fp8linear_tp", None) is None:
+            continue
+        for p in module.parameters(recurse=False):
+            if isinstance(p, DTensor):
+                local += p.to_local().numel() * p.element_size()
+                full += p.numel() * p.element_size()
+    return local, full
+
+
+def write_case(tmp: Path, kind: str) -> Path:
+    """Quantize a tiny model, save it as an FP8 checkpoint; returns the folder."""
+    from fp8linear.integrations.transformers import quantize_model_, save_pretrained
+
+    model = make_model(kind)
+    quantize_model_(model, granularity="block", fp8_dtype=torch.float8_e4m3fn, backend="reference")
+    path = tmp / kind
+    save_pretrained(model, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- worker (torchrun)
+class _CountingOpen:
+    """Wraps safetensors.safe_open: bytes returned by get_tensor (whole tensors) and by slices."""
+
+    whole: dict[str, int] = {}
+    sliced: dict[str, int] = {}
+    full: dict[str, int] = {}  # whole-tensor bytes of the tensors read through slices
+    _ITEM = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "I64": 8}
+
+    def __init__(self, *args, **kwargs):
+        from safetensors import _safe_open_orig  # set in _worker
+
+        self._h = _safe_open_orig(*args, **kwargs)
+
+    def __enter__(self):
+        self._h.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._h.__exit__(*exc)
+
+    def keys(self):
+        return self._h.keys()
+
+    def get_tensor(self, name):
+        t = self._h.get_tensor(name)
+        _CountingOpen.whole[name] = t.numel() * t.element_size()
+        return t
+
+    def get_slice(self, name):
+        sl = self._h.get_slice(name)
+        numel = 1
+        for d in sl.get_shape():
+            numel *= d
+        _CountingOpen.full[name] = numel * _CountingOpen._ITEM[sl.get_dtype()]
+
+        class _Slice:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def get_dtype(self):
+                return sl.get_dtype()
+
+            def __getitem__(self, idx):
+                t = sl[idx]
+                _CountingOpen.sliced[name] = _CountingOpen.sliced.get(name, 0) + t.numel() * t.element_size()
+                return t
+
+        return _Slice()
+
+
+def _worker(cases: list[dict], out_dir: Path) -> None:
+    import safetensors
+    import torch.distributed as dist
+
+    from fp8linear.integrations import tensor_parallel as tpm
+    from fp8linear.integrations.transformers import from_pretrained
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    results = {}
+    for case in cases:
+        print(f"rank {rank}: {case['name']}", file=sys.stderr, flush=True)
+        dtype = getattr(torch, case["dtype"])
+        if case["route"] == "load":  # sharded loading: only this rank's slices are read
+            safetensors._safe_open_orig = safetensors.safe_open
+            safetensors.safe_open = _CountingOpen
+            _CountingOpen.whole, _CountingOpen.sliced, _CountingOpen.full = {}, {}, {}
+            try:
+                model = from_pretrained(case["path"], dtype=dtype, backend="reference", tp_plan="auto")
+            finally:
+                safetensors.safe_open = safetensors._safe_open_orig
+            reads = {"whole": dict(_CountingOpen.whole), "sliced": dict(_CountingOpen.sliced),
+                     "full": dict(_CountingOpen.full)}
+        else:  # every rank loads the whole model, then parallelize() keeps its slices
+            model = from_pretrained(case["path"], dtype=dtype, backend="reference")
+            tpm.parallelize(model)
+            reads = None
+        local, full = sharded_bytes(model)
+        res = run_model(model)
+        res.update(local_bytes=local, full_bytes=full, reads=reads)
+        results[case["name"]] = res
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    sys.exit(0)
+
+
+# ----------------------------------------------------------------------------- tests
+def _torchrun(cases: list[dict], tmp: Path, nproc: int = 2) -> list[dict]:
+    spec = tmp / "cases.json"
+    spec.write_text(json.dumps(cases))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           __file__, str(spec), str(tmp)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    from fp8linear.integrations.transformers import from_pretrained
+
+    tmp = tmp_path_factory.mktemp("tp")
+    cases, refs = [], {}
+    for kind in KINDS:
+        path = write_case(tmp, kind)
+        for dtype in ("float32", "bfloat16"):
+            ref = run_model(from_pretrained(path, dtype=getattr(torch, dtype), backend="reference"))
+            for route in ("parallelize", "load"):
+                name = f"{kind}-{dtype}-{route}"
+                cases.append({"name": name, "path": str(path), "dtype": dtype, "route": route})
+                refs[name] = ref
+    return refs, _torchrun(cases, tmp)
+
+
+CASE_NAMES = [f"{k}-{d}-{r}" for k in KINDS for d in ("float32", "bfloat16") for r in ("parallelize", "load")]
+
+
+def _position_diffs(a: list, b: list) -> torch.Tensor:
+    """Max |difference| of each (sequence, position)'s logits."""
+    return (torch.tensor(a) - torch.tensor(b)).abs().amax(-1).flatten()
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_tp2_logits_tokens_bytes(tp_results, name):
+    refs, ranks = tp_results
+    ref = refs[name]
+    if "float32" in name:
+        tol = 1e-5 * float(torch.tensor(ref["logits"]).abs().max())
+    else:
+        # The single-process model's own bf16 rounding error: its bf16 logits against the same
+        # FP8 weights run with float32 activations, per position. TP (two roundings of each
+        # rowwise output where one process has one) must stay within it at the median position;
+        # the largest positions are not compared, as a bf16 perturbation can flip a MoE routing choice.
+        floor = _position_diffs(ref["logits"], refs[name.replace("bfloat16", "float32")]["logits"])
+    for rank, res in enumerate(ranks):
+        got = res[name]
+        diffs = _position_diffs(got["logits"], ref["logits"])
+        if "float32" in name:
+            assert float(diffs.max()) <= tol, f"{name} rank {rank}: max logit difference {float(diffs.max()):.3g} > {tol:.3g}"
+            assert got["tokens"] == ref["tokens"], f"{name} rank {rank}: greedy tokens differ"
+        else:
+            assert float(diffs.median()) <= float(floor.median()), (
+                f"{name} rank {rank}: median logit difference {float(diffs.median()):.3g} exceeds the model's own "
+                f"bf16 rounding error {float(floor.median()):.3g}"
+            )
+        # Each rank holds half of every sharded tensor, plus whole per-tensor/replicated scales and biases.
+        assert got["full_bytes"] > 0
+        ratio = got["local_bytes"] / got["full_bytes"]
+        assert 0.5 <= ratio < 0.52, f"{name} rank {rank}: holds {ratio:.3f} of the sharded layers' bytes"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp2_loading_reads_only_rank_slices(tp_results, kind):
+    _, ranks = tp_results
+    name = f"{kind}-bfloat16-load"
+    reads = [res[name]["reads"] for res in ranks]
+    sliced = reads[0]["sliced"]
+    assert sliced, "no tensor was read through get_slice"
+    assert any(".experts." in t for t in sliced) == (kind == "deepseek_v3")
+    for rank, r in enumerate(reads):
+        assert r["sliced"].keys() == sliced.keys()
+        for tname, got in r["sliced"].items():
+            assert tname not in r["whole"], f"rank {rank} read sharded tensor {tname} whole"
+            # Each rank reads exactly half of every sharded tensor (the two halves: the whole tensor once).
+            assert 2 * got == r["full"][tname], f"rank {rank} read {got} of {r['full'][tname]} bytes of {tname}"
