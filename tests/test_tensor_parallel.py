@@ -282,3 +282,75 @@ def test_tp2_loading_reads_only_rank_slices(tp_results, kind):
             assert tname not in r["whole"], f"rank {rank} read sharded tensor {tname} whole"
             # Each rank reads exactly half of every sharded tensor (the two halves: the whole tensor once).
             assert 2 * got == r["full"][tname], f"rank {rank} read {got} of {r['full'][tname]} bytes of {tname}"
+
+
+# ----------------------------------------------------------------------------- plan-memory
+# DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3), the values that size the model.
+DEEPSEEK_V3_CONFIG = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}  # fmt: skip
+
+
+def _deepseek_v3_params(c: dict) -> int:
+    """DeepSeek-V3's parameter count from its config by hand (main model, no MTP module)."""
+    h, heads, layers, dense = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"], c["first_k_dense_replace"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attn = (h * c["q_lora_rank"] + c["q_lora_rank"] + c["q_lora_rank"] * heads * qk
+            + h * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) + c["kv_lora_rank"]
+            + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"]) + heads * c["v_head_dim"] * h)
+    mlp = 3 * h * c["intermediate_size"]
+    moe = (h * c["n_routed_experts"] + 3 * c["n_routed_experts"] * h * c["moe_intermediate_size"]
+           + 3 * h * c["moe_intermediate_size"] * c["n_shared_experts"])
+    per_layer_norms = 2 * h
+    return (2 * c["vocab_size"] * h + h + layers * (attn + per_layer_norms)
+            + dense * mlp + (layers - dense) * moe)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory):
+    from fp8linear.plan_memory import _meta_fp8_model, load_config
+
+    path = tmp_path_factory.mktemp("dsv3") / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    config = load_config(path)
+    return path, config, _meta_fp8_model(config, "block")
+
+
+def test_plan_memory_deepseek_v3_parameters_and_sharding(dsv3):
+    from fp8linear.plan_memory import plan_memory
+
+    _, config, model = dsv3
+    one = plan_memory(config, 1, "block", model=model)
+    assert one.param_count == _deepseek_v3_params(DEEPSEEK_V3_CONFIG)
+    assert abs(one.param_count / 671e9 - 1) < 0.005, one.param_count  # DeepSeek's published 671 B
+    assert one.fp8_sharded == 0
+    for tp in (8, 16):
+        p = plan_memory(config, tp, "block", model=model)
+        # The sharded FP8 bytes split exactly; what stays whole is the MLA attention.
+        assert p.fp8_sharded * tp + p.fp8_replicated == one.fp8_replicated
+        assert p.fp8_replicated > 0
+        assert p.scales < one.scales and p.high_precision < one.high_precision  # lm_head is sharded
+        assert p.sharded_layers == {"colwise": 2 * 3 + 2 * 58 + 1, "rowwise": 3 + 58, "experts": 58}
+        assert p.kv_bytes_per_token == one.kv_bytes_per_token  # attention replicated by the plan
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj.*tp=32"):
+        plan_memory(config, 32, "block", model=model)
+
+
+def test_plan_memory_cli(dsv3, capsys):
+    from fp8linear.cli import main
+
+    path, _, _ = dsv3
+    assert main(["plan-memory", str(path), "--tp", "8", "16", "32", "--context", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "671.03 B parameters" in out and "tp=8" in out and "tp=16" in out
+    assert "tp=32: cannot shard" in out
+    with pytest.raises(ValueError, match="config.json"):
+        main(["plan-memory", str(path.parent / "missing.json")])
