@@ -82,27 +82,25 @@ def run_model(model: nn.Module) -> dict:
 
 
 def sharded_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes this rank holds, bytes of the full tensors) over the parameters of sharded modules."""
+    """(bytes this rank holds, bytes of the full tensors) over the DTensor parameters (sharded modules)."""
     from torch.distributed.tensor import DTensor
 
     local = full = 0
-    for module in model.modules():
-        if getattr(module, "_fp8linear_tp", None) is None:
-            continue
-        for p in module.parameters(recurse=False):
-            if isinstance(p, DTensor):
-                local += p.to_local().numel() * p.element_size()
-                full += p.numel() * p.element_size()
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            local += p.to_local().numel() * p.element_size()
+            full += p.numel() * p.element_size()
     return local, full
 
 
 def write_case(tmp: Path, kind: str) -> Path:
-    """Quantize a tiny model, save it as an FP8 checkpoint; returns the folder."""
+    """Save a tiny model in bf16 (folder + "_bf16") and quantized to FP8; returns the FP8 folder."""
     from fp8linear.integrations.transformers import quantize_model_, save_pretrained
 
     model = make_model(kind)
-    quantize_model_(model, granularity="block", fp8_dtype=torch.float8_e4m3fn, backend="reference")
     path = tmp / kind
+    model.save_pretrained(str(path) + "_bf16")
+    quantize_model_(model, granularity="block", fp8_dtype=torch.float8_e4m3fn, backend="reference")
     save_pretrained(model, path)
     return path
 
@@ -158,6 +156,34 @@ class _CountingOpen:
         return _Slice()
 
 
+def _layers_case() -> dict:
+    """Colwise (with bias) then rowwise (with bias) Fp8BlockLinear pair through torch's own
+    parallelize_module, per granularity: max |TP - one process| and max |one process|."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fp8linear import Fp8BlockLinear
+    from fp8linear.integrations.tensor_parallel import Fp8ColwiseParallel, Fp8RowwiseParallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for gran in ("block", "row", "tensor"):
+        torch.manual_seed(0)
+        lin1, lin2 = nn.Linear(256, 512), nn.Linear(512, 256)
+        with torch.no_grad():
+            lin2.bias.add_(1.0)  # a bias added twice would show
+        seq = nn.Sequential(*(Fp8BlockLinear.from_linear(lin, gran, torch.float8_e4m3fn, backend="reference")
+                              for lin in (lin1, lin2)))
+        seq.insert(1, nn.ReLU())
+        x = torch.randn(3, 5, 256)
+        with torch.no_grad():
+            ref = seq(x)
+            parallelize_module(seq, mesh, {"0": Fp8ColwiseParallel(), "2": Fp8RowwiseParallel()})
+            got = seq(x)
+        out[gran] = [float((got - ref).abs().max()), float(ref.abs().max())]
+    return out
+
+
 def _worker(cases: list[dict], out_dir: Path) -> None:
     import safetensors
     import torch.distributed as dist
@@ -169,8 +195,8 @@ def _worker(cases: list[dict], out_dir: Path) -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     results = {}
+    results["layers"] = _layers_case()
     for case in cases:
-        print(f"rank {rank}: {case['name']}", file=sys.stderr, flush=True)
         dtype = getattr(torch, case["dtype"])
         if case["route"] == "load":  # sharded loading: only this rank's slices are read
             safetensors._safe_open_orig = safetensors.safe_open
@@ -182,6 +208,16 @@ def _worker(cases: list[dict], out_dir: Path) -> None:
                 safetensors.safe_open = safetensors._safe_open_orig
             reads = {"whole": dict(_CountingOpen.whole), "sliced": dict(_CountingOpen.sliced),
                      "full": dict(_CountingOpen.full)}
+        elif case["route"] == "hf":  # transformers' loader and styles, quantizing a bf16 checkpoint as it loads
+            from transformers import AutoModelForCausalLM
+
+            from fp8linear.integrations.transformers import Fp8LinearConfig
+
+            model = AutoModelForCausalLM.from_pretrained(
+                case["path"] + "_bf16", dtype=dtype, tp_plan="auto",
+                quantization_config=Fp8LinearConfig(granularity="block", fp8_dtype="e4m3fn", backend="reference"),
+            )
+            reads = None
         else:  # every rank loads the whole model, then parallelize() keeps its slices
             model = from_pretrained(case["path"], dtype=dtype, backend="reference")
             tpm.parallelize(model)
@@ -224,14 +260,17 @@ def tp_results(tmp_path_factory):
         path = write_case(tmp, kind)
         for dtype in ("float32", "bfloat16"):
             ref = run_model(from_pretrained(path, dtype=getattr(torch, dtype), backend="reference"))
-            for route in ("parallelize", "load"):
-                name = f"{kind}-{dtype}-{route}"
-                cases.append({"name": name, "path": str(path), "dtype": dtype, "route": route})
-                refs[name] = ref
+            for name in CASE_NAMES:
+                if name.startswith(f"{kind}-{dtype}-"):
+                    cases.append({"name": name, "path": str(path), "dtype": dtype, "route": name.split("-")[-1]})
+                    refs[name] = ref
     return refs, _torchrun(cases, tmp)
 
 
-CASE_NAMES = [f"{k}-{d}-{r}" for k in KINDS for d in ("float32", "bfloat16") for r in ("parallelize", "load")]
+# (model, activation dtype, route): float32 checks every route exactly; bfloat16 the sharded loader.
+CASE_NAMES = [f"{k}-float32-{r}" for k in KINDS for r in ("parallelize", "load", "hf")] + [
+    f"{k}-bfloat16-load" for k in KINDS
+]
 
 
 def _position_diffs(a: list, b: list) -> torch.Tensor:
@@ -354,3 +393,38 @@ def test_plan_memory_cli(dsv3, capsys):
     assert "tp=32: cannot shard" in out
     with pytest.raises(ValueError, match="config.json"):
         main(["plan-memory", str(path.parent / "missing.json")])
+
+
+def test_tp2_torch_parallelize_module_layers(tp_results):
+    """Fp8ColwiseParallel + Fp8RowwiseParallel with biases, every granularity, float32: same as one process."""
+    _, ranks = tp_results
+    for rank, res in enumerate(ranks):
+        for gran, (diff, scale) in res["layers"].items():
+            assert diff <= 1e-5 * scale, f"rank {rank} {gran}: max difference {diff:.3g} (outputs up to {scale:.3g})"
+
+
+def test_param_shard_take():
+    from fp8linear.integrations.tensor_parallel import ParamShard
+
+    t = torch.arange(2 * 8 * 3).reshape(2, 8, 3)
+    packed = ParamShard("packed", 1)
+    assert torch.equal(packed.take(t, tuple(t.shape), 1, 2), torch.cat([t[:, 2:4], t[:, 6:8]], dim=1))
+    assert packed.local_shape((2, 8, 3), 2) == (2, 4, 3)
+    assert torch.equal(ParamShard("shard", 2).take(t, tuple(t.shape), 0, 3), t[:, :, :1])
+    assert ParamShard("replicate").take(t, tuple(t.shape), 1, 2) is t
+
+
+def test_unshardable_layers_are_refused():
+    from fp8linear import Fp8BlockLinear
+    from fp8linear.integrations.tensor_parallel import check_shardable
+
+    layer = Fp8BlockLinear(256, 384, device="meta", fp8_dtype=torch.float8_e4m3fn)  # 3 blocks of N
+    with pytest.raises(ValueError, match=r"'mlp\.up' over tp=2: its out_features \(384\)"):
+        check_shardable("mlp.up", layer, "colwise", 2)
+    check_shardable("mlp.up", layer, "colwise", 3)  # one block each
+    row = Fp8BlockLinear(256, 384, granularity="row", device="meta", fp8_dtype=torch.float8_e4m3fn)
+    check_shardable("mlp.up", row, "colwise", 2)  # row scales split per output row
+    with pytest.raises(ValueError, match=r"in_features \(256\).*4 x 128 = 512"):
+        check_shardable("mlp.down", layer, "rowwise", 4)
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        check_shardable("x", layer, "colwise", 0)
