@@ -102,7 +102,52 @@ def write_case(tmp: Path, kind: str) -> Path:
     model.save_pretrained(str(path) + "_bf16")
     quantize_model_(model, granularity="block", fp8_dtype=torch.float8_e4m3fn, backend="reference")
     save_pretrained(model, path)
+    if kind == "deepseek_v3":
+        _write_per_expert(path, Path(str(path) + "_official"))
     return path
+
+
+def _write_per_expert(src: Path, dst: Path) -> None:
+    """The FP8 checkpoint at `src` in the official DeepSeek-V3 layout (one tensor per expert and
+    projection, two files with an index). Exact: the intermediate size is a multiple of 128, so
+    gate and up rows and their 128x128 scale rows split apart without requantizing."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+    out = {}
+    for k, t in tensors.items():
+        prefix, _, leaf = k.rpartition(".")
+        if not prefix.endswith(".experts"):
+            out[k] = t
+            continue
+        scale = leaf.endswith("_scale_inv")
+        proj = leaf.removesuffix("_scale_inv")
+        suffix = "weight_scale_inv" if scale else "weight"
+        for j in range(t.shape[0]):
+            if proj == "gate_up_proj":
+                half = t.shape[1] // 2
+                out[f"{prefix}.{j}.gate_proj.{suffix}"] = t[j, :half].contiguous()
+                out[f"{prefix}.{j}.up_proj.{suffix}"] = t[j, half:].contiguous()
+            else:
+                out[f"{prefix}.{j}.{proj}.{suffix}"] = t[j].contiguous()
+    dst.mkdir()
+    names = sorted(out)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: out[n] for n in part}, str(dst / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for extra in ("config.json", "generation_config.json"):
+        if (src / extra).is_file():
+            shutil.copy(src / extra, dst / extra)
 
 
 # ----------------------------------------------------------------------------- worker (torchrun)
@@ -198,12 +243,13 @@ def _worker(cases: list[dict], out_dir: Path) -> None:
     results["layers"] = _layers_case()
     for case in cases:
         dtype = getattr(torch, case["dtype"])
-        if case["route"] == "load":  # sharded loading: only this rank's slices are read
+        if case["route"] in ("load", "official"):  # sharded loading: only this rank's slices are read
             safetensors._safe_open_orig = safetensors.safe_open
             safetensors.safe_open = _CountingOpen
             _CountingOpen.whole, _CountingOpen.sliced, _CountingOpen.full = {}, {}, {}
             try:
-                model = from_pretrained(case["path"], dtype=dtype, backend="reference", tp_plan="auto")
+                folder = case["path"] + ("_official" if case["route"] == "official" else "")
+                model = from_pretrained(folder, dtype=dtype, backend="reference", tp_plan="auto")
             finally:
                 safetensors.safe_open = safetensors._safe_open_orig
             reads = {"whole": dict(_CountingOpen.whole), "sliced": dict(_CountingOpen.sliced),
@@ -268,9 +314,10 @@ def tp_results(tmp_path_factory):
 
 
 # (model, activation dtype, route): float32 checks every route exactly; bfloat16 the sharded loader.
+# "official": the DeepSeek-V3 checkpoint layout with one tensor per expert.
 CASE_NAMES = [f"{k}-float32-{r}" for k in KINDS for r in ("parallelize", "load", "hf")] + [
     f"{k}-bfloat16-load" for k in KINDS
-]
+] + ["deepseek_v3-float32-official"]
 
 
 def _position_diffs(a: list, b: list) -> torch.Tensor:
@@ -307,10 +354,10 @@ def test_tp2_logits_tokens_bytes(tp_results, name):
         assert 0.5 <= ratio < 0.52, f"{name} rank {rank}: holds {ratio:.3f} of the sharded layers' bytes"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tp2_loading_reads_only_rank_slices(tp_results, kind):
+@pytest.mark.parametrize("kind,route", [(k, "bfloat16-load") for k in KINDS] + [("deepseek_v3", "float32-official")])
+def test_tp2_loading_reads_only_rank_slices(tp_results, kind, route):
     _, ranks = tp_results
-    name = f"{kind}-bfloat16-load"
+    name = f"{kind}-{route}"
     reads = [res[name]["reads"] for res in ranks]
     sliced = reads[0]["sliced"]
     assert sliced, "no tensor was read through get_slice"
