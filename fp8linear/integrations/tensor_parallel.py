@@ -489,7 +489,12 @@ def _default_mesh(mesh: Any) -> Any:
     if isinstance(mesh, DeviceMesh):
         return mesh
     if not dist.is_initialized():
-        raise ValueError("tensor parallelism needs torch.distributed initialised (run under torchrun)")
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise ValueError("tensor parallelism needs torch.distributed: run under torchrun "
+                             "(or call torch.distributed.init_process_group first)")
+        if torch.cuda.is_available():  # as torchrun's ranks expect: one GPU each, NCCL
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world = dist.get_world_size()
     tp = world if mesh is None else mesh
     if not isinstance(tp, int) or tp < 1 or world % tp:
@@ -530,14 +535,24 @@ def extend_hf_tp_plan(model: nn.Module, plan: dict[str, str]) -> None:
     """Adapt transformers' `plan` (in place) for a model holding fp8linear modules.
 
     Adds each scale's entry next to its weight's (``weight_scale_inv`` follows its layer, experts'
-    ``P_scale_inv`` follow ``P``), ``replicate`` for per-tensor scales, marks the fp8linear modules
-    to run transformers' styles on local tensors, and checks every sharded module splits on 128
-    boundaries for the current world size (ValueError naming it otherwise).
+    ``P_scale_inv`` follow ``P``), marks the fp8linear modules to run transformers' styles on
+    local tensors, and checks every sharded module splits on 128 boundaries for the current world
+    size (ValueError naming it otherwise). Per-tensor scales of sharded modules are refused:
+    transformers quantizes each rank's slice as it loads, which would give every rank its own scale.
     """
     import torch.distributed as dist
 
     tp = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     experts_cls = _experts_cls()
+
+    def refuse_per_tensor(name: str) -> None:
+        # transformers quantizes each rank's slice as it loads: one scale per slice, not one per tensor.
+        raise ValueError(
+            f"{name!r}: per-tensor scales cannot be computed while loading under tp_plan (each rank would "
+            "scale its own slice); use granularity 'block' or 'row', or save the quantized model and load it "
+            "with fp8linear.integrations.transformers.from_pretrained(path, tp_plan='auto')"
+        )
+
     for name, module in model.named_modules():
         generic = _wildcard(name)
         if isinstance(module, Fp8BlockLinear):
@@ -548,12 +563,16 @@ def extend_hf_tp_plan(model: nn.Module, plan: dict[str, str]) -> None:
             if style in _LINEAR_STYLES:
                 check_shardable(name, module, _LINEAR_STYLES[style][0], tp)
             if module.weight_scale_inv.dim() < 2:
+                if tp > 1 and style not in _REPLICATED_STYLES:
+                    refuse_per_tensor(name)
                 plan[f"{generic}.weight{SCALE_SUFFIX}"] = "replicate"
         elif isinstance(module, experts_cls):
             if plan.get(generic) is None:
                 continue
             module._hf_quantized_needs_local_tp = True
             check_shardable(name, module, "experts", tp)
+            if tp > 1 and module.down_proj_scale_inv.dim() < 3:
+                refuse_per_tensor(name)
             for p in (module.up_name, "down_proj"):
                 style = plan.get(f"{generic}.{p}")
                 scale = getattr(module, p + SCALE_SUFFIX)
