@@ -50,7 +50,6 @@ class MemoryPlan:
 
 def load_config(path: str | Path) -> Any:
     """A transformers config from a config.json file or a folder holding one (quantization_config dropped)."""
-    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     p = Path(path)
@@ -67,7 +66,6 @@ def load_config(path: str | Path) -> Any:
     model_type = data.pop("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{p}: model_type {model_type!r} is not known to the installed transformers")
-    del AutoConfig
     return CONFIG_MAPPING[model_type].from_dict(data)
 
 

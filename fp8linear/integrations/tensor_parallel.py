@@ -33,11 +33,10 @@ Per-tensor scales (0-d, or (E,) for experts) are replicated.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -57,8 +56,6 @@ __all__ = [
     "extend_hf_tp_plan",
     "TpLoad",
 ]
-
-logger = logging.getLogger(__name__)
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -655,7 +652,8 @@ class TpLoad:
         if entry is None:
             return handle.get_tensor(info.name)
         spec, shape = entry
-        return spec.take(handle.get_slice(info.name), shape, self.rank, self.tp).contiguous()
+        local = spec.take(handle.get_slice(info.name), shape, self.rank, self.tp)
+        return local.to(self.device).contiguous()  # a no-op where the handle already put it there
 
     def finish(self, model: nn.Module) -> None:
         """DTensor parameters (from the local slices just loaded) and TP forwards on every sharded module."""
