@@ -475,3 +475,31 @@ def test_unshardable_layers_are_refused():
         check_shardable("mlp.down", layer, "rowwise", 4)
     with pytest.raises(ValueError, match="tp must be a positive int"):
         check_shardable("x", layer, "colwise", 0)
+
+
+def test_resolve_tp_plan_styles():
+    from fp8linear import Fp8BlockLinear
+    from fp8linear.integrations.tensor_parallel import resolve_tp_plan
+
+    def lin(k, n):
+        return Fp8BlockLinear(k, n, device="meta", fp8_dtype=torch.float8_e4m3fn)
+
+    model = nn.ModuleDict({"layers": nn.ModuleList(
+        nn.ModuleDict({"up": lin(256, 512), "down": lin(512, 256), "norm": nn.LayerNorm(256)}) for _ in range(2)
+    )})
+    plan = {"layers.*.up": "colwise", "layers.*.down": "rowwise", "layers.*.norm": "replicate"}
+    assert resolve_tp_plan(model, plan) == {
+        "layers.0.up": "colwise", "layers.0.down": "rowwise", "layers.1.up": "colwise", "layers.1.down": "rowwise",
+    }
+    assert resolve_tp_plan(model, {"layers.*.up": "colwise_rep", "layers.*.down": "rowwise_split_input"})[
+        "layers.1.down"] == "rowwise_rep"
+    with pytest.raises(ValueError, match=r"'sequence_parallel' \(for 'layers\.0\.norm'\)"):
+        resolve_tp_plan(model, {"layers.*.norm": "sequence_parallel"})
+    with pytest.raises(ValueError, match=r"expected a linear layer, got LayerNorm"):
+        resolve_tp_plan(model, {"layers.*.norm": "colwise"})
+    with pytest.raises(ValueError, match="expected an Fp8Experts module"):
+        resolve_tp_plan(model, {"layers.*.up": "moe_tp_experts"})
+    with pytest.raises(ValueError, match="has none"):
+        resolve_tp_plan(model, "auto")
+    with pytest.raises(TypeError, match="tp_plan must be 'auto' or a dict"):
+        resolve_tp_plan(model, ["colwise"])
