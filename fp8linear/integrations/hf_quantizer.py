@@ -235,6 +235,13 @@ class Fp8LinearHfQuantizer(HfQuantizer):
                 module.init_workspace()  # on the device its weight was loaded to
         return model
 
+    def update_parallel_plan(self, model: Any, plan: dict[str, str]) -> None:
+        # tp_plan="auto": scales follow their weights, modules run transformers' styles on local tensors.
+        super().update_parallel_plan(model, plan)
+        from .tensor_parallel import extend_hf_tp_plan
+
+        extend_hf_tp_plan(model, plan)
+
     # -- saving (transformers' save_pretrained calls these two before it writes anything) -------
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         model = self._model_ref() if self._model_ref is not None else None

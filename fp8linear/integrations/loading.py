@@ -298,9 +298,10 @@ def _device_for(name: str, dmap: dict[str, torch.device]) -> torch.device:
 class _Reader:
     """Opens each shard at most once per device and reads single tensors from it."""
 
-    def __init__(self, stack: ExitStack) -> None:
+    def __init__(self, stack: ExitStack, tp_load: Any = None) -> None:
         self._stack = stack
         self._handles: dict[tuple[Path, str], Any] = {}
+        self._tp_load = tp_load  # tensor_parallel.TpLoad: reads this rank's slices only
 
     def read(self, info: TensorInfo, device: torch.device) -> torch.Tensor:
         from safetensors import safe_open
@@ -309,6 +310,8 @@ class _Reader:
         key = (info.file, dev)
         if key not in self._handles:
             self._handles[key] = self._stack.enter_context(safe_open(str(info.file), framework="pt", device=dev))
+        if self._tp_load is not None:
+            return self._tp_load.read(info, self._handles[key])
         return self._handles[key].get_tensor(info.name)
 
 
@@ -442,8 +445,12 @@ def load_fp8_state_(
     fp8_dtype: torch.dtype | None = None,
     ignore_unexpected: Iterable[str] = (),
     dtype: torch.dtype = torch.bfloat16,
+    tp_load: Any = None,
 ) -> None:
-    """Fill every parameter and persistent buffer of a (meta) `model` from the checkpoint, in place."""
+    """Fill every parameter and persistent buffer of a (meta) `model` from the checkpoint, in place.
+
+    `tp_load` (a :class:`~fp8linear.integrations.tensor_parallel.TpLoad`): read only this rank's
+    slices of the tensors it shards."""
     ignore_re = [re.compile(p) for p in ignore_unexpected]
     fp32_names = _fp32_patterns(model, dtype)
     fused_names: dict[str, nn.Module] = {}
@@ -454,7 +461,7 @@ def load_fp8_state_(
         pass
     used: set[str] = set()
     with ExitStack() as stack:
-        reader = _Reader(stack)
+        reader = _Reader(stack, tp_load)
         for name, module in fused_names.items():
             _load_fused_experts(name, module, index, reader, _device_for(name, device_map), fp8_dtype, used)
         for mod_name, module in model.named_modules():
@@ -514,6 +521,7 @@ def from_pretrained(
     backend: str | None = None,
     model_class: Any = None,
     attn_implementation: str | None = None,
+    tp_plan: Any = None,
 ) -> nn.Module:
     """Load an FP8 checkpoint folder into its transformers model class with fp8linear modules.
 
@@ -528,6 +536,9 @@ def from_pretrained(
         backend: force ``"triton"`` or ``"reference"`` in the FP8 modules; default auto.
         model_class: a transformers auto class or model class; default ``AutoModelForCausalLM``.
         attn_implementation: passed to the model constructor (e.g. ``"sdpa"``, ``"eager"``).
+        tp_plan: ``"auto"`` (the model's transformers plan) or a plan dict: tensor parallel over
+            all ranks of the initialised process group (``torchrun``); each rank reads only its
+            slices. Needs ``device_map=None``. See docs/tensor_parallel.md.
 
     Raises ValueError naming the tensor when the checkpoint and config.json disagree, when
     tensors are missing or unused, or when a file listed in the index lies outside `path`.
@@ -567,9 +578,19 @@ def from_pretrained(
     kinds = _replace_fp8_modules(model, index, backend)
     if not kinds:
         raise ValueError(f"{root}: no FP8 tensors found (no '*{SCALE_SUFFIX}'); is this an FP8 checkpoint?")
+    tp_load = None
+    if tp_plan is not None:
+        if device_map is not None:
+            raise ValueError(f"tp_plan and device_map cannot be combined (got device_map={device_map!r}); "
+                             "under tensor parallelism each rank uses its own device")
+        from .tensor_parallel import TpLoad
+
+        tp_load = TpLoad(model, tp_plan)
+        index = tp_load.localize(model, index)
+        device_map = tp_load.device
     dmap = _normalize_device_map(model, device_map, dtype)
     ignore = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-    load_fp8_state_(model, index, dmap, fp8, ignore_unexpected=ignore, dtype=dtype)
+    load_fp8_state_(model, index, dmap, fp8, ignore_unexpected=ignore, dtype=dtype, tp_load=tp_load)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     missing = _missing(model)
@@ -584,6 +605,8 @@ def from_pretrained(
         dispatch_model(model, device_map={k: str(v) for k, v in dmap.items()})
     if getattr(model, "can_generate", lambda: False)() and (root / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    if tp_load is not None:
+        tp_load.finish(model)
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
             module.init_workspace()  # on the device its weight was placed on
