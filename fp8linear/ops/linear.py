@@ -73,12 +73,13 @@ class LinearPlan:
     another layout), and must be made again when they are replaced.
     """
 
-    __slots__ = ("route", "run", "calls")
+    __slots__ = ("route", "run", "calls", "capture_calls")
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, workspace: torch.Tensor | None, capture_route: Route | None = None) -> None:
         self.route = route
         run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, workspace)
+        capture_calls: tuple[KernelCall, ...] = ()
         if capture_route is not None and capture_route != route and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
             capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, workspace)
@@ -87,9 +88,9 @@ class LinearPlan:
             def run(x: torch.Tensor) -> torch.Tensor:
                 return capture_run(x) if is_capturing() else eager_run(x)
 
-            calls = calls + capture_calls
         self.run: Callable[[torch.Tensor], torch.Tensor] = run
-        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches (none: unprepared)
+        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches of the eager route (none: unprepared)
+        self.capture_calls = capture_calls  # those run under CUDA-graph capture, where the route differs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y (..., N) for x (..., K) of the planned shape: the kernels read x through its data
