@@ -1,14 +1,38 @@
-"""Launch configurations for the blockwise FP8 GEMM: a dataclass and the heuristic that picks one."""
+"""Launch configurations for the blockwise FP8 GEMM: a dataclass and the heuristics that pick one.
+
+NVIDIA GPUs use :func:`heuristic_config`; AMD Instinct GPUs (ROCm builds of torch, arch names
+``gfx9xx``) use :func:`amd_heuristic_config`, whose configs carry the AMD compiler options
+(``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``). :func:`launch_options` turns a config into
+the extra launch keywords for the running platform (none on NVIDIA, where Triton rejects them).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import torch
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["SMALL_M_MAX", "GemmConfig", "heuristic_config", "select_config"]
+__all__ = [
+    "SMALL_M_MAX",
+    "AMD_OPTION_FIELDS",
+    "AMD_CU_COUNT",
+    "GemmConfig",
+    "heuristic_config",
+    "amd_heuristic_config",
+    "amd_splitk_options",
+    "is_amd_arch",
+    "hip_arch",
+    "device_arch",
+    "amd_launch_options",
+    "launch_options",
+    "config_for_arch",
+    "select_config",
+]
 
 # GEMMs with at most this many rows may take the split-K kernel (ops/splitk_gemm.py), where its
 # splitk_config asks for a split (long K, few tiles); everything else runs the tiled kernel
@@ -25,6 +49,11 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    # AMD (HIP backend) compiler options; the defaults are Triton's (the compiler chooses) and
+    # are never passed on NVIDIA (see launch_options).
+    waves_per_eu: int = 0
+    matrix_instr_nonkdim: int = 0
+    kpack: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -37,6 +66,56 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1 or self.group_m < 1:
             raise ValueError(f"num_stages and group_m must be >= 1, got {self.num_stages}, {self.group_m}")
+        _check_amd_options(self.waves_per_eu, self.matrix_instr_nonkdim, self.kpack, "GemmConfig")
+
+    def amd_options(self) -> dict[str, int]:
+        """The AMD compiler options of this config (launch keywords on ROCm)."""
+        return {f: getattr(self, f) for f in AMD_OPTION_FIELDS}
+
+
+# Field names of the AMD compiler options (HIPOptions) a config may carry.
+AMD_OPTION_FIELDS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+# Compute units per arch, for tile-count decisions when no device is at hand (MI300X / MI325X
+# have 304 CUs; MI355X, gfx950, 256).
+AMD_CU_COUNT = {"gfx942": 304, "gfx950": 256}
+_DEFAULT_CU_COUNT = 304
+
+
+def _check_amd_options(waves_per_eu: int, nonkdim: int, kpack: int, owner: str) -> None:
+    if not 0 <= waves_per_eu <= 8:
+        raise ValueError(f"{owner}.waves_per_eu must be in [0, 8] (0: compiler's choice), got {waves_per_eu}")
+    if nonkdim not in (0, 16, 32):
+        raise ValueError(f"{owner}.matrix_instr_nonkdim must be 0, 16 or 32, got {nonkdim}")
+    if kpack not in (1, 2):
+        raise ValueError(f"{owner}.kpack must be 1 or 2, got {kpack}")
+
+
+def is_amd_arch(arch: str | None) -> bool:
+    """Whether a device/arch name is an AMD GPU arch ('gfx942', 'gfx950', ...), as tables are keyed on ROCm."""
+    return isinstance(arch, str) and arch.startswith("gfx") and arch[3:4].isdigit()
+
+
+def hip_arch(gcn_arch_name: str) -> str:
+    """'gfx942:sramecc+:xnack-' (torch's gcnArchName) -> 'gfx942'."""
+    arch = gcn_arch_name.split(":", 1)[0].strip()
+    if not is_amd_arch(arch):
+        raise ValueError(f"not an AMD GPU arch name: {gcn_arch_name!r}")
+    return arch
+
+
+@lru_cache(maxsize=16)
+def _device_arch(index: int) -> str:
+    return hip_arch(torch.cuda.get_device_properties(index).gcnArchName)
+
+
+def device_arch(device: torch.device | None = None) -> str | None:
+    """The AMD arch ('gfx942') of a ROCm device, None on NVIDIA, CPU or without a GPU."""
+    if torch.version.hip is None or not torch.cuda.is_available():
+        return None
+    if device is not None and device.type != "cuda":
+        return None
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _device_arch(index)
 
 
 def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
@@ -54,12 +133,112 @@ def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
 
-def select_config(device: torch.device, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
-    """Tuned table entry for this GPU and shape if there is one, else the heuristic (never tunes here)."""
-    if device.type == "cuda":
-        from ..tuning import device_name, lookup_config
+# AMD (gfx942) options per tile (block_m, block_n) at block_k=128 and num_stages=2, from the
+# `fp8linear amd-check` compile report of the tiled kernel (docs/amd.md): for each tile the
+# option set with no VGPR/SGPR spill and no scratch, preferring 16x16x32 MFMAs (nonkdim 16) and
+# kpack 2. (num_warps, waves_per_eu, matrix_instr_nonkdim, kpack). Compile-time facts only; the
+# speed of these choices is unmeasured on hardware.
+AMD_TILE_OPTIONS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (16, 32): (4, 0, 16, 2),  # 102 VGPRs, occupancy 4
+    (16, 64): (4, 0, 16, 2),  # 142 VGPRs, occupancy 3
+    (32, 32): (4, 0, 16, 2),  # 116 VGPRs, occupancy 4
+    (32, 64): (4, 2, 16, 2),  # 174 VGPRs (waves_per_eu 0: 26 SGPR spills)
+    (64, 32): (4, 2, 16, 2),  # 172 VGPRs (waves_per_eu 0: 23 SGPR spills)
+    (64, 64): (4, 2, 16, 2),  # 228 VGPRs (waves_per_eu 0: 56 SGPR spills)
+    (64, 128): (8, 2, 16, 2),  # 184 VGPRs (4 warps: 132 SGPR spills or occupancy 1)
+    (128, 64): (8, 2, 16, 2),  # 178 VGPRs
+    (128, 128): (8, 2, 16, 1),  # 256 VGPRs, occupancy 2 (kpack 2: 1 VGPR spill; nonkdim 32: 36)
+}
 
-        cfg = lookup_config(device_name(device), m, n, k, granularity)
-        if cfg is not None:
-            return cfg
+
+def amd_gemm_config(block_m: int, block_n: int, group_m: int = 8) -> GemmConfig:
+    """The spill-free AMD config of a tile (AMD_TILE_OPTIONS), block_k 128, 2 stages."""
+    if (block_m, block_n) not in AMD_TILE_OPTIONS:
+        raise ValueError(f"no AMD options for a {block_m}x{block_n} tile; known: {sorted(AMD_TILE_OPTIONS)}")
+    warps, wpe, nonkdim, kpack = AMD_TILE_OPTIONS[block_m, block_n]
+    return GemmConfig(block_m=block_m, block_n=block_n, block_k=GROUP_SIZE, group_m=group_m, num_warps=warps,
+                      num_stages=2, waves_per_eu=wpe, matrix_instr_nonkdim=nonkdim, kpack=kpack)
+
+
+# Prefill tiles from largest to smallest: the first giving at least one tile per CU is used.
+_AMD_PREFILL_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))
+
+
+def amd_heuristic_config(m: int, n: int, k: int, arch: str = "gfx942") -> GemmConfig:
+    """A config for AMD Instinct GPUs without tuning; unmeasured on hardware (docs/amd.md).
+
+    Priors: vLLM's MI300X block-FP8 tunings ("N=..,K=..,device_name=AMD_Instinct_MI300X,
+    dtype=fp8_w8a8,block_shape=[128,128].json": 32x32 tiles, 4 warps, nonkdim 16 at decode;
+    64x64 to 64x128 with GROUP_SIZE_M 32 at prefill), mapped to this kernel's spill-free
+    options (AMD_TILE_OPTIONS). Decode (M <= 64): 32x32 tiles (16x32 up to M=16). Few rows or short K: 64x64.
+    Prefill: the largest tile of 128x128 (8 warps, occupancy 2), 64x128, 64x64, 32x64 that
+    still gives every CU a tile.
+    """
+    if m <= SMALL_M_MAX:
+        return amd_gemm_config(16 if m <= 16 else 32, 32)
+    if m <= 256 or k <= 256:
+        return amd_gemm_config(64, 64)
+    cus = AMD_CU_COUNT.get(arch, _DEFAULT_CU_COUNT)
+    for bm, bn in _AMD_PREFILL_TILES:
+        if -(-m // bm) * -(-n // bn) >= cus:
+            return amd_gemm_config(bm, bn, group_m=32)
+    return amd_gemm_config(*_AMD_PREFILL_TILES[-1], group_m=32)
+
+
+def amd_splitk_options(block_m: int, block_n: int, num_warps: int) -> dict[str, int]:
+    """AMD options of a split-K tile (the split-K kernel's per-step work is the tiled kernel's at
+    block_k 128): the tile's AMD_TILE_OPTIONS when its warp count matches, else nonkdim 16 only."""
+    warps, wpe, nonkdim, kpack = AMD_TILE_OPTIONS.get((block_m, block_n), (num_warps, 0, 16, 1))
+    if warps != num_warps:
+        wpe, kpack = 0, 1
+    return {"waves_per_eu": wpe, "matrix_instr_nonkdim": nonkdim, "kpack": kpack}
+
+
+def amd_launch_options(config: Any, arch: str = "gfx942") -> dict[str, int]:
+    """AMD compiler options for launching `config` (GemmConfig or any config with block_m/block_n/
+    num_warps) on `arch`. Configs without AMD fields (split-K) get amd_splitk_options; kpack is
+    1 on gfx950 (Triton deprecates it there)."""
+    if isinstance(config, GemmConfig):
+        opts = config.amd_options()
+    elif hasattr(config, "block_m") and hasattr(config, "block_n"):
+        opts = amd_splitk_options(config.block_m, config.block_n, config.num_warps)
+    else:
+        return {}
+    if not arch.startswith("gfx94"):
+        opts["kpack"] = 1
+    return opts
+
+
+def launch_options(config: Any, hip: bool | None = None) -> dict[str, int]:
+    """Extra launch keywords for a kernel launched with `config`: the AMD options on ROCm, {} on
+    NVIDIA (Triton's CUDA backend rejects unknown options) and in the CPU interpreter.
+    `hip`: override the platform test (torch.version.hip), for tests."""
+    if hip is None:  # NVIDIA pays one attribute test per launch
+        hip = torch.version.hip is not None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    if not hip:
+        return {}
+    arch = device_arch() or "gfx942"
+    return amd_launch_options(config, arch)
+
+
+def config_for_arch(arch: str, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
+    """The config the dispatch picks for a GPU whose tables are keyed `arch` (a device name on
+    NVIDIA, an arch such as 'gfx942' on AMD): its table entry, else the matching heuristic."""
+    from ..tuning import lookup_config
+
+    cfg = lookup_config(arch, m, n, k, granularity)
+    if cfg is not None:
+        return cfg
+    return amd_heuristic_config(m, n, k, arch) if is_amd_arch(arch) else heuristic_config(m, n, k)
+
+
+def select_config(device: torch.device, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
+    """Tuned table entry for this GPU and shape if there is one, else the heuristic (never tunes here).
+
+    On ROCm the table is the arch's (``fp8linear/configs/gfx942.json``) and the heuristic
+    :func:`amd_heuristic_config`."""
+    if device.type == "cuda":
+        from ..tuning import device_name
+
+        return config_for_arch(device_name(device), m, n, k, granularity)
     return heuristic_config(m, n, k)

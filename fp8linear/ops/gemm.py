@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX, GemmConfig, select_config
+from .configs import SMALL_M_MAX, GemmConfig, launch_options, select_config
 from .cublas_gemm import cublas_fp8_gemm, use_cublas_prequantized
 from .gemm_common import promote, store_tile, weight_scale_ptrs
 from .pdl import pdl_launch, use_pdl, wait_for_producer
@@ -216,6 +216,6 @@ def block_fp8_gemm(
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **launch_options(cfg),
     )
     return y

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import GemmConfig
+from .configs import GemmConfig, launch_options
 from .gemm_common import promote, weight_scale_ptrs
 
 __all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeRouting", "align_num_blocks", "grouped_config", "moe_align_block_size", "grouped_fp8_gemm"]
@@ -320,6 +320,6 @@ def grouped_fp8_gemm(
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(cfg),
     )
     return c

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX
+from .configs import SMALL_M_MAX, launch_options
 from .gemm_common import promote, store_tile, weight_scale_ptrs
 from .pdl import pdl_launch, use_pdl, wait_for_producer
 
@@ -212,6 +212,6 @@ def splitk_fp8_gemm(
         x.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **launch_options(cfg),
     )
     return y
