@@ -1,8 +1,8 @@
 """`fp8linear amd-check`: compile every Triton kernel the AMD dispatch can launch for an AMD GPU,
 without one, and check the machine code.
 
-How: the real launchers (:mod:`fp8linear.ops`) are called on CPU tensors of the real shapes
-(``torch.empty``: nothing is touched) with the dispatch steered as on ROCm for `arch` (the arch's
+How: the real launchers (:mod:`fp8linear.ops`) are called on tensors of the real shapes on
+PyTorch's ``meta`` device (no memory) with the dispatch steered as on ROCm for `arch` (the arch's
 table and :func:`~fp8linear.ops.configs.amd_heuristic_config`, the AMD launch options, the CU count
 for split-K, no PDL, no persistent TMA kernel). Each kernel launch is recorded instead of run; every
 distinct launch (kernel, specialization, options) is then compiled with ``triton.compile`` for
@@ -80,6 +80,8 @@ QUICK_MS = (1, 4, 16, 64, 1024, 4096)
 # MoE layers: DeepSeek-V3 routed experts as one GPU of expert parallelism 8 holds them (32 of
 # the 256 experts, top-8; gate/up N=4096, K=7168; down N=7168, K=2048), at these token counts.
 MOE_EXPERTS, MOE_TOP_K = 32, 8
+# Also the whole expert stack on one GPU (256 experts: 7.5 GB for gate/up, no buffer loads).
+MOE_ALL_EXPERTS = 256
 MOE_SHAPES = ((4096, 7168), (7168, 2048))
 MOE_TOKENS = (1, 16, 64, 512, 4096)
 QUICK_MOE_TOKENS = (1, 64, 4096)
@@ -137,6 +139,10 @@ def loop_mfma(asm: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- launches
+def _meta(shape: Sequence[int] | tuple = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor with shape and dtype only: real sizes (the 2 GiB buffer-load test), no memory."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
 @dataclass
 class Launch:
     """One recorded kernel launch: the kernel, its arguments, and where the dispatch chose it."""
@@ -191,9 +197,7 @@ def record_launches(arch: str) -> Iterator[list[Launch]]:
     patches: list[tuple[Any, str, Any]] = [
         (gemm, "select_config", lambda device, m, n, k, granularity="block": cfg_mod.config_for_arch(
             arch, m, n, k, granularity)),
-        (gemm, "launch_options", lambda config: cfg_mod.amd_launch_options(config, arch)),
-        (splitk_gemm, "launch_options", lambda config: cfg_mod.amd_launch_options(config, arch)),
-        (grouped_gemm, "launch_options", lambda config: cfg_mod.amd_launch_options(config, arch)),
+        (cfg_mod, "device_arch", lambda device=None: arch),  # launch options, split-K, MoE configs
         (splitk_gemm, "sm_count", lambda device: cus),
         (gemm, "sm_count", lambda device: cus),
         (torch.version, "hip", "amd-check"),  # ROCm as far as the dispatch can tell (no TMA, no PDL)
@@ -222,13 +226,13 @@ def _dense_launches(arch: str, shapes: Sequence[tuple[int, int]], ms: Sequence[i
     with record_launches(arch) as launches:
         for n, k in shapes:
             g_n, g_k = -(-n // GROUP_SIZE), -(-k // GROUP_SIZE)
-            w_q = torch.empty((n, k), dtype=fp8)
+            w_q = _meta((n, k), fp8)
             for gran in granularities:
-                w_s = {"block": torch.empty((g_n, g_k)), "row": torch.empty((n, g_k)),
-                       "tensor": torch.empty(())}[gran]
+                w_s = {"block": _meta((g_n, g_k)), "row": _meta((n, g_k)),
+                       "tensor": _meta(())}[gran]
                 for m in ms:
                     launches.where["label"] = f"{gran} N={n} K={k} M={m}"
-                    x = torch.empty((m, k), dtype=torch.bfloat16)
+                    x = _meta((m, k), torch.bfloat16)
                     if use_fused_gemv(m, n, k):
                         fused_fp8_gemv(x, w_q, w_s, gran)
                         continue
@@ -253,42 +257,43 @@ def _table_launches(arch: str, fp8: torch.dtype) -> list[Launch]:
         for key, buckets in table.shapes.items():
             n, k, gran = _parse_shape_key(key)
             g_n, g_k = -(-n // GROUP_SIZE), -(-k // GROUP_SIZE)
-            w_q = torch.empty((n, k), dtype=fp8)
-            w_s = {"block": torch.empty((g_n, g_k)), "row": torch.empty((n, g_k)), "tensor": torch.empty(())}[gran]
+            w_q = _meta((n, k), fp8)
+            w_s = {"block": _meta((g_n, g_k)), "row": _meta((n, g_k)), "tensor": _meta(())}[gran]
             for bucket in buckets:
                 cfg = table.get(n, k, bucket, gran)
                 launches.where["label"] = f"table {key} M={bucket}"
-                x_q = torch.empty((bucket, k), dtype=fp8)
-                x_s = torch.empty((bucket, g_k))
+                x_q = _meta((bucket, k), fp8)
+                x_s = _meta((bucket, g_k))
                 block_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, config=cfg)
     return list(launches)
 
 
-def _moe_launches(arch: str, tokens: Sequence[int], granularities: Sequence[str], fp8: torch.dtype) -> list[Launch]:
+def _moe_launches(arch: str, tokens: Sequence[int], granularities: Sequence[str], fp8: torch.dtype,
+                  experts: Sequence[int] = (MOE_EXPERTS,)) -> list[Launch]:
     from .formats import GROUP_SIZE
     from .ops.grouped_gemm import grouped_config, grouped_fp8_gemm, moe_align_block_size
     from .ops.quant import act_quant
 
-    e, top_k = MOE_EXPERTS, MOE_TOP_K
+    top_k = MOE_TOP_K
     with record_launches(arch) as launches:
-        for n, k in MOE_SHAPES:
+        for e, (n, k) in ((e, s) for e in experts for s in MOE_SHAPES):
             g_n, g_k = -(-n // GROUP_SIZE), -(-k // GROUP_SIZE)
-            w_q = torch.empty((e, n, k), dtype=fp8)
+            w_q = _meta((e, n, k), fp8)
             for gran in granularities:
-                w_s = {"block": torch.empty((e, g_n, g_k)), "row": torch.empty((e, n, g_k)),
-                       "tensor": torch.empty((e,))}[gran]
+                w_s = {"block": _meta((e, g_n, g_k)), "row": _meta((e, n, g_k)),
+                       "tensor": _meta((e,))}[gran]
                 for t in tokens:
-                    launches.where["label"] = f"moe {gran} N={n} K={k} T={t}"
+                    launches.where["label"] = f"moe E={e} {gran} N={n} K={k} T={t}"
                     pairs = t * top_k
                     block_m = grouped_config(pairs, e, n, k).block_m
-                    idx = torch.zeros((t, top_k), dtype=torch.int32)
+                    idx = _meta((t, top_k), torch.int32)
                     routing = moe_align_block_size(idx, e, block_m)
                     down = n != MOE_SHAPES[0][0]
                     a_rows = pairs if down else t
-                    a_q, a_s = act_quant(torch.empty((a_rows, k), dtype=torch.bfloat16), fp8)
+                    a_q, a_s = act_quant(_meta((a_rows, k), torch.bfloat16), fp8)
                     grouped_fp8_gemm(a_q, a_s, w_q, w_s, routing.sorted_pair_ids, routing.block_expert, pairs,
                                      1 if down else top_k, gran, torch.bfloat16,
-                                     topk_weights=torch.empty((pairs,)) if down else None)
+                                     topk_weights=_meta((pairs,)) if down else None)
     return list(launches)
 
 
@@ -319,15 +324,32 @@ class KernelReport:
 _OPTION_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
 
 
-# Size arguments whose divisibility by 16 (a specialization) the report names.
+# Size arguments shown as NAME=value when specialized to a constant (1).
 _SIZE_ARGS = ("M", "M_IN", "N", "K", "num_pairs")
 
 
+_ABBREV = {"WS_GROUP_N": "wsg", "W_SCALE_UNIFORM": "uni", "HAS_BIAS": "bias", "GROUP_M": "g", "SCALE_GROUP_K": "sgk",
+           "MIN_EXP": "minexp", "RELEASE_EARLY": "rel", "MUL_ROUTED_WEIGHT": "mulw", "A_ROW_DIV": "rowdiv",
+           "GROUPS_PER_STEP": "gps", "NUM_BINS": "bins", "CHUNK": "chunk", "SPLIT": "split"}
+_OPTION_ABBREV = {"num_warps": "w", "num_stages": "s", "waves_per_eu": "wpe", "matrix_instr_nonkdim": "nk",
+                  "kpack": "kp"}
+
+
 def _config_label(launch: Launch, constexprs: dict[str, Any], aligned: Sequence[str] = ()) -> str:
-    keep = {k: v for k, v in constexprs.items() if k not in ("USE_PDL", "GROUP") and not k.startswith("stride")}
-    opts = {k: launch.kwargs[k] for k in _OPTION_KEYS if k in launch.kwargs}
-    short = {"num_warps": "w", "num_stages": "s", "waves_per_eu": "wpe", "matrix_instr_nonkdim": "nk", "kpack": "kp"}
-    parts = [f"{k}={v}" for k, v in keep.items()] + [f"{short[k]}{v}" for k, v in opts.items()]
+    """'64x128x128 w4 s2 wpe0 nk16 kp2 g32 uni1 ...': tile, options, other constants, then size
+    arguments specialized as 1 ('M=1') and the integer arguments divisible by 16 ('16|N,K')."""
+    c = dict(constexprs)
+    parts = []
+    if "BLOCK_M" in c and "BLOCK_N" in c:
+        parts.append("x".join(str(c.pop(k)) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in c))
+    elif "BLOCK_M" in c or "BLOCK_N" in c:
+        parts.append(f"{'BM' if 'BLOCK_M' in c else 'BN'}={c.pop('BLOCK_M', c.pop('BLOCK_N', None))}")
+    parts += [f"{_OPTION_ABBREV[k]}{launch.kwargs[k]}" for k in _OPTION_KEYS if k in launch.kwargs]
+    for k, v in c.items():
+        if k in ("USE_PDL", "GROUP") or k.startswith("stride"):
+            continue
+        v = int(v) if isinstance(v, bool) else v
+        parts.append(f"{k}={v}" if k in _SIZE_ARGS or k not in _ABBREV else f"{_ABBREV[k]}{v}")
     if aligned:
         parts.append("16|" + ",".join(aligned))
     return " ".join(parts)
@@ -384,7 +406,7 @@ def make_job(launch: Launch, arch: str) -> CompileJob:
     options, signature, constexprs, attrs, named = _specialize(launch, arch)
     names = launch.kernel.arg_names
     aligned = [names[p[0]] for p, a in attrs.items()
-               if names[p[0]] in _SIZE_ARGS and any(x[0] == "tt.divisibility" for x in a)]
+               if not str(signature.get(names[p[0]], "*")).startswith("*") and any(x[0] == "tt.divisibility" for x in a)]
     return CompileJob(launch.kernel.fn.__module__, launch.name, signature, constexprs, attrs, dict(options.__dict__),
                       arch, _config_label(launch, named, aligned))
 
@@ -463,7 +485,8 @@ def collect(arch: str, quick: bool = False) -> list[tuple[Launch, list[str]]]:
     grans = ("block",) if quick else ("block", "row", "tensor")
     launches = _dense_launches(arch, shapes, QUICK_MS if quick else GRID_MS, grans, fp8)
     launches += _table_launches(arch, fp8)
-    launches += _moe_launches(arch, QUICK_MOE_TOKENS if quick else MOE_TOKENS, grans, fp8)
+    launches += _moe_launches(arch, QUICK_MOE_TOKENS if quick else MOE_TOKENS, grans, fp8,
+                              (MOE_EXPERTS,) if quick else (MOE_EXPERTS, MOE_ALL_EXPERTS))
     seen: dict[tuple, tuple[Launch, list[str]]] = {}
     for launch in launches:
         key = launch_key(launch, arch)
@@ -485,12 +508,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _print_table(reports: Sequence[KernelReport], out: Any) -> None:
-    head = f"{'kernel':26s} {'config':86s} {'vgpr':>4s} {'agpr':>4s} {'sgpr':>4s} {'vsp':>3s} {'ssp':>3s} " \
+    head = f"{'kernel':26s} {'config':70s} {'vgpr':>4s} {'agpr':>4s} {'sgpr':>4s} {'vsp':>3s} {'ssp':>3s} " \
            f"{'scr':>4s} {'lds':>6s} {'occ':>3s}  mfma"
     print(head, file=out)
     for r in reports:
         flag = "  <-- " + "; ".join(r.problems) if r.problems else ""
-        print(f"{r.kernel:26s} {r.config[:86]:86s} {r.vgpr:4d} {r.agpr:4d} {r.sgpr:4d} {r.vgpr_spill:3d} "
+        print(f"{r.kernel:26s} {r.config[:70]:70s} {r.vgpr:4d} {r.agpr:4d} {r.sgpr:4d} {r.vgpr_spill:3d} "
               f"{r.sgpr_spill:3d} {r.scratch:4d} {r.lds:6d} {r.occupancy:3d}  {r.mfma or '-'}{flag}", file=out)
 
 

@@ -24,7 +24,12 @@ __all__ = [
     "GemmConfig",
     "heuristic_config",
     "amd_heuristic_config",
+    "amd_gemm_config",
+    "amd_grouped_config",
+    "amd_grouped_config_here",
     "amd_splitk_options",
+    "splitk_num_stages",
+    "moe_align_num_warps",
     "is_amd_arch",
     "hip_arch",
     "device_arch",
@@ -133,26 +138,31 @@ def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
 
-# AMD (gfx942) options per tile (block_m, block_n) at block_k=128 and num_stages=2, from the
-# `fp8linear amd-check` compile report of the tiled kernel (docs/amd.md): for each tile the
-# option set with no VGPR/SGPR spill and no scratch, preferring 16x16x32 MFMAs (nonkdim 16) and
-# kpack 2. (num_warps, waves_per_eu, matrix_instr_nonkdim, kpack). Compile-time facts only; the
-# speed of these choices is unmeasured on hardware.
+# AMD (gfx942) options per tile (block_m, block_n), at block_k=128 and num_stages=2:
+# (num_warps, waves_per_eu, matrix_instr_nonkdim, kpack). Chosen from the `fp8linear amd-check`
+# compile report of the tiled kernel with the specialization real launches get (16-byte aligned
+# operands under 2 GiB: buffer loads; docs/amd.md): no VGPR/SGPR spill and no scratch for block,
+# row and per-tensor scales, 16x16x32 FP8 MFMAs and kpack 1 (nonkdim 16 and kpack 1 in every entry
+# of vLLM's MI300X tunings; kpack 2 compiles clean too and is left to `fp8linear tune`).
+# waves_per_eu stays 0 (the compiler's choice): pinning it to the
+# occupancy reached made 128x128 spill 9 VGPRs (waves_per_eu 4). Occupancy in waves per SIMD
+# (block scales), LDS-bound where LDS is named. Compile-time facts; speed unmeasured on hardware.
 AMD_TILE_OPTIONS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (16, 32): (4, 0, 16, 2),  # 102 VGPRs, occupancy 4
-    (16, 64): (4, 0, 16, 2),  # 142 VGPRs, occupancy 3
-    (32, 32): (4, 0, 16, 2),  # 116 VGPRs, occupancy 4
-    (32, 64): (4, 2, 16, 2),  # 174 VGPRs (waves_per_eu 0: 26 SGPR spills)
-    (64, 32): (4, 2, 16, 2),  # 172 VGPRs (waves_per_eu 0: 23 SGPR spills)
-    (64, 64): (4, 2, 16, 2),  # 228 VGPRs (waves_per_eu 0: 56 SGPR spills)
-    (64, 128): (8, 2, 16, 2),  # 184 VGPRs (4 warps: 132 SGPR spills or occupancy 1)
-    (128, 64): (8, 2, 16, 2),  # 178 VGPRs
-    (128, 128): (8, 2, 16, 1),  # 256 VGPRs, occupancy 2 (kpack 2: 1 VGPR spill; nonkdim 32: 36)
+    (16, 32): (4, 0, 16, 1),  # 64 VGPRs, occupancy 8
+    (16, 64): (4, 0, 16, 1),  # 56 VGPRs, occupancy 6 (LDS)
+    (32, 32): (4, 0, 16, 1),  # 54 VGPRs, occupancy 8
+    (32, 64): (4, 0, 16, 1),  # 74 VGPRs, occupancy 5 (LDS)
+    (64, 16): (4, 0, 16, 1),
+    (64, 32): (4, 0, 16, 1),  # 76 VGPRs, occupancy 5 (LDS)
+    (64, 64): (4, 0, 16, 1),  # 80 VGPRs, occupancy 4 (LDS)
+    (64, 128): (4, 0, 16, 1),  # 124 VGPRs, occupancy 2 (LDS)
+    (128, 64): (8, 0, 16, 1),  # 92 VGPRs, occupancy 4 (LDS)
+    (128, 128): (8, 0, 16, 1),  # 124 VGPRs, occupancy 4 (4 warps: 256 VGPRs, occupancy 2)
 }
 
 
 def amd_gemm_config(block_m: int, block_n: int, group_m: int = 8) -> GemmConfig:
-    """The spill-free AMD config of a tile (AMD_TILE_OPTIONS), block_k 128, 2 stages."""
+    """The AMD config of a tile (AMD_TILE_OPTIONS): block_k 128, 2 stages."""
     if (block_m, block_n) not in AMD_TILE_OPTIONS:
         raise ValueError(f"no AMD options for a {block_m}x{block_n} tile; known: {sorted(AMD_TILE_OPTIONS)}")
     warps, wpe, nonkdim, kpack = AMD_TILE_OPTIONS[block_m, block_n]
@@ -160,23 +170,27 @@ def amd_gemm_config(block_m: int, block_n: int, group_m: int = 8) -> GemmConfig:
                       num_stages=2, waves_per_eu=wpe, matrix_instr_nonkdim=nonkdim, kpack=kpack)
 
 
-# Prefill tiles from largest to smallest: the first giving at least one tile per CU is used.
-_AMD_PREFILL_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))
+# Rows up to which AMD decode-sized GEMMs use 32x32 tiles, and up to which 64x64.
+AMD_DECODE_MAX_M = 128
+AMD_MID_MAX_M = 1024
+# Prefill tiles from largest to smallest: the first giving every CU a tile is used.
+_AMD_PREFILL_TILES = ((64, 128), (64, 64), (64, 32), (32, 32))
 
 
 def amd_heuristic_config(m: int, n: int, k: int, arch: str = "gfx942") -> GemmConfig:
     """A config for AMD Instinct GPUs without tuning; unmeasured on hardware (docs/amd.md).
 
-    Priors: vLLM's MI300X block-FP8 tunings ("N=..,K=..,device_name=AMD_Instinct_MI300X,
-    dtype=fp8_w8a8,block_shape=[128,128].json": 32x32 tiles, 4 warps, nonkdim 16 at decode;
-    64x64 to 64x128 with GROUP_SIZE_M 32 at prefill), mapped to this kernel's spill-free
-    options (AMD_TILE_OPTIONS). Decode (M <= 64): 32x32 tiles (16x32 up to M=16). Few rows or short K: 64x64.
-    Prefill: the largest tile of 128x128 (8 warps, occupancy 2), 64x128, 64x64, 32x64 that
-    still gives every CU a tile.
+    The tiles follow vLLM's MI300X block-FP8 tunings (files "N=..,K=..,device_name=
+    AMD_Instinct_MI300X,dtype=fp8_w8a8,block_shape=[128,128].json" for N,K = 1536,7168; 576,7168;
+    32768,512; 7168,16384; 7168,18432; 7168,2048: 4 warps and nonkdim 16 throughout; 32x32 tiles
+    up to M=128-256; 64x64 for M=256-1536; 64x128, GROUP_SIZE_M 32, at M=2048-4096; small N
+    64x32 or 64x64), a kernel of the same structure as ours (one scaled dot per 128-wide K group).
+    Options per tile: AMD_TILE_OPTIONS. Decode (M <= 128): 32x32. Up to M=1024 or K <= 256:
+    64x64. Above: the largest of 64x128, 64x64, 64x32, 32x32 that still gives every CU a tile.
     """
-    if m <= SMALL_M_MAX:
-        return amd_gemm_config(16 if m <= 16 else 32, 32)
-    if m <= 256 or k <= 256:
+    if m <= AMD_DECODE_MAX_M:
+        return amd_gemm_config(32, 32)
+    if m <= AMD_MID_MAX_M or k <= 256:
         return amd_gemm_config(64, 64)
     cus = AMD_CU_COUNT.get(arch, _DEFAULT_CU_COUNT)
     for bm, bn in _AMD_PREFILL_TILES:
@@ -185,9 +199,20 @@ def amd_heuristic_config(m: int, n: int, k: int, arch: str = "gfx942") -> GemmCo
     return amd_gemm_config(*_AMD_PREFILL_TILES[-1], group_m=32)
 
 
+def amd_grouped_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """Grouped MoE GEMM tiles on AMD from the rows per expert, as grouped_config does on NVIDIA,
+    with AMD options and 2 stages (NVIDIA's 128x128 / 4 stages needs 96 KiB of LDS; a CU has 64)."""
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        return amd_gemm_config(16, 64, group_m=1)
+    if rows_per_expert <= 384:
+        return amd_gemm_config(64, 128, group_m=4)
+    return amd_gemm_config(128, 128, group_m=8)
+
+
 def amd_splitk_options(block_m: int, block_n: int, num_warps: int) -> dict[str, int]:
-    """AMD options of a split-K tile (the split-K kernel's per-step work is the tiled kernel's at
-    block_k 128): the tile's AMD_TILE_OPTIONS when its warp count matches, else nonkdim 16 only."""
+    """AMD options of a split-K tile (its K step is the tiled kernel's at block_k 128): the tile's
+    AMD_TILE_OPTIONS where its warp count matches, else nonkdim 16 alone."""
     warps, wpe, nonkdim, kpack = AMD_TILE_OPTIONS.get((block_m, block_n), (num_warps, 0, 16, 1))
     if warps != num_warps:
         wpe, kpack = 0, 1
@@ -195,12 +220,11 @@ def amd_splitk_options(block_m: int, block_n: int, num_warps: int) -> dict[str, 
 
 
 def amd_launch_options(config: Any, arch: str = "gfx942") -> dict[str, int]:
-    """AMD compiler options for launching `config` (GemmConfig or any config with block_m/block_n/
-    num_warps) on `arch`. Configs without AMD fields (split-K) get amd_splitk_options; kpack is
-    1 on gfx950 (Triton deprecates it there)."""
+    """AMD compiler options for launching `config` on `arch`: a GemmConfig's own, split-K tiles'
+    from amd_splitk_options; kpack is 1 off gfx94x (Triton deprecates it on gfx950)."""
     if isinstance(config, GemmConfig):
         opts = config.amd_options()
-    elif hasattr(config, "block_m") and hasattr(config, "block_n"):
+    elif all(hasattr(config, a) for a in ("block_m", "block_n", "num_warps")):
         opts = amd_splitk_options(config.block_m, config.block_n, config.num_warps)
     else:
         return {}
@@ -209,16 +233,33 @@ def amd_launch_options(config: Any, arch: str = "gfx942") -> dict[str, int]:
     return opts
 
 
-def launch_options(config: Any, hip: bool | None = None) -> dict[str, int]:
-    """Extra launch keywords for a kernel launched with `config`: the AMD options on ROCm, {} on
-    NVIDIA (Triton's CUDA backend rejects unknown options) and in the CPU interpreter.
-    `hip`: override the platform test (torch.version.hip), for tests."""
-    if hip is None:  # NVIDIA pays one attribute test per launch
-        hip = torch.version.hip is not None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    if not hip:
-        return {}
-    arch = device_arch() or "gfx942"
-    return amd_launch_options(config, arch)
+_DETECT = "detect"
+
+
+def launch_options(config: Any, arch: str | None = _DETECT) -> dict[str, int]:
+    """Extra launch keywords for a kernel launched with `config`: the AMD options on a ROCm device,
+    {} on NVIDIA (Triton's CUDA backend rejects unknown options). `arch`: the AMD arch, or None for
+    not AMD; by default the current device's (:func:`device_arch`)."""
+    if arch == _DETECT:
+        arch = device_arch()
+    return {} if arch is None else amd_launch_options(config, arch)
+
+
+def amd_grouped_config_here(num_pairs: int, num_experts: int) -> GemmConfig | None:
+    """amd_grouped_config on a ROCm device, None elsewhere (grouped_config's NVIDIA rules apply)."""
+    return None if device_arch() is None else amd_grouped_config(num_pairs, num_experts)
+
+
+def splitk_num_stages(default: int, device: torch.device | None = None) -> int:
+    """Pipeline depth of the split-K kernel: 2 on AMD (the stream pipeliner's usual depth; at 4,
+    64x32 tiles take 36 KiB of LDS and one workgroup per SIMD), `default` elsewhere."""
+    return default if device_arch(device) is None else 2
+
+
+def moe_align_num_warps() -> int:
+    """Warps of the one-program MoE alignment kernel: 8 on AMD (with 4 it spills 23 SGPRs on
+    gfx942), 4 elsewhere."""
+    return 4 if device_arch() is None else 8
 
 
 def config_for_arch(arch: str, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX, launch_options
+from .configs import SMALL_M_MAX, launch_options, splitk_num_stages
 from .gemm_common import promote, store_tile, weight_scale_ptrs
 from .pdl import pdl_launch, use_pdl, wait_for_producer
 
@@ -148,7 +148,7 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     if split < 2:
         return None
     split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
-    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split)
+    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split, num_stages=splitk_num_stages(4, device))
 
 
 def splitk_workspace(n: int, device: torch.device | str) -> torch.Tensor:
