@@ -21,7 +21,8 @@ The grid: the benchmark's shapes (``fp8linear bench``: DeepSeek-V3 and others) x
 (fused GEMV for single tokens where it is chosen, else activation quantization then the GEMM,
 split-K or tiled); every entry of the arch's shipped table; and MoE layers (alignment kernel,
 activation quantization, grouped GEMM) at several token counts. ``--quick`` takes a subset
-(one granularity, fewer shapes) for CI.
+(block scales, the benchmark's 5 quick shapes and their table entries, fewer M values and MoE
+sizes) for the test suite.
 
 Exit status 1 if any compiled kernel spills VGPRs or SGPRs, uses scratch, needs more LDS than a CU
 has, or is a GEMM whose loops hold no FP8 MFMA; 2 on bad arguments or a Triton without the HIP
@@ -241,8 +242,8 @@ def _dense_launches(arch: str, shapes: Sequence[tuple[int, int]], ms: Sequence[i
     return list(launches)
 
 
-def _table_launches(arch: str, fp8: torch.dtype) -> list[Launch]:
-    """Every entry of the arch's shipped table, at its shape and M bucket."""
+def _table_launches(arch: str, fp8: torch.dtype, shapes: Sequence[tuple[int, int]] | None = None) -> list[Launch]:
+    """Every entry of the arch's shipped table (of `shapes` only, if given), at its shape and M bucket."""
     from .formats import GROUP_SIZE
     from .ops.gemm import block_fp8_gemm
     from .tuning import load_table, shipped_table_path
@@ -256,6 +257,8 @@ def _table_launches(arch: str, fp8: torch.dtype) -> list[Launch]:
     with record_launches(arch) as launches:
         for key, buckets in table.shapes.items():
             n, k, gran = _parse_shape_key(key)
+            if shapes is not None and (n, k) not in shapes:
+                continue
             g_n, g_k = -(-n // GROUP_SIZE), -(-k // GROUP_SIZE)
             w_q = _meta((n, k), fp8)
             w_s = {"block": _meta((g_n, g_k)), "row": _meta((n, g_k)), "tensor": _meta(())}[gran]
@@ -484,7 +487,7 @@ def collect(arch: str, quick: bool = False) -> list[tuple[Launch, list[str]]]:
     shapes = [(s.n, s.k) for s in (quick_shapes() if quick else default_shapes())]
     grans = ("block",) if quick else ("block", "row", "tensor")
     launches = _dense_launches(arch, shapes, QUICK_MS if quick else GRID_MS, grans, fp8)
-    launches += _table_launches(arch, fp8)
+    launches += _table_launches(arch, fp8, shapes if quick else None)
     launches += _moe_launches(arch, QUICK_MOE_TOKENS if quick else MOE_TOKENS, grans, fp8,
                               (MOE_EXPERTS,) if quick else (MOE_EXPERTS, MOE_ALL_EXPERTS))
     seen: dict[tuple, tuple[Launch, list[str]]] = {}
@@ -502,7 +505,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", nargs="?", const="-", default=None,
                         help="write one JSON object per (kernel, config) to FILE (default: stdout)")
     parser.add_argument("--quick", action="store_true",
-                        help="a CI subset: block scales, 5 shapes, fewer M values and MoE sizes")
+                        help="a subset: block scales, 5 shapes and their table entries, fewer M values and MoE sizes")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                         help="compile processes (default: min(4, CPUs))")
 
