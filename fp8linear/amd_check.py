@@ -158,12 +158,6 @@ class Launch:
         return self.kernel.__name__
 
 
-def _arg_key(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return ("tensor", str(v.dtype))
-    return v
-
-
 class _LaunchList(list):
     """Recorded launches; ``where["label"]`` names the dispatch point of the next ones."""
 
@@ -409,7 +403,8 @@ def make_job(launch: Launch, arch: str) -> CompileJob:
     options, signature, constexprs, attrs, named = _specialize(launch, arch)
     names = launch.kernel.arg_names
     aligned = [names[p[0]] for p, a in attrs.items()
-               if not str(signature.get(names[p[0]], "*")).startswith("*") and any(x[0] == "tt.divisibility" for x in a)]
+               if not str(signature.get(names[p[0]], "*")).startswith("*")
+               and any(x[0] == "tt.divisibility" for x in a)]
     return CompileJob(launch.kernel.fn.__module__, launch.name, signature, constexprs, attrs, dict(options.__dict__),
                       arch, _config_label(launch, named, aligned))
 
@@ -526,12 +521,13 @@ def _summary(reports: Sequence[KernelReport], arch: str, seconds: float) -> str:
     kernels = Counter(r.kernel for r in reports)
     occ = Counter(r.occupancy for r in reports if not r.error)
     bad = [r for r in reports if r.problems]
-    lines = [f"{arch}: {len(reports)} kernel compiles ({', '.join(f'{k} {v}' for k, v in sorted(kernels.items()))}) "
-             f"in {seconds:.0f}s",
-             "  occupancy (waves/SIMD): " + ", ".join(f"{o}: {c}" for o, c in sorted(occ.items())),
-             f"  problems: {len(bad)}" + ("" if not bad else " (" + "; ".join(
-                 f"{r.kernel} [{r.config}]: {', '.join(r.problems)}" for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
-                 + ")")]
+    listed = "; ".join(f"{r.kernel} [{r.config}]: {', '.join(r.problems)}" for r in bad[:5])
+    lines = [
+        f"{arch}: {len(reports)} kernel compiles ({', '.join(f'{k} {v}' for k, v in sorted(kernels.items()))}) "
+        f"in {seconds:.0f}s",
+        "  occupancy (waves/SIMD): " + ", ".join(f"{o}: {c}" for o, c in sorted(occ.items())),
+        f"  problems: {len(bad)}" + (f" ({listed}{' ...' if len(bad) > 5 else ''})" if bad else ""),
+    ]
     return "\n".join(lines)
 
 
