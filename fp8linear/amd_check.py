@@ -38,7 +38,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -70,7 +70,7 @@ LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 MAX_WAVES_PER_SIMD = 8
 SIMDS_PER_CU = 4
 WAVE_SIZE = 64
-# Kernels whose main loop must run on FP8 MFMAs.
+# Kernels whose main loop must run on FP8 MFMAs (also: any kernel calling tl.dot or using MFMAs).
 GEMM_KERNELS = ("_block_fp8_gemm_kernel", "_splitk_fp8_gemm_kernel", "_grouped_fp8_gemm_kernel")
 # Field names of a report row (the --json objects carry these and a few more).
 REPORT_FIELDS = ("kernel", "config", "vgpr", "agpr", "sgpr", "vgpr_spill", "sgpr_spill", "scratch", "lds",
@@ -165,58 +165,46 @@ class _LaunchList(list):
 
 
 @contextlib.contextmanager
-def record_launches(arch: str) -> Iterator[list[Launch]]:
-    """Within this context, the fp8linear launchers dispatch as on a ROCm `arch` device and record
-    their kernel launches (into the yielded list) instead of running them."""
-    import triton
+def record_launches(arch: str) -> Iterator[_LaunchList]:
+    """Within this context, the fp8linear launchers dispatch as on a ROCm `arch` device and every
+    Triton kernel launch is recorded (into the yielded list) instead of run."""
+    from triton.runtime.jit import JITFunction
 
     from .ops import configs as cfg_mod
-    from .ops import fused_gemv, gemm, grouped_gemm, quant, splitk_gemm
+    from .ops import gemm, router, splitk_gemm
 
-    kernels = [gemm._block_fp8_gemm_kernel, gemm._block_fp8_gemm_persistent_kernel,
-               splitk_gemm._splitk_fp8_gemm_kernel, fused_gemv._fused_fp8_gemv_kernel, quant._act_quant_kernel,
-               grouped_gemm._grouped_fp8_gemm_kernel, grouped_gemm._moe_align_kernel]
-    if not all(isinstance(k, triton.runtime.JITFunction) for k in kernels):
-        raise RuntimeError("amd-check needs compiled Triton kernels: unset TRITON_INTERPRET")
     launches = _LaunchList()
-    where = {"label": ""}
-    launches.where = where
+    launches.where = {"label": ""}
 
-    def recorder(kernel: Any) -> Callable[..., None]:
-        def run(*args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-            launches.append(Launch(kernel, args, kwargs, where["label"]))
-
-        return run
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(self, args, kwargs, launches.where["label"]))
 
     cus = cfg_mod.AMD_CU_COUNT.get(arch, 304)
     patches: list[tuple[Any, str, Any]] = [
-        (gemm, "select_config", lambda device, m, n, k, granularity="block": cfg_mod.config_for_arch(
+        (router, "select_config", lambda device, m, n, k, granularity="block": cfg_mod.config_for_arch(
             arch, m, n, k, granularity)),
         (cfg_mod, "device_arch", lambda device=None: arch),  # launch options, split-K, MoE configs
         (splitk_gemm, "sm_count", lambda device: cus),
         (gemm, "sm_count", lambda device: cus),
         (torch.version, "hip", "amd-check"),  # ROCm as far as the dispatch can tell (no TMA, no PDL)
+        (JITFunction, "run", record),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
-        for k in kernels:
-            k.run = recorder(k)
         yield launches
     finally:
-        for k in kernels:
-            k.__dict__.pop("run", None)
         for obj, name, value in saved:
             setattr(obj, name, value)
 
 
 def _dense_launches(arch: str, shapes: Sequence[tuple[int, int]], ms: Sequence[int],
                     granularities: Sequence[str], fp8: torch.dtype) -> list[Launch]:
+    """The dense forward: the router's choice (fused GEMV, or act-quant then split-K or tiled GEMM)."""
     from .formats import GROUP_SIZE
-    from .ops.fused_gemv import fused_fp8_gemv, use_fused_gemv
-    from .ops.gemm import block_fp8_gemm
-    from .ops.quant import act_quant
+    from .ops.linear import run_linear_route
+    from .ops.router import route_linear, tma_ok
 
     with record_launches(arch) as launches:
         for n, k in shapes:
@@ -228,11 +216,8 @@ def _dense_launches(arch: str, shapes: Sequence[tuple[int, int]], ms: Sequence[i
                 for m in ms:
                     launches.where["label"] = f"{gran} N={n} K={k} M={m}"
                     x = _meta((m, k), torch.bfloat16)
-                    if use_fused_gemv(m, n, k):
-                        fused_fp8_gemv(x, w_q, w_s, gran)
-                        continue
-                    x_q, x_s = act_quant(x, fp8)
-                    block_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16)
+                    route = route_linear(x.device, m, n, k, gran, fp8, x.dtype, None, False, tma_ok(w_q))
+                    run_linear_route(route, x, w_q, w_s, gran, None)
     return list(launches)
 
 
@@ -310,6 +295,7 @@ class KernelReport:
     occupancy: int = 0
     compiler_occupancy: int = 0
     mfma: str = ""
+    gemm: bool = False  # a GEMM: its loops must hold an FP8 MFMA
     num_warps: int = 0
     options: dict[str, int] = field(default_factory=dict)
     uses: list[str] = field(default_factory=list)
@@ -392,6 +378,7 @@ class CompileJob:
     options: dict
     arch: str
     config: str
+    gemm: bool = False
 
     def kernel(self) -> Any:
         import importlib
@@ -406,7 +393,7 @@ def make_job(launch: Launch, arch: str) -> CompileJob:
                if not str(signature.get(names[p[0]], "*")).startswith("*")
                and any(x[0] == "tt.divisibility" for x in a)]
     return CompileJob(launch.kernel.fn.__module__, launch.name, signature, constexprs, attrs, dict(options.__dict__),
-                      arch, _config_label(launch, named, aligned))
+                      arch, _config_label(launch, named, aligned), gemm="tl.dot(" in launch.kernel.src)
 
 
 def compile_job(job: CompileJob) -> KernelReport:
@@ -417,7 +404,7 @@ def compile_job(job: CompileJob) -> KernelReport:
 
     t0 = time.perf_counter()
     rep = KernelReport(kernel=job.name, config=job.config, arch=job.arch, num_warps=job.options["num_warps"],
-                       options={k: job.options[k] for k in _OPTION_KEYS})
+                       options={k: job.options[k] for k in _OPTION_KEYS}, gemm=job.gemm)
     try:
         compiled = triton.compile(ASTSource(job.kernel(), job.signature, job.constexprs, job.attrs),
                                   target=GPUTarget("hip", job.arch, WAVE_SIZE), options=job.options)
@@ -432,6 +419,7 @@ def compile_job(job: CompileJob) -> KernelReport:
         setattr(rep, key, value)
     rep.lds = int(compiled.metadata.shared)
     rep.mfma = ",".join(loop_mfma(asm))
+    rep.gemm = rep.gemm or "v_mfma" in asm
     rep.occupancy = occupancy(rep.compiler_occupancy, rep.lds, rep.num_warps, job.arch)
     rep.seconds = time.perf_counter() - t0
     return check_report(rep)
@@ -466,7 +454,7 @@ def check_report(rep: KernelReport) -> KernelReport:
         limit = LDS_BYTES.get(rep.arch, LDS_BYTES["gfx942"])
         if rep.lds > limit:
             p.append(f"LDS {rep.lds} B > {limit} B")
-        if rep.kernel in GEMM_KERNELS and not _FP8_MFMA.search(rep.mfma):
+        if (rep.kernel in GEMM_KERNELS or rep.gemm) and not _FP8_MFMA.search(rep.mfma):
             p.append("no FP8 MFMA in the main loop" + (f" ({rep.mfma})" if rep.mfma else ""))
     rep.problems = p
     return rep

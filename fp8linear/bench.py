@@ -1074,6 +1074,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop starting new shapes after this many seconds (default 330)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--long", action="store_true", help="also print one line per (shape, M, method)")
+    from .bench_eager import add_eager_arguments
+
+    add_eager_arguments(parser)
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
@@ -1098,6 +1101,10 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "eager", False):
+        from .bench_eager import run_eager
+
+        return run_eager(args)
     try:
         cfg = build_config(args)
     except (OSError, ValueError) as e:

@@ -104,20 +104,6 @@ if HAS_TRITON:
     def _(x, w_q, w_s, granularity, bias, allow_cublas, workspace):
         return x.new_empty((x.shape[0], w_q.shape[0]))
 
-    @torch.library.custom_op("fp8linear::fused_fp8_gemv", mutates_args=())
-    def _fused_gemv_op(
-        x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        from .ops.fused_gemv import fused_fp8_gemv
-
-        return fused_fp8_gemv(x, w_q, w_s, granularity, bias)
-
-    @_fused_gemv_op.register_fake
-    def _(x, w_q, w_s, granularity, bias):
-        return x.new_empty((x.shape[0], w_q.shape[0]))
-
-    from .ops.fused_gemv import fused_fp8_gemv as _fused_gemv_launcher
-    from .ops.fused_gemv import use_fused_gemv
     from .ops.gemm import block_fp8_gemm as _gemm_launcher
     from .ops.linear import fp8_linear_tokens as _linear_launcher
     from .ops.quant import act_quant as _act_quant_launcher
@@ -129,7 +115,6 @@ if HAS_TRITON:
     _act_quant_call = eager_or_traced(_act_quant_op, _act_quant_launcher)
     _gemm_call = eager_or_traced(_gemm_op, _gemm_launch)
     _linear_call = eager_or_traced(_linear_op, _linear_launcher)
-    _fused_gemv_call = eager_or_traced(_fused_gemv_op, _fused_gemv_launcher)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -299,12 +284,12 @@ def fp8_linear(
 ) -> torch.Tensor:
     """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N).
 
-    This is the hot path of `Fp8BlockLinear.forward`: it checks what can go wrong cheaply
-    (no per-call tensor work) and calls the ops directly, not through the public wrappers. A
-    single token with a weight below 24M elements runs one fused quantize+GEMV kernel
-    (:mod:`fp8linear.ops.fused_gemv`: same quantized values, fp32 sums in another order);
-    everything else quantizes x, then runs the GEMM (:mod:`fp8linear.ops.linear`: cuBLAS
-    blockwise FP8 for prefill-sized GEMMs on Hopper under backend "auto", else ours).
+    It checks what can go wrong cheaply (no per-call tensor work), then the router
+    (:mod:`fp8linear.ops.router`) picks the kernels: a single token with a weight below 24M
+    elements runs one fused quantize+GEMV kernel (same quantized values, fp32 sums in another
+    order); everything else quantizes x, then runs the GEMM (cuBLAS blockwise FP8 for
+    prefill-sized GEMMs on Hopper under backend "auto", else ours). `Fp8BlockLinear` runs the same
+    work through a plan it keeps per input shape (:func:`plan_linear`).
 
     `workspace`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
     for this weight's N, on x's device; decode GEMMs then count their split-K tiles there instead
@@ -335,9 +320,6 @@ def fp8_linear(
         y = block_fp8_matmul_ref(x_q, x_s, weight, weight_scale_inv, x.dtype, bias)
     else:
         w_s = weight_scale_inv.reshape(()) if granularity == "tensor" else weight_scale_inv
-        if use_fused_gemv(x2.shape[0], n, k):  # one token: quantize x inside the GEMV (one launch)
-            y = _fused_gemv_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias)
-        else:
-            y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend),
-                             workspace)
+        y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend),
+                         workspace)
     return y.reshape(*lead, n)

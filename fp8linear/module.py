@@ -7,12 +7,21 @@ import sys
 import torch
 from torch import nn
 
+from .backend import cublas_allowed, resolve_backend
 from .formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight
 from .ops import HAS_TRITON
 from .reference import GRANULARITIES, weight_granularity, weight_scale_shape
 
 __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
+
+# Plans an Fp8BlockLinear keeps (one per input shape and dtype) before it forgets them all: serving
+# meets a few dozen shapes (decode batch sizes, prefill chunks); a plan holds no GPU memory.
+MAX_PLANS = 64
+# Attributes whose replacement makes the plans stale.
+_PLANNED_FROM = frozenset(("weight", "weight_scale_inv", "bias", "backend"))
+# Pointer alignment a planned launch relies on (fp8linear.ops.launch.ALIGN).
+_ALIGN = 16
 
 
 def _mark_static_address(t: torch.Tensor) -> None:
@@ -67,6 +76,14 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     read from the scale's shape, so loading a state dict of another granularity just works.
     Decode-sized GEMMs count their split-K tiles in a small workspace the layer keeps (which
     spares a memset launch per call), so one layer must not run on two streams at the same time.
+
+    In eager mode on a GPU, the first call with an input of a new shape and dtype validates it,
+    asks the router (:mod:`fp8linear.ops.router`) for the kernels and keeps a launch plan
+    (:class:`fp8linear.ops.linear.LinearPlan`); later calls with that shape run the plan directly
+    (a dictionary lookup, the output allocation, one or two kernel launches). The backend choice,
+    including ``FP8LINEAR_BACKEND`` and ``FP8LINEAR_PDL``, is read when a plan is made. Plans are
+    dropped when the weight, scales, bias or backend are replaced, a state dict is loaded or the
+    layer moves (:meth:`clear_plans` does it by hand).
     """
 
     def __init__(
@@ -105,6 +122,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         # plain attribute, not a buffer (never saved, never filled from a checkpoint or by
         # `to_empty`), made zeroed on the weight's device (see init_workspace).
         self._workspace: torch.Tensor | None = None
+        self._plans: dict = {}
         self.init_workspace()
 
     @property
@@ -175,6 +193,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
                 torch.empty(scale.shape, dtype=SCALE_DTYPE, device=self.weight_scale_inv.device), requires_grad=False
             )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self.clear_plans()
 
     def to_linear(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
         """A dequantized nn.Linear with the same weights (up to FP8 rounding) and bias."""
@@ -186,8 +205,19 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             lin.bias = nn.Parameter(self.bias.detach().to(dtype).clone())
         return lin
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in _PLANNED_FROM and "_plans" in self.__dict__:
+            self._plans.clear()
+        super().__setattr__(name, value)
+
+    def clear_plans(self) -> None:
+        """Forget the launch plans (done on replacement, loading and moves; call it after changing
+        ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout)."""
+        self._plans.clear()
+
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
+        self._plans.clear()
         self.init_workspace()  # made again, zeroed, where the weight now lives
         return out
 
@@ -220,10 +250,40 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         return ws
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced: the custom ops, no plans
+            return self._forward_validated(x)
+        plan = self._plans.get((x.shape, x.dtype, x.device))
+        if plan is not None and x.is_contiguous() and x.data_ptr() % _ALIGN == 0:
+            return plan(x)
+        return self._forward_and_plan(x)
+
+    def _forward_validated(self, x: torch.Tensor) -> torch.Tensor:
         if not is_fp8_dtype(self.weight.dtype):
             raise TypeError(f"Fp8BlockLinear.weight must be FP8, got {self.weight.dtype}")
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, backend=self.backend,
                           workspace=self._split_k_workspace())
+
+    def _forward_and_plan(self, x: torch.Tensor) -> torch.Tensor:
+        """The validated forward; where our Triton kernels run it, also keeps a plan for x's shape."""
+        y = self._forward_validated(x)
+        weight = self.weight
+        if (HAS_TRITON and x.numel() and x.is_contiguous() and x.data_ptr() % _ALIGN == 0 and weight.is_contiguous()
+                and resolve_backend(self.backend, x.device) == "triton"):
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[(x.shape, x.dtype, x.device)] = self._make_plan(x, self._split_k_workspace())
+        return y
+
+    def _make_plan(self, x: torch.Tensor, workspace: torch.Tensor | None):
+        from .ops.linear import LinearPlan
+        from .ops.router import route_linear, tma_ok
+
+        weight, granularity = self.weight, self.granularity
+        w_s = self.weight_scale_inv.reshape(()) if granularity == "tensor" else self.weight_scale_inv
+        k = x.shape[-1]
+        route = route_linear(x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype,
+                             self.bias, cublas_allowed(self.backend), tma_ok(weight))
+        return LinearPlan(route, x, weight, w_s, granularity, self.bias, workspace)
 
     def extra_repr(self) -> str:
         return (

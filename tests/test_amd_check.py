@@ -130,17 +130,28 @@ def test_select_config_on_rocm_uses_the_arch(monkeypatch):
 
 
 def test_persistent_tma_kernel_never_chosen_on_amd(monkeypatch):
-    """On ROCm the dispatch never takes the persistent TMA kernel, whatever the shape and strides."""
-    from fp8linear.ops import gemm
+    """On ROCm the router never takes the persistent TMA kernel, whatever the shape; the same calls
+    on a non-AMD build (with TMA, here the interpreter's) would."""
+    from fp8linear.ops import router
 
-    x = torch.empty((4096, 512), dtype=torch.float8_e4m3fnuz, device="meta")
-    w = torch.empty((7168, 512), dtype=torch.float8_e4m3fnuz, device="meta")
-    monkeypatch.setattr(gemm, "TensorDescriptor", object)  # as if TMA descriptors were importable
-    monkeypatch.setattr(gemm, "_tma_ok", lambda t: True)
+    monkeypatch.setattr(router, "TensorDescriptor", object)  # as if TMA descriptors were importable
+    monkeypatch.setattr(router, "interpreting", lambda: True)
+    cpu = torch.device("cpu")
     monkeypatch.setattr(torch.version, "hip", None)
-    assert gemm._use_persistent(x, w, 512)  # the same call on a non-AMD build would take it
+    assert router.use_persistent(cpu, 4096, 512, "block", True)
+    assert router.route_linear(cpu, 4096, 7168, 512, "block", torch.float8_e4m3fn, torch.bfloat16, None, False,
+                               True).kernel == "persistent"
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    assert not gemm._use_persistent(x, w, 512)
+    monkeypatch.setattr(router, "select_config", lambda device, m, n, k, g="block": config_for_arch("gfx942", m, n, k, g))
+    for m in BENCH_MS:
+        for n, k in _bench_shapes():
+            for gran in ("block", "tensor"):
+                assert not router.use_persistent(cpu, m, k, gran, True)
+                route = router.route_linear(cpu, m, n, k, gran, torch.float8_e4m3fnuz, torch.bfloat16, None, False,
+                                            True)
+                assert route.kernel in ("gemv", "splitk", "tiled"), (m, n, k, route)
+                if route.kernel == "tiled":
+                    assert route.config.matrix_instr_nonkdim == 16 and route.config.num_stages == 2
 
 
 def test_amd_grouped_configs_fit_lds():

@@ -99,15 +99,17 @@ def test_cpu_auto_path_never_reaches_cublas(monkeypatch):
 def test_block_fp8_matmul_hands_each_path_its_scale_layout(to_cublas, monkeypatch):
     """M-major x_s reaches the cuBLAS call uncopied (same storage); our kernels get it row-major."""
     from fp8linear.ops import gemm
+    from fp8linear.ops.router import Route
 
     seen: list[torch.Tensor] = []
-    monkeypatch.setattr(gemm, "use_cublas_prequantized", lambda *a: to_cublas)
+    real_route = gemm.route_gemm
+    monkeypatch.setattr(gemm, "route_gemm", lambda *a: Route("cublas") if to_cublas else real_route(*a))
     monkeypatch.setattr(gemm, "cublas_fp8_gemm", lambda x_q, x_s, *a: (seen.append(x_s), x_q.new_empty(0))[1])
     kernel = gemm._block_fp8_gemm_kernel
 
     class TiledKernelSpy:  # kernel[grid](x_q, x_s, ...): record x_s, then launch the real kernel
         def __getitem__(self, grid):
-            return lambda *args, **kw: (seen.append(args[1]), kernel[grid](*args, **kw))[1]
+            return lambda **kw: (seen.append(kw["xs_ptr"]), kernel[grid](**kw))[1]
 
     monkeypatch.setattr(gemm, "_block_fp8_gemm_kernel", TiledKernelSpy())
     x_q, x_s = quantize_activation(torch.randn(8, 300, device=KERNEL_DEVICE), backend="triton")

@@ -53,7 +53,8 @@ def _kernel_spy(monkeypatch):
         run = original(self, grid)
 
         def call(*args, **kwargs):
-            calls.append((self.fn.__name__, {a.dtype for a in args if isinstance(a, torch.Tensor)}))
+            values = list(args) + list(kwargs.values())
+            calls.append((self.fn.__name__, {a.dtype for a in values if isinstance(a, torch.Tensor)}))
             return run(*args, **kwargs)
 
         return call

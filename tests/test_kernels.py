@@ -204,27 +204,30 @@ class _LaunchSpy:
 def test_gemm_kernel_choice(m, n, k, granularity, monkeypatch):
     """Short TMA-aligned K with M >= 2048 and uniform weight scales runs the persistent kernel;
     everything else the plain tiled kernel; both compute the same function."""
-    from fp8linear.ops import gemm
+    from fp8linear.ops import gemm, router
 
     if granularity == "long-K block":  # K above the persistent limit, at an interpreter-friendly size
-        monkeypatch.setattr(gemm, "PERSISTENT_MAX_K", k - 128)
+        monkeypatch.setattr(router, "PERSISTENT_MAX_K", k - 128)
         granularity = "block"
     dev = KERNEL_DEVICE
     x_q, x_s = quantize_activation(torch.randn(m, k, device=dev), backend="triton")
     w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / math.sqrt(k), granularity)
     if granularity == "tensor":
         w_s = w_s.reshape(())
-    hopper = not HAS_CUDA or torch.cuda.get_device_capability()[0] >= 9
-    expected = hopper and k % 16 == 0 and k <= gemm.PERSISTENT_MAX_K
-    assert gemm._use_persistent(x_q, w_q, k) == expected
-    assert not gemm._use_persistent(x_q[:, 1:], w_q[:, 1:], k - 1)  # misaligned views never take TMA
+    hopper = torch.version.hip is None and (not HAS_CUDA or torch.cuda.get_device_capability()[0] >= 9)
+    dev_ = torch.device(dev)
+    expected = (hopper and k % 16 == 0 and k <= router.PERSISTENT_MAX_K and m >= router.PERSISTENT_MIN_M
+                and granularity != "row")
+    tma = router.tma_ok(x_q) and router.tma_ok(w_q)
+    assert tma == (k % 16 == 0)
+    assert router.use_persistent(dev_, m, k, granularity, tma) == expected
+    assert not router.use_persistent(dev_, m, k - 1, granularity, router.tma_ok(x_q[:, 1:]) and router.tma_ok(w_q[:, 1:]))
     launched: list[str] = []
     for name in ("_block_fp8_gemm_kernel", "_block_fp8_gemm_persistent_kernel"):
         monkeypatch.setattr(gemm, name, _LaunchSpy(getattr(gemm, name), name, launched))
     bias = torch.randn(n, device=dev)
     y = gemm.block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.float32, bias)
-    persistent = expected and m >= gemm.PERSISTENT_MIN_M and granularity != "row"
-    assert launched == ["_block_fp8_gemm_persistent_kernel" if persistent else "_block_fp8_gemm_kernel"]
+    assert launched == ["_block_fp8_gemm_persistent_kernel" if expected else "_block_fp8_gemm_kernel"]
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64) + bias.double()
     assert rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
 
@@ -461,26 +464,29 @@ def test_fused_gemv_nan_row_propagates_and_config_validation():
 @pytest.mark.parametrize("m,n,k,fused", [(1, 576, 7168, True), (1, 130, 300, True), (2, 130, 300, False),
                                          (1, 18432, 7168, False), (1, 3072, 8192, False), (1, 3071, 8192, True)])
 def test_fp8_linear_fused_dispatch(m, n, k, fused, monkeypatch):
-    """One token below 24M weight elements (FUSED_GEMV_MAX_WEIGHT) runs the fused kernel alone; otherwise act_quant + GEMM (one op)."""
+    """One token below 24M weight elements (FUSED_GEMV_MAX_WEIGHT) runs the fused kernel alone; otherwise act_quant + GEMM."""
     from fp8linear import functional
-    from fp8linear.ops.fused_gemv import use_fused_gemv
+    from fp8linear.ops import fused_gemv, quant
+    from fp8linear.ops.router import route_linear
 
-    assert use_fused_gemv(m, n, k) is fused
+    route = route_linear(torch.device(KERNEL_DEVICE), m, n, k, "row", torch.float8_e4m3fn, torch.bfloat16, None,
+                         False, True)
+    assert (route.kernel == "gemv") is fused
     if n * k > 1 << 20:
         return  # the rule is what matters; large weights are run by the GPU tests above
-    calls: list[str] = []
-    for name in ("_fused_gemv_call", "_linear_call"):
-        orig = getattr(functional, name)
-        monkeypatch.setattr(functional, name, lambda *a, _o=orig, _n=name: (calls.append(_n), _o(*a))[1])
+    launched: list[str] = []
+    for mod, name in ((fused_gemv, "_fused_fp8_gemv_kernel"), (quant, "_act_quant_kernel")):
+        monkeypatch.setattr(mod, name, _LaunchSpy(getattr(mod, name), name, launched))
     x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE) / 20, "row")
     y = functional.fp8_linear(x, w_q, w_s, backend="triton")
-    assert calls == (["_fused_gemv_call"] if fused else ["_linear_call"])
+    assert launched == (["_fused_fp8_gemv_kernel"] if fused else ["_act_quant_kernel"])
     ref = functional.fp8_linear(x, w_q, w_s, backend="reference")
     assert y.dtype == x.dtype and rel_err(y, ref) < KERNEL_GEMM_TOL[torch.bfloat16]
 
 
-def test_fused_gemv_op_passes_opcheck_and_compiles():
+def test_single_token_linear_op_passes_opcheck_and_compiles():
+    """One token runs the fused GEMV inside the linear custom op: opcheck and a full-graph compile."""
     from fp8linear import Fp8BlockLinear, functional
 
     utils = ("test_faketensor", "test_aot_dispatch_dynamic")
@@ -488,7 +494,8 @@ def test_fused_gemv_op_passes_opcheck_and_compiles():
     for gran in GRANS:
         w_q, w_s = quantize_weight(torch.randn(130, 300, device=KERNEL_DEVICE), gran)
         w_s = w_s.reshape(()) if gran == "tensor" else w_s
-        torch.library.opcheck(functional._fused_gemv_op, (x, w_q, w_s, gran, torch.randn(130, device=KERNEL_DEVICE)),
+        torch.library.opcheck(functional._linear_op,
+                              (x, w_q, w_s, gran, torch.randn(130, device=KERNEL_DEVICE), False, None),
                               test_utils=utils)
     lin = torch.nn.Linear(300, 130, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     mod = Fp8BlockLinear.from_linear(lin, backend="triton")

@@ -28,24 +28,26 @@ def test_pdl_only_for_decode_sizes_on_a_gpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not use_pdl(torch.device("cuda"), 1)  # the interpreter runs no inline PTX
     assert pdl_launch(False) == {} and pdl_launch(True) == {"launch_pdl": True}
-    from fp8linear.ops.linear import release_early
+    from fp8linear.ops.router import route_linear
 
-    assert not release_early(torch.device("cuda"), 1, 576, 7168)  # no PDL in the interpreter, so no release
+    def release_early(m, n, k):
+        device = torch.device("cuda" if HAS_CUDA else "cpu")  # a CUDA device's SMs are asked for split-K
+        route = route_linear(device, m, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None, True, True)
+        assert route.release_early <= route.pdl
+        return route.release_early
+
+    assert not release_early(16, 576, 7168)  # no PDL in the interpreter, so no release
     if HAS_CUDA and torch.version.hip is None:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         hopper = torch.cuda.get_device_capability()[0] >= 9
         assert use_pdl(torch.device("cuda"), SMALL_M_MAX) == hopper
-        assert release_early(torch.device("cuda"), 16, 576, 7168) == hopper  # split-K, K=7168
-        assert release_early(torch.device("cuda"), 16, 4096, 2048) == hopper  # tiled
-        assert not release_early(torch.device("cuda"), 16, 7168, 18432)  # long split-K
+        assert release_early(16, 576, 7168) == hopper  # split-K, K=7168
+        assert release_early(16, 4096, 2048) == hopper  # tiled
+        assert not release_early(16, 7168, 18432)  # long split-K
 
 
 def _pdl_off(monkeypatch) -> None:
-    from fp8linear.ops import gemm, linear, splitk_gemm
-
-    for mod in (gemm, splitk_gemm):
-        monkeypatch.setattr(mod, "use_pdl", lambda device, m: False)
-    monkeypatch.setattr(linear, "release_early", lambda device, m, n, k: False)
+    monkeypatch.setenv("FP8LINEAR_PDL", "0")  # the router reads it for every new route
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ import torch
 from ..formats import GROUP_SIZE
 
 __all__ = ["CUBLAS_MIN_M", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "use_cublas_prequantized",
-           "cublas_fp8_gemm"]
+           "cublas_fp8_gemm", "cublas_weight_scale"]
 
 # Under backend="auto", GEMMs with at least CUBLAS_MIN_M rows go to cuBLAS, and those with a
 # weight below CUBLAS_SMALL_WEIGHT elements only from CUBLAS_SMALL_WEIGHT_MIN_M rows. H100,
@@ -132,11 +132,15 @@ def cublas_fp8_gemm(
     """
     if x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
         x_s = x_s.t().contiguous().t()  # M-major
-    if granularity == "block" and _block_needs_row_scales(x_q.shape[1]):
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=cublas_weight_scale(w_q, w_s, granularity), bias=bias,
+                            out_dtype=torch.bfloat16)
+
+
+def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str) -> torch.Tensor:
+    """The weight scale in the layout cuBLAS reads (see the module docstring); a plan makes it once."""
+    if granularity == "block" and _block_needs_row_scales(w_q.shape[1]):
         # Each block scale repeated over its 128 rows: the same weight, as cuBLAS's 1x128 grid (K/128, N).
-        scale_b = w_s.t().repeat_interleave(GROUP_SIZE, dim=1)[:, : w_q.shape[0]].contiguous()
-    elif granularity == "block":
-        scale_b = (w_s if w_s.is_contiguous() else w_s.contiguous()).t()
-    else:
-        scale_b = w_s.t().contiguous()
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
+        return w_s.t().repeat_interleave(GROUP_SIZE, dim=1)[:, : w_q.shape[0]].contiguous()
+    if granularity == "block":
+        return (w_s if w_s.is_contiguous() else w_s.contiguous()).t()
+    return w_s.t().contiguous()

@@ -24,10 +24,10 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
-from .gemm_common import weight_scale_ptrs
+from .gemm_common import uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .quant import quantize_groups
 
-__all__ = ["FUSED_GEMV_MAX_WEIGHT", "GemvConfig", "gemv_config", "use_fused_gemv", "fused_fp8_gemv"]
+__all__ = ["FUSED_GEMV_MAX_WEIGHT", "GemvConfig", "gemv_config", "use_fused_gemv", "fused_fp8_gemv", "fused_gemv_args"]
 
 # Single-token GEMMs with fewer weight elements than this take the fused kernel. H100 sweep
 # (benchmarks/gemv_sweep.py, CUDA graphs, M=1; fused vs act_quant + GEMM): 4.5-6.3 vs 8.7-12.2 us
@@ -125,6 +125,25 @@ def _fused_fp8_gemv_kernel(
     tl.store(y_ptr + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+def fused_gemv_args(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, y: torch.Tensor, granularity: str,
+                    bias: torch.Tensor | None, cfg: GemvConfig) -> tuple[tuple[int, int], dict, dict]:
+    """(grid, kernel arguments, launch options) of the fused GEMV writing y (M, N)."""
+    m, k = x.shape
+    n = w_q.shape[0]
+    ws_group_n, stride_wsn, stride_wsk = weight_scale_layout(w_s, granularity)
+    uniform = uniform_weight_scale(granularity, cfg.block_n)
+    args = dict(
+        x_ptr=x, w_ptr=w_q, ws_ptr=w_s, y_ptr=y, bias_ptr=bias if bias is not None else y,
+        N=n, K=k,
+        stride_xm=x.stride(0), stride_wn=w_q.stride(0), stride_wsn=stride_wsn, stride_wsk=stride_wsk,
+        stride_ym=y.stride(0),
+        qmax=activation_max(w_q.dtype), amax_floor=AMAX_FLOOR,
+        MIN_EXP=fp8_min_exponent(w_q.dtype), WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, GROUPS_PER_STEP=cfg.groups_per_step, GROUP=GROUP_SIZE,
+    )
+    return (m, triton.cdiv(n, cfg.block_n)), args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
 def fused_fp8_gemv(
     x: torch.Tensor,
     w_q: torch.Tensor,
@@ -141,21 +160,6 @@ def fused_fp8_gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or gemv_config(m, n, k)
-    if granularity == "tensor":
-        ws_group_n, stride_wsn, stride_wsk = 1, 0, 0
-    else:
-        ws_group_n = GROUP_SIZE if granularity == "block" else 1
-        stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1)
-    uniform = granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0)
-    grid = (m, triton.cdiv(n, cfg.block_n))
-    _fused_fp8_gemv_kernel[grid](
-        x, w_q, w_s, y, bias if bias is not None else y,
-        n, k,
-        x.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
-        activation_max(w_q.dtype), AMAX_FLOOR,
-        MIN_EXP=fp8_min_exponent(w_q.dtype), WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform,
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, GROUPS_PER_STEP=cfg.groups_per_step, GROUP=GROUP_SIZE,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    grid, args, options = fused_gemv_args(x, w_q, w_s, y, granularity, bias, config or gemv_config(m, n, k))
+    _fused_fp8_gemv_kernel[grid](**args, **options)
     return y

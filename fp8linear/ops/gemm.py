@@ -13,8 +13,8 @@ BLOCK_N <= 128, per-tensor). Letting the tensor cores accumulate across groups i
 and was no faster (1348 vs 1243 us at M=4096, N=18432, K=7168): Hopper's FP8 MMA keeps
 about 14 bits while accumulating.
 
-Short K (<= 2304) with M >= 2048 and uniform weight scales runs, on Hopper, a persistent
-variant: one program per SM walks the output tiles, loading operands through TMA descriptors, and Triton's flattened loop overlaps a tile's
+Short K with M >= 2048 and uniform weight scales runs, on Hopper, a persistent variant (the
+router, :mod:`fp8linear.ops.router`, decides): one program per SM walks the output tiles, loading operands through TMA descriptors, and Triton's flattened loop overlaps a tile's
 epilogue with the next tile's loads. H100, M=4096: K=512 211 vs 304 us, K=1536 413 vs 437 us;
 at K >= 7168 it was 2-4% slower, so long K keeps the plain kernel. Also measured on H100 and not
 adopted (no gain): TMA loads in the plain kernel (+-3%), ``tl.range(warp_specialize=True)``
@@ -32,25 +32,14 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX, GemmConfig, launch_options, select_config
-from .cublas_gemm import cublas_fp8_gemm, use_cublas_prequantized
-from .gemm_common import promote, store_tile, weight_scale_ptrs
-from .pdl import pdl_launch, use_pdl, wait_for_producer
-from .splitk_gemm import SplitKConfig, sm_count, splitk_config, splitk_fp8_gemm
+from .configs import GemmConfig, launch_options
+from .cublas_gemm import cublas_fp8_gemm
+from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
+from .pdl import pdl_launch, wait_for_producer
+from .router import TensorDescriptor, Route, route_gemm, tma_ok
+from .splitk_gemm import SplitKConfig, sm_count, splitk_fp8_gemm
 
-try:  # host-side TMA descriptors (Triton >= 3.3)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: the plain kernel serves every shape
-    TensorDescriptor = None
-
-__all__ = ["block_fp8_gemm"]
-
-# Short K (up to PERSISTENT_MAX_K) with M >= PERSISTENT_MIN_M and 128x128-block or per-tensor
-# weights runs the persistent TMA kernel with PERSISTENT_CONFIG (H100, see the module docstring;
-# with row-wise scales or smaller tiles it was slower, up to 9x for row-wise at N=24576, K=1536).
-PERSISTENT_MAX_K = 2304
-PERSISTENT_MIN_M = 2048
-PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+__all__ = ["block_fp8_gemm", "run_gemm_route", "tiled_args"]
 
 
 @triton.jit
@@ -132,17 +121,65 @@ def _block_fp8_gemm_persistent_kernel(
         store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A 2-D K-contiguous FP8 tensor TMA can address: 16-byte aligned base and row stride."""
-    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+def tiled_args(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, y: torch.Tensor,
+               granularity: str, bias: torch.Tensor | None, cfg: GemmConfig, pdl: bool) -> tuple[tuple[int], dict, dict]:
+    """(grid, kernel arguments, launch options) of the tiled GEMM writing y (M, N)."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    ws_group_n, stride_wsn, stride_wsk = weight_scale_layout(w_s, granularity)
+    args = dict(
+        x_ptr=x_q, xs_ptr=x_s, w_ptr=w_q, ws_ptr=w_s, y_ptr=y, bias_ptr=bias if bias is not None else y,
+        M=m, N=n, K=k,
+        stride_xm=x_q.stride(0), stride_xsm=x_s.stride(0), stride_wn=w_q.stride(0), stride_wsn=stride_wsn,
+        stride_wsk=stride_wsk, stride_ym=y.stride(0),
+        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
+    )
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),
+                        **launch_options(cfg)}
 
 
-def _use_persistent(x_q: torch.Tensor, w_q: torch.Tensor, k: int) -> bool:
-    if TensorDescriptor is None or k > PERSISTENT_MAX_K or torch.version.hip is not None:
-        return False  # AMD has no TMA: the plain kernel serves MI300X
-    if x_q.device.type == "cuda" and torch.cuda.get_device_capability(x_q.device)[0] < 9:
-        return False  # TMA needs Hopper or newer
-    return _tma_ok(x_q) and _tma_ok(w_q)
+def _persistent_gemm(x_q, x_s, w_q, w_s, y, granularity, bias, cfg: GemmConfig) -> None:
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    ws_group_n, stride_wsn, stride_wsk = weight_scale_layout(w_s, granularity)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    _block_fp8_gemm_persistent_kernel[(min(tiles, sm_count(x_q.device)),)](
+        TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k]), x_s,
+        TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k]), w_s, y, bias if bias is not None else y,
+        m, n, k,
+        x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
+        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def run_gemm_route(route: Route, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                   granularity: str, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the GEMM on the kernel `route` names (:func:`fp8linear.ops.router.route_gemm`)."""
+    if route.kernel == "cublas":
+        return cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
+    # Our kernels read x_s row-major. M-major scales (cuBLAS's layout) were measured 1.2-1.9x slower
+    # in the tiled kernel (H100, 512x7168 M=1024: 37.1 vs 19.4 us; 18432x7168 M=4096: 1628 vs 1190):
+    # likely because each K step's scale load then misses L1 (row-major, one line serves 32 K steps).
+    x_s = x_s.contiguous()
+    if route.kernel == "splitk":
+        return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config, counters, route.pdl)
+    m, n = x_q.shape[0], w_q.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0 or n == 0:
+        return y
+    if route.kernel == "persistent":
+        _persistent_gemm(x_q, x_s, w_q, w_s, y, granularity, bias, route.config)
+        return y
+    grid, args, options = tiled_args(x_q, x_s, w_q, w_s, y, granularity, bias, route.config, route.pdl)
+    _block_fp8_gemm_kernel[grid](**args, **options)
+    return y
 
 
 def block_fp8_gemm(
@@ -160,62 +197,16 @@ def block_fp8_gemm(
     """Launch the GEMM on validated, K-contiguous operands: x_q (M, K), w_q (N, K); x_s (M, K/128)
     row-major or M-major (cuBLAS reads the latter as is, our kernels the former).
 
-    With `allow_cublas` and no `config`, GEMMs cuBLAS blockwise takes and runs faster
-    (:mod:`fp8linear.ops.cublas_gemm`; here M must also be a multiple of 4) go there.
-    Without a `config`: GEMMs with M <= SMALL_M_MAX whose tiles leave SMs idle over a long K
-    take the split-K kernel (:mod:`fp8linear.ops.splitk_gemm`); short-K GEMMs with M >= 2048 and
-    uniform weight scales the persistent TMA kernel; everything else the tiled kernel with the
-    tuned/heuristic config. `counters` (a :func:`~fp8linear.ops.splitk_gemm.splitk_workspace`)
+    Without a `config` the router (:func:`fp8linear.ops.router.route_gemm`) picks the kernel
+    (cuBLAS only with `allow_cublas`); a GemmConfig runs the tiled kernel with it, a SplitKConfig
+    the split-K kernel. `counters` (a :func:`~fp8linear.ops.splitk_gemm.splitk_workspace`)
     spares the split-K kernel its per-call counter memset.
     """
     m, k = x_q.shape
     n = w_q.shape[0]
-    if config is None and use_cublas_prequantized(x_q, w_q, granularity, out_dtype, bias, allow_cublas):
-        return cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
-    # Our kernels read x_s row-major. M-major scales (cuBLAS's layout) were measured 1.2-1.9x slower
-    # in the tiled kernel (H100, 512x7168 M=1024: 37.1 vs 19.4 us; 18432x7168 M=4096: 1628 vs 1190):
-    # likely because each K step's scale load then misses L1 (row-major, one line serves 32 K steps).
-    x_s = x_s.contiguous()
-    if config is None and m <= SMALL_M_MAX:
-        config = splitk_config(m, n, k, x_q.device)
-    if isinstance(config, SplitKConfig):
-        return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, config, counters)
-    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
-    if m == 0 or n == 0:
-        return y
-    if granularity == "tensor":
-        ws_group_n, stride_wsn, stride_wsk = 1, 0, 0
+    if config is None:
+        route = route_gemm(x_q.device, m, n, k, granularity, w_q.dtype, out_dtype, bias, allow_cublas,
+                           tma_ok(x_q) and tma_ok(w_q))
     else:
-        ws_group_n = GROUP_SIZE if granularity == "block" else 1
-        stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1)
-    persistent = config is None and m >= PERSISTENT_MIN_M and granularity != "row" and _use_persistent(x_q, w_q, k)
-    cfg = PERSISTENT_CONFIG if persistent else (config or select_config(x_q.device, m, n, k, granularity))
-    # The weight scale is one value per K group across a tile for per-tensor weights, and for
-    # 128x128 blocks when a tile never straddles two 128-row blocks.
-    uniform = granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if persistent:
-        programs = min(tiles, sm_count(x_q.device))
-        _block_fp8_gemm_persistent_kernel[(programs,)](
-            TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k]), x_s,
-            TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k]), w_s, y, bias if bias is not None else y,
-            m, n, k,
-            x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
-            WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return y
-    grid = (tiles,)
-    pdl = use_pdl(x_q.device, m)
-    _block_fp8_gemm_kernel[grid](
-        x_q, x_s, w_q, w_s, y, bias if bias is not None else y,
-        m, n, k,
-        x_q.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
-        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **launch_options(cfg),
-    )
-    return y
+        route = Route("splitk" if isinstance(config, SplitKConfig) else "tiled", config)
+    return run_gemm_route(route, x_q, x_s, w_q, w_s, granularity, out_dtype, bias, counters)

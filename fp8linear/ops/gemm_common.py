@@ -6,10 +6,27 @@ One place for the numerics every kernel must agree on: where a tile's weight sca
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["promote", "store_tile", "weight_scale_ptrs"]
+from ..formats import GROUP_SIZE
+
+__all__ = ["promote", "store_tile", "uniform_weight_scale", "weight_scale_layout", "weight_scale_ptrs"]
+
+
+def weight_scale_layout(w_s: torch.Tensor, granularity: str) -> tuple[int, int, int]:
+    """(WS_GROUP_N, stride along N, stride along K groups) of a weight scale: 128x128 blocks
+    (128, s0, s1), 1x128 rows (1, s0, s1), per-tensor (1, 0, 0) for any 0-d or 1-element scale."""
+    if granularity == "tensor":
+        return 1, 0, 0
+    return (GROUP_SIZE if granularity == "block" else 1), w_s.stride(0), w_s.stride(1)
+
+
+def uniform_weight_scale(granularity: str, block_n: int) -> bool:
+    """Whether a tile of `block_n` columns has one weight scale per K group: per-tensor, or 128x128
+    blocks when a tile never straddles two 128-row blocks."""
+    return granularity == "tensor" or (granularity == "block" and GROUP_SIZE % block_n == 0)
 
 
 @triton.jit

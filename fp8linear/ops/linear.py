@@ -1,51 +1,160 @@
-"""The FP8 linear for several tokens: quantize x per token, then the GEMM (cuBLAS or ours).
+"""The whole FP8 linear on the GPU: run a route of :mod:`fp8linear.ops.router`, once or as a plan.
 
-With `allow_cublas` (backend "auto"), prefill-sized GEMMs that cuBLAS blockwise FP8 takes
-(:mod:`fp8linear.ops.cublas_gemm`) get their activations quantized straight into cuBLAS's
-layout (M padded to a multiple of 4, M-major scales) and run there; everything else runs our
-act-quant kernel and our GEMM. Single tokens take :mod:`fp8linear.ops.fused_gemv` instead
-(dispatched in :func:`fp8linear.functional.fp8_linear`).
+:func:`run_linear_route` runs one call: the fused quantize + GEMV kernel, or our act-quant kernel
+followed by the GEMM the route names (for cuBLAS, activations are quantized straight into its
+layout: M padded to a multiple of 4, M-major scales).
+
+:class:`LinearPlan` is the same work prepared for one input shape and dtype of one weight:
+buffers' shapes, grids, scalar arguments and launch options are computed once, and each kernel is
+launched through :class:`fp8linear.ops.launch.KernelCall` (the compiled kernel's launcher called
+directly after the first launch). ``Fp8BlockLinear`` keeps one plan per input shape, which makes
+its eager forward a dictionary lookup, one or two output allocations and one or two launches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .cublas_gemm import cublas_fp8_gemm, use_cublas
-from .gemm import block_fp8_gemm
-from .pdl import use_pdl
-from .quant import act_quant
-from .splitk_gemm import splitk_config
+from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
+from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
+from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
+from .launch import KernelCall, aligned
+from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outputs
+from .router import Route, route_linear, tma_ok
+from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
-__all__ = ["LONG_SPLITK_K", "fp8_linear_tokens", "release_early"]
-
-# Split-K GEMMs with a longer K get no early release (see release_early): measured at K=16384 and
-# 18432 (slower with it) and K=7168 (faster); the cut is between.
-LONG_SPLITK_K = 8192
+__all__ = ["LinearPlan", "fp8_linear_tokens", "run_linear_route"]
 
 
-def release_early(device: torch.device, m: int, n: int, k: int) -> bool:
-    """Whether act_quant lets the decode GEMM after it be scheduled early (PDL, :mod:`fp8linear.ops.pdl`).
-
-    Yes, except ahead of split-K GEMMs with K > LONG_SPLITK_K. H100, `benchmarks/pdl_ab.py`
-    (interleaved CUDA-graph A/B of the forward, 15 shapes x M 1-64): early release vs plain
-    launches 0.957-0.997x per shape (4096x512 0.980, 576x7168 0.957), but 1.012x and 1.017x on the
-    split-K GEMMs with K=18432 and 16384, whose long programs, two per SM, came out unbalanced when
-    placed beside act_quant's; those keep the PDL launch without early release (1.000x, 1.007x).
-    """
-    return use_pdl(device, m) and not (k > LONG_SPLITK_K and splitk_config(m, n, k, device) is not None)
+def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
+                     bias: torch.Tensor | None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """y (M, N) in x.dtype for a validated, K-contiguous x (M, K), weight w_q (N, K), on `route`."""
+    if route.kernel == "gemv":
+        return fused_fp8_gemv(x, w_q, w_s, granularity, bias, route.config)
+    m = x.shape[0]
+    if route.kernel == "cublas":
+        x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
+        y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
+        return y if y.shape[0] == m else y[:m]  # drop the padding rows (a contiguous view)
+    x_q, x_s = act_quant(x, w_q.dtype, release_early=route.release_early)
+    return run_gemm_route(route, x_q, x_s, w_q, w_s, granularity, x.dtype, bias, counters=workspace)
 
 
 def fp8_linear_tokens(
     x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
     allow_cublas: bool, workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K); `workspace`:
-    split-K counters (:func:`fp8linear.ops.splitk_gemm.splitk_workspace`) or None."""
-    m = x.shape[0]
-    if use_cublas(x, w_q, granularity, x.dtype, bias, allow_cublas):
-        x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
-        y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
-        return y if y.shape[0] == m else y[:m]  # drop the padding rows (a contiguous view)
-    x_q, x_s = act_quant(x, w_q.dtype, release_early=release_early(x.device, m, w_q.shape[0], x.shape[1]))
-    return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, x.dtype, bias, counters=workspace)
+    """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K), routed here;
+    `workspace`: split-K counters (:func:`fp8linear.ops.splitk_gemm.splitk_workspace`) or None."""
+    route = route_linear(x.device, x.shape[0], w_q.shape[0], x.shape[1], granularity, w_q.dtype, x.dtype, bias,
+                         allow_cublas, tma_ok(w_q))
+    return run_linear_route(route, x, w_q, w_s, granularity, bias, workspace)
+
+
+class LinearPlan:
+    """The FP8 linear for inputs of one shape (M, K) and dtype on one weight, prepared once.
+
+    Built from a first, real input `x` (..., K) (validated, contiguous); callable with any later
+    contiguous input of the same shape, dtype and device whose data pointer is 16-byte aligned
+    (:func:`fp8linear.ops.launch.aligned`: the caller checks), returning y (..., N). Results are
+    bit-identical to :func:`run_linear_route` on the same route. cuBLAS routes keep the weight
+    scale in cuBLAS's layout; routes without a prepared form (the persistent kernel, whose TMA
+    descriptors hold the activations' address, and empty shapes) run :func:`run_linear_route`.
+    The weight, scales, bias and `workspace` are held by reference: a plan stays valid while
+    they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
+    another layout), and must be made again when they are replaced.
+    """
+
+    __slots__ = ("route", "run", "calls")
+
+    def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
+                 bias: torch.Tensor | None, workspace: torch.Tensor | None) -> None:
+        self.route = route
+        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, workspace)
+        self.run: Callable[[torch.Tensor], torch.Tensor] = run
+        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches, in order (none: unprepared)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """y (..., N) for x (..., K) of the planned shape: the kernels read x through its data
+        pointer, so leading dimensions cost no reshape."""
+        return self.run(x)
+
+    @staticmethod
+    def _prepare(route: Route, x_in: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
+                 bias: torch.Tensor | None, workspace: torch.Tensor | None) -> tuple[Callable, tuple[KernelCall, ...]]:
+        k = x_in.shape[-1]
+        x = x_in.reshape(-1, k)
+        m, n = x.shape[0], w_q.shape[0]
+        out_shape = (*x_in.shape[:-1], n)
+        device, out_dtype = x.device, x.dtype
+
+        def unprepared(x: torch.Tensor) -> torch.Tensor:
+            return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, workspace).reshape(out_shape)
+
+        if m == 0 or n == 0 or k == 0 or route.kernel == "persistent" or not aligned(x):
+            return unprepared, ()
+        fp8_dtype = w_q.dtype
+        if route.kernel == "cublas":
+            x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
+            grid, args, options = act_quant_args(x, x_q0, x_s0)
+            quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
+            w_t, scale_b = w_q.t(), cublas_weight_scale(w_q, w_s, granularity)  # made once: the weight's layout
+            padded = x_q0.shape[0] != m
+
+            def run_cublas(x: torch.Tensor) -> torch.Tensor:
+                x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
+                quant(x, x_q, x_s)
+                y = torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
+                return (y[:m] if padded else y).view(out_shape)
+
+            return run_cublas, (quant,)
+        y0 = torch.empty((m, n), dtype=out_dtype, device=device)
+        if route.kernel == "gemv":
+            grid, args, options = fused_gemv_args(x, w_q, w_s, y0, granularity, bias, route.config)
+            gemv = KernelCall(_fused_fp8_gemv_kernel, grid, args, options, ("x_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",)))
+
+            def run_gemv(x: torch.Tensor) -> torch.Tensor:
+                y = torch.empty(out_shape, dtype=out_dtype, device=device)
+                gemv(x, y, y)  # without a bias, the kernel's unused bias pointer is y
+                return y
+
+            return run_gemv, (gemv,)
+        x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device)
+        grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
+        quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
+        out_slots = ("y_ptr",) + (() if bias is not None else ("bias_ptr",))
+        if route.kernel == "splitk":
+            split, count, part_shape = splitk_buffers(m, n, route.config, k, device, workspace)
+            if part_shape is not None and count is not workspace:
+                return unprepared, ()  # no workspace to count in: fresh counters per call, as unprepared
+            part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
+            grid, args, options = splitk_args(x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
+                                              part0, count, route.pdl)
+            slots = ("x_ptr", "xs_ptr") + out_slots + (("part_ptr",) if part_shape else ("part_ptr", "count_ptr"))
+            gemm = KernelCall(_splitk_fp8_gemm_kernel, grid, args, options, slots)
+
+            def run_splitk(x: torch.Tensor) -> torch.Tensor:
+                x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device)
+                quant(x, x_q, x_s)
+                y = torch.empty(out_shape, dtype=out_dtype, device=device)
+                if part_shape is None:
+                    gemm(x_q, x_s, y, y, y, y) if bias is None else gemm(x_q, x_s, y, y, y)
+                else:
+                    part = torch.empty(part_shape, dtype=torch.float32, device=device)
+                    gemm(x_q, x_s, y, y, part) if bias is None else gemm(x_q, x_s, y, part)
+                return y
+
+            return run_splitk, (quant, gemm)
+        grid, args, options = tiled_args(x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, route.pdl)
+        gemm = KernelCall(_block_fp8_gemm_kernel, grid, args, options, ("x_ptr", "xs_ptr") + out_slots)
+
+        def run_tiled(x: torch.Tensor) -> torch.Tensor:
+            x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device)
+            quant(x, x_q, x_s)
+            y = torch.empty(out_shape, dtype=out_dtype, device=device)
+            gemm(x_q, x_s, y, y) if bias is None else gemm(x_q, x_s, y)
+            return y
+
+        return run_tiled, (quant, gemm)

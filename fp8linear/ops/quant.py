@@ -11,7 +11,8 @@ from ..reference import AMAX_FLOOR
 from .cublas_gemm import CUBLAS_ROW_ALIGN
 from .pdl import release_dependents
 
-__all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "cublas_rows", "quantize_groups", "round_to_fp8_grid"]
+__all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "act_quant_args", "act_quant_outputs", "cublas_rows", "quantize_groups",
+           "round_to_fp8_grid"]
 
 
 @triton.jit
@@ -72,37 +73,50 @@ def cublas_rows(m: int) -> int:
     return -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
 
 
+def act_quant_outputs(m_in: int, k: int, fp8_dtype: torch.dtype, device: torch.device,
+                      cublas_layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (x_q, x_s) for :func:`act_quant` of an (m_in, K) input (see there for the layouts)."""
+    m = cublas_rows(m_in) if cublas_layout else m_in
+    groups = triton.cdiv(k, GROUP_SIZE)
+    x_q = torch.empty((m, k), dtype=fp8_dtype, device=device)
+    x_s = torch.empty_strided((m, groups), (1, m) if cublas_layout else (groups, 1), dtype=SCALE_DTYPE, device=device)
+    return x_q, x_s
+
+
+def act_quant_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
+                   release_early: bool = False) -> tuple[tuple[int, int], dict, dict]:
+    """(grid, kernel arguments, launch options) quantizing x (M_in, K) into x_q, x_s (M >= M_in rows)."""
+    m_in, k = x.shape
+    m = x_q.shape[0]
+    # Rows per program: 16 (4 KB of bf16) saturates HBM at prefill; decode-sized inputs take fewer
+    # rows so no program works on padding (H100, K=7168, do_bench incl. launch: M=1 4.7 vs 7.2 us
+    # with 1 row / 1 warp; M=16 5.1 vs 5.6 us with 4 rows; M=4096 42.2 vs 42.4 us, unchanged).
+    block_m, num_warps = (1, 1) if m == 1 else ((4, 4) if m <= 64 else (16, 4))
+    fp8_dtype = x_q.dtype
+    args = dict(
+        x_ptr=x, q_ptr=x_q, s_ptr=x_s, M=m, M_IN=m_in, K=k,
+        stride_xm=x.stride(0), stride_qm=x_q.stride(0), stride_sm=x_s.stride(0), stride_sg=x_s.stride(1),
+        qmax=activation_max(fp8_dtype), amax_floor=AMAX_FLOOR,
+        MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE, RELEASE_EARLY=release_early,
+    )
+    return (triton.cdiv(m, block_m), triton.cdiv(k, GROUP_SIZE)), args, {"num_warps": num_warps}
+
+
 def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = False,
               release_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D `x` (M, K) with unit stride along K -> (x_q (M, K), x_s (M, ceil(K/128))).
 
     `release_early`: let a GEMM launched next with PDL be scheduled while this kernel runs
-    (:func:`fp8linear.ops.linear.release_early`); the GEMM still waits for this kernel's results.
+    (:class:`fp8linear.ops.router.Route`); the GEMM still waits for this kernel's results.
 
     With `cublas_layout`, the layout torch._scaled_mm's blockwise path takes: M is padded to
     M' = cublas_rows(M) with zero rows (scale = the amax floor's), x_q is (M', K) and x_s is
     (M', ceil(K/128)) with strides (1, M') (M-major).
     """
     m_in, k = x.shape
-    m = cublas_rows(m_in) if cublas_layout else m_in
-    groups = triton.cdiv(k, GROUP_SIZE)
-    x_q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
-    if cublas_layout:
-        x_s = torch.empty((groups, m), dtype=SCALE_DTYPE, device=x.device).t()
-    else:
-        x_s = torch.empty((m, groups), dtype=SCALE_DTYPE, device=x.device)
-    if m == 0 or k == 0:
+    x_q, x_s = act_quant_outputs(m_in, k, fp8_dtype, x.device, cublas_layout)
+    if x_q.shape[0] == 0 or k == 0:
         return x_q, x_s
-    # Rows per program: 16 (4 KB of bf16) saturates HBM at prefill; decode-sized inputs take fewer
-    # rows so no program works on padding (H100, K=7168, do_bench incl. launch: M=1 4.7 vs 7.2 us
-    # with 1 row / 1 warp; M=16 5.1 vs 5.6 us with 4 rows; M=4096 42.2 vs 42.4 us, unchanged).
-    block_m, num_warps = (1, 1) if m == 1 else ((4, 4) if m <= 64 else (16, 4))
-    grid = (triton.cdiv(m, block_m), groups)
-    _act_quant_kernel[grid](
-        x, x_q, x_s, m, m_in, k,
-        x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
-        activation_max(fp8_dtype), AMAX_FLOOR,
-        MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE, RELEASE_EARLY=release_early,
-        num_warps=num_warps,
-    )
+    grid, args, options = act_quant_args(x, x_q, x_s, release_early)
+    _act_quant_kernel[grid](**args, **options)
     return x_q, x_s

@@ -25,10 +25,10 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, launch_options, splitk_num_stages
-from .gemm_common import promote, store_tile, weight_scale_ptrs
-from .pdl import pdl_launch, use_pdl, wait_for_producer
+from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
+from .pdl import pdl_launch, wait_for_producer
 
-__all__ = ["SplitKConfig", "sm_count", "splitk_config", "splitk_fp8_gemm", "splitk_workspace"]
+__all__ = ["SplitKConfig", "sm_count", "splitk_args", "splitk_buffers", "splitk_config", "splitk_fp8_gemm", "splitk_workspace"]
 
 # Split-K gives each output tile the fewest splits that make at least this many programs per SM
 # (H100 sweep: 2 beat 1 and 4; rounding the split up rather than to nearest, so N=7168 at M=16-64
@@ -162,6 +162,44 @@ def splitk_workspace(n: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
+def splitk_buffers(m: int, n: int, cfg: SplitKConfig, k: int, device: torch.device,
+                   counters: torch.Tensor | None) -> tuple[tuple[int, int], torch.Tensor | None, tuple | None]:
+    """((splits, K groups per split), tile counters, partial sums' shape) of a launch: the counters
+    are `counters` when it is large enough, else fresh zeros; None, None without a split."""
+    groups = triton.cdiv(k, GROUP_SIZE)
+    groups_per_split = triton.cdiv(groups, min(cfg.split_k, groups))
+    split = triton.cdiv(groups, groups_per_split)  # no empty splits
+    if split == 1:
+        return (1, groups_per_split), None, None
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros((tiles,), dtype=torch.int32, device=device)
+    return (split, groups_per_split), counters, (split, m, n)
+
+
+def splitk_args(x: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, y: torch.Tensor,
+                granularity: str, bias: torch.Tensor | None, cfg: SplitKConfig, split: tuple[int, int],
+                part: torch.Tensor | None, count: torch.Tensor | None, pdl: bool) -> tuple[tuple[int, int, int], dict, dict]:
+    """(grid, kernel arguments, launch options) of the split-K GEMM writing y (M, N); `part` and
+    `count` and `split` (splits, K groups per split) from :func:`splitk_buffers`."""
+    m, k = x.shape
+    n = w_q.shape[0]
+    ws_group_n, stride_wsn, stride_wsk = weight_scale_layout(w_s, granularity)
+    split, groups_per_split = split
+    args = dict(
+        x_ptr=x, xs_ptr=x_s, w_ptr=w_q, ws_ptr=w_s, y_ptr=y, bias_ptr=bias if bias is not None else y,
+        part_ptr=part if part is not None else y, count_ptr=count if count is not None else y,
+        M=m, N=n, K=k, groups_per_split=groups_per_split,
+        stride_xm=x.stride(0), stride_xsm=x_s.stride(0), stride_wn=w_q.stride(0), stride_wsn=stride_wsn,
+        stride_wsk=stride_wsk, stride_ym=y.stride(0),
+        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
+        SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE, USE_PDL=pdl,
+    )
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),
+                        **launch_options(cfg)}
+
+
 def splitk_fp8_gemm(
     x: torch.Tensor,
     x_s: torch.Tensor,
@@ -172,11 +210,13 @@ def splitk_fp8_gemm(
     bias: torch.Tensor | None = None,
     config: SplitKConfig | None = None,
     counters: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y = dequant(x, x_s) @ dequant(w).T (+ bias) for small M on validated, K-contiguous operands.
 
     `counters`: a :func:`splitk_workspace` (int32 zeros, left zeroed) to count in; without one,
-    or one too small for this launch's tiles, each call zeroes fresh counters.
+    or one too small for this launch's tiles, each call zeroes fresh counters. `pdl`: launch with
+    programmatic dependent launch (:mod:`fp8linear.ops.pdl`; the router decides).
     """
     m, k = x.shape
     n = w_q.shape[0]
@@ -185,33 +225,9 @@ def splitk_fp8_gemm(
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    if granularity == "tensor":
-        ws_group_n, stride_wsn, stride_wsk = 1, 0, 0
-    else:
-        ws_group_n = GROUP_SIZE if granularity == "block" else 1
-        stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1)
     cfg = config or splitk_config(m, n, k, x.device) or SplitKConfig(block_m=16, block_n=64, split_k=1)
-    groups = triton.cdiv(k, GROUP_SIZE)
-    groups_per_split = triton.cdiv(groups, min(cfg.split_k, groups))
-    split = triton.cdiv(groups, groups_per_split)
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        tiles = grid[0] * grid[2]
-        if counters is not None and counters.numel() >= tiles:
-            count = counters
-        else:
-            count = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
-    else:
-        part = count = y  # unused
-    uniform = granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0)
-    pdl = use_pdl(x.device, m)
-    _splitk_fp8_gemm_kernel[grid](
-        x, x_s, w_q, w_s, y, bias if bias is not None else y, part, count,
-        m, n, k, groups_per_split,
-        x.stride(0), x_s.stride(0), w_q.stride(0), stride_wsn, stride_wsk, y.stride(0),
-        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform, HAS_BIAS=bias is not None, SPLIT=split > 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **launch_options(cfg),
-    )
+    split, count, part_shape = splitk_buffers(m, n, cfg, k, x.device, counters)
+    part = torch.empty(part_shape, dtype=torch.float32, device=x.device) if part_shape else None
+    grid, args, options = splitk_args(x, x_s, w_q, w_s, y, granularity, bias, cfg, split, part, count, pdl)
+    _splitk_fp8_gemm_kernel[grid](**args, **options)
     return y

@@ -1,0 +1,206 @@
+"""Eager-mode cost of one FP8 linear against BF16 `nn.Linear` (`fp8linear bench --eager`).
+
+Most users call a model without torch.compile or CUDA graphs; then each layer's host work
+(Python, argument checks, kernel launches, allocations) adds up with the GPU work. Per weight
+shape and batch M this reports, for ``Fp8BlockLinear`` (``ours``) and a BF16 ``nn.Linear``:
+
+=============  ==============================================================================
+``wall_us``    many calls back to back, one synchronisation at the end, wall time per call
+``host_us``    the same burst's enqueue time per call (before the synchronisation)
+``gpu_us``     one call replayed in a CUDA graph (GPU time only; no launch overhead)
+``kernels``    GPU kernels (and memsets) one call launches (torch.profiler)
+``py_calls``   Python function calls one forward makes (``sys.setprofile``)
+=============  ==============================================================================
+
+and the ratio ``ours / bf16`` of wall time. Every call of a burst reads a different input
+(rotated over enough copies to exceed the L2 cache on a GPU). Without a GPU it runs on the CPU
+with the given thread count (wall = host; no GPU columns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["EAGER_SHAPES", "EAGER_MS", "EagerRow", "measure_eager", "format_eager", "run_eager"]
+
+# DeepSeek-V3 linear shapes (N, K) of the eager-mode targets: q_a/kv_a-like, wide q_b, expert-width down.
+EAGER_SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048))
+EAGER_MS = (1, 8, 64, 512)
+# Calls per timed burst: far below the CUDA launch queue (~1000 entries), so enqueueing never waits.
+_BURST = 50
+_BURSTS = 7
+
+
+@dataclass
+class EagerRow:
+    n: int
+    k: int
+    m: int
+    method: str  # "ours" or "bf16"
+    wall_us: float
+    host_us: float
+    gpu_us: float | None
+    kernels: int | None
+    py_calls: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _burst_times(fn: Callable[[torch.Tensor], Any], xs: Sequence[torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """(wall us per call, enqueue us per call): medians over bursts of back-to-back calls."""
+    for x in xs[:3]:
+        fn(x)
+    _sync(device)
+    walls, hosts = [], []
+    for _ in range(_BURSTS):
+        t0 = time.perf_counter()
+        for i in range(_BURST):
+            fn(xs[i % len(xs)])
+        t1 = time.perf_counter()
+        _sync(device)
+        t2 = time.perf_counter()
+        hosts.append((t1 - t0) / _BURST * 1e6)
+        walls.append((t2 - t0) / _BURST * 1e6)
+    return statistics.median(walls), statistics.median(hosts)
+
+
+def _gpu_us(fn: Callable[[torch.Tensor], Any], xs: Sequence[torch.Tensor]) -> float | None:
+    """GPU time per call: a CUDA graph of one pass over the inputs, replayed; None if capture fails."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for x in xs:
+                fn(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for x in xs:
+                fn(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(5):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(xs))
+        return statistics.median(times)
+    except RuntimeError:
+        return None
+
+
+def _kernels(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> int | None:
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(x)
+            torch.cuda.synchronize()
+    except RuntimeError:
+        return None
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _py_calls(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> int:
+    count = [0]
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            count[0] += 1
+
+    sys.setprofile(tracer)
+    try:
+        fn(x)
+    finally:
+        sys.setprofile(None)
+    return max(count[0] - 1, 0)  # not the lambda itself
+
+
+def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence[int] = EAGER_MS,
+                  device: str | torch.device | None = None, granularity: str = "block",
+                  log: Callable[[str], None] | None = None) -> list[EagerRow]:
+    """Rows of both methods for every (shape, M), each (shape, M) timed as one interleaved pair."""
+    from .module import Fp8BlockLinear
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    rows: list[EagerRow] = []
+    for n, k in shapes:
+        lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        ours = Fp8BlockLinear.from_linear(lin, granularity)
+        methods: dict[str, Callable[[torch.Tensor], Any]] = {"ours": ours, "bf16": lin}
+        for m in ms:
+            copies = max(2, min(64, (100 << 20) // max(1, m * k * 2))) if gpu else 2  # > 2x a 50 MB L2
+            xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            with torch.inference_mode():
+                for name, fn in methods.items():
+                    wall, host = _burst_times(fn, xs, device)
+                    rows.append(EagerRow(n, k, m, name, wall, host, _gpu_us(fn, xs) if gpu else None,
+                                         _kernels(fn, xs[0]) if gpu else None, _py_calls(fn, xs[0])))
+            if log:
+                o, b = rows[-2], rows[-1]
+                log(f"{n}x{k} M={m}: ours {o.wall_us:.1f} us, bf16 {b.wall_us:.1f} us")
+    return rows
+
+
+def format_eager(rows: Sequence[EagerRow]) -> str:
+    def f(v: float | int | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    head = (f"{'N x K':>13s} {'M':>5s} | {'wall us':>15s} {'ours/bf16':>9s} | {'host us':>15s} | {'gpu us':>15s} |"
+            f" {'kernels':>7s} | {'py calls':>8s}")
+    lines = [head, f"{'':>19s} | {'ours':>7s} {'bf16':>7s} {'':>9s} | {'ours':>7s} {'bf16':>7s} | {'ours':>7s} {'bf16':>7s} |"
+                   f" {'o/b':>7s} | {'o/b':>8s}"]
+    pairs = {}
+    for r in rows:
+        pairs.setdefault((r.n, r.k, r.m), {})[r.method] = r
+    for (n, k, m), p in pairs.items():
+        o, b = p["ours"], p["bf16"]
+        lines.append(
+            f"{f'{n}x{k}':>13s} {m:5d} | {o.wall_us:7.1f} {b.wall_us:7.1f} {o.wall_us / b.wall_us:9.2f} |"
+            f" {o.host_us:7.1f} {b.host_us:7.1f} | {f(o.gpu_us, '7.1f'):>7s} {f(b.gpu_us, '7.1f'):>7s} |"
+            f" {f(o.kernels, 'd'):>3s}/{f(b.kernels, 'd'):<3s} | {o.py_calls:4d}/{b.py_calls:<3d}")
+    return "\n".join(lines)
+
+
+def add_eager_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--eager", action="store_true",
+                        help="eager-mode cost per call of Fp8BlockLinear vs BF16 nn.Linear (host, GPU, launches)")
+    parser.add_argument("--json", action="store_true", help="with --eager: print the rows as JSON")
+    parser.add_argument("--threads", type=int, default=None, help="with --eager on a CPU: torch threads")
+
+
+def run_eager(args: argparse.Namespace) -> int:
+    """`fp8linear bench --eager [--shapes N,K ...] [--m M ...] [--json]`."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else EAGER_SHAPES
+    rows = measure_eager(shapes, tuple(args.m) if args.m else EAGER_MS, args.device,
+                         log=None if args.json else print)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"CPU, {torch.get_num_threads()} threads")
+    import triton
+
+    print(f"\n{where}, torch {torch.__version__}, triton {triton.__version__}; eager, bf16 input, 128x128 weights")
+    print(format_eager(rows))
+    return 0

@@ -1,0 +1,134 @@
+"""The one router: which kernel runs a GEMM-shaped FP8 call, with which launch configuration.
+
+Every choice between kernels is made here and nowhere else:
+
+- ``gemv``: one token and a weight below FUSED_GEMV_MAX_WEIGHT elements, activations not yet
+  quantized -> the fused quantize + GEMV kernel (:mod:`fp8linear.ops.fused_gemv`), one launch;
+- ``cublas``: on Hopper under backend "auto", prefill-sized GEMMs cuBLAS blockwise FP8 computes
+  correctly and faster (:mod:`fp8linear.ops.cublas_gemm`);
+- ``splitk``: M <= SMALL_M_MAX with long K and too few output tiles to fill the GPU
+  (:mod:`fp8linear.ops.splitk_gemm`);
+- ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
+  operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
+- ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
+  (:func:`fp8linear.ops.configs.select_config`).
+
+Programmatic dependent launch (``FP8LINEAR_PDL=1``, :mod:`fp8linear.ops.pdl`) is decided here too.
+A :class:`Route` is a plain value: callers that run the same shape again (``Fp8BlockLinear``
+keeps one per input shape) decide once and reuse it, so no environment variable is read and no
+device is queried on their forward path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backend import interpreting
+from .configs import SMALL_M_MAX, GemmConfig, select_config
+from .cublas_gemm import CUBLAS_ROW_ALIGN, cublas_device_ok, cublas_shape_ok
+from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
+from .pdl import use_pdl
+from .splitk_gemm import SplitKConfig, splitk_config
+
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the tiled kernel serves every shape
+    TensorDescriptor = None
+
+__all__ = [
+    "KERNELS",
+    "LONG_SPLITK_K",
+    "PERSISTENT_CONFIG",
+    "PERSISTENT_MAX_K",
+    "PERSISTENT_MIN_M",
+    "Route",
+    "route_gemm",
+    "route_linear",
+    "tma_ok",
+    "use_persistent",
+]
+
+KERNELS = ("gemv", "cublas", "splitk", "persistent", "tiled")
+
+# Short K (up to PERSISTENT_MAX_K) with M >= PERSISTENT_MIN_M and 128x128-block or per-tensor
+# weights runs the persistent TMA kernel (H100, M=4096: K=512 211 vs 304 us, K=1536 413 vs 437 us
+# against the tiled kernel; at K >= 7168 it was 2-4% slower; with row-wise scales or smaller tiles
+# it was slower, up to 9x for row-wise at N=24576, K=1536).
+PERSISTENT_MAX_K = 2304
+PERSISTENT_MIN_M = 2048
+PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+# Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
+# (slower with it) and K=7168 (faster); the cut is between.
+LONG_SPLITK_K = 8192
+# TMA wants 16-byte aligned bases and row strides.
+_TMA_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Route:
+    """What runs one GEMM: the kernel (one of KERNELS), its launch config, and PDL flags.
+
+    ``pdl``: the GEMM is launched with programmatic dependent launch; ``release_early``: the
+    activation quantization before it lets it be scheduled early (:mod:`fp8linear.ops.pdl`).
+    """
+
+    kernel: str
+    config: GemmConfig | SplitKConfig | GemvConfig | None = None
+    pdl: bool = False
+    release_early: bool = False
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D K-contiguous FP8 tensor TMA can address: 16-byte aligned base and row stride."""
+    return t.stride(1) == 1 and t.stride(0) % _TMA_ALIGN == 0 and t.data_ptr() % _TMA_ALIGN == 0
+
+
+def use_persistent(device: torch.device, m: int, k: int, granularity: str, operands_tma_ok: bool) -> bool:
+    """Whether the persistent TMA kernel runs this GEMM (see PERSISTENT_MAX_K); never on AMD (no TMA)."""
+    if m < PERSISTENT_MIN_M or k > PERSISTENT_MAX_K or granularity == "row" or not operands_tma_ok:
+        return False
+    if torch.version.hip is not None or TensorDescriptor is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9  # TMA: Hopper or newer
+    return interpreting()  # the CPU interpreter emulates TMA descriptors, so CI runs this kernel too
+
+
+def _tiled_or_splitk(device: torch.device, m: int, n: int, k: int, granularity: str, operands_tma_ok: bool,
+                     pdl: bool) -> Route:
+    if m <= SMALL_M_MAX:
+        split = splitk_config(m, n, k, device)
+        if split is not None:
+            return Route("splitk", split, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
+    if use_persistent(device, m, k, granularity, operands_tma_ok):
+        return Route("persistent", PERSISTENT_CONFIG)
+    return Route("tiled", select_config(device, m, n, k, granularity), pdl=pdl, release_early=pdl)
+
+
+def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
+                 out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
+                 weight_tma_ok: bool) -> Route:
+    """The route of a whole FP8 linear (x not yet quantized, output in x's dtype `out_dtype`).
+
+    `weight_tma_ok`: :func:`tma_ok` of the weight (the quantized activations are made
+    16-byte aligned, so they are TMA-addressable whenever K is a multiple of 16).
+    """
+    if use_fused_gemv(m, n, k):
+        return Route("gemv", gemv_config(m, n, k))
+    if allow_cublas and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device):
+        return Route("cublas")
+    return _tiled_or_splitk(device, m, n, k, granularity, weight_tma_ok and k % _TMA_ALIGN == 0,
+                            use_pdl(device, m))
+
+
+def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
+               out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
+               operands_tma_ok: bool) -> Route:
+    """The route of a GEMM on already quantized activations (no fused GEMV; cuBLAS only where M is
+    a multiple of 4, since quantized rows cannot be padded here)."""
+    if (allow_cublas and m % CUBLAS_ROW_ALIGN == 0 and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias)
+            and cublas_device_ok(device)):
+        return Route("cublas")
+    return _tiled_or_splitk(device, m, n, k, granularity, operands_tma_ok, use_pdl(device, m))

@@ -1,0 +1,180 @@
+"""Fp8BlockLinear's launch plans (fp8linear.ops.linear.LinearPlan): decided once per input shape,
+bit-identical to the routed functional path, dropped when what they were made from changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp8linear import Fp8BlockLinear, fp8_linear
+from fp8linear.ops import HAS_TRITON
+
+from _utils import GEMM_TOL, rel_err, same_bits
+from conftest import HAS_CUDA, KERNEL_DEVICE
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+# (M, N, K, route on the interpreter's 4-SM "GPU"): one token -> fused GEMV; long K at small M ->
+# split-K; M % 4 != 0 and short K -> tiled; a single token with K past the split limit -> GEMV.
+CASES = [(1, 130, 300, "gemv"), (3, 130, 4224, "splitk"), (77, 136, 256, "tiled"), (5, 64, 300, "tiled")]
+
+
+def _layer(n: int, k: int, granularity: str, bias: bool, device: str = KERNEL_DEVICE) -> Fp8BlockLinear:
+    lin = nn.Linear(k, n, bias=bias, device=device, dtype=torch.bfloat16)
+    return Fp8BlockLinear.from_linear(lin, granularity, backend="triton")
+
+
+def _count_validated_calls(monkeypatch) -> list[int]:
+    from fp8linear import module
+
+    calls = [0]
+    real = module.fp8_linear
+
+    def spy(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, "fp8_linear", spy)
+    return calls
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("m,n,k,kernel", CASES)
+def test_plan_matches_routed_path_bit_for_bit(m, n, k, kernel, bias, granularity, monkeypatch):
+    layer = _layer(n, k, granularity, bias)
+    validated = _count_validated_calls(monkeypatch)
+    gen = torch.Generator(device=KERNEL_DEVICE).manual_seed(m * n + k)
+    lead = (1, m) if m % 2 else (m,)  # leading dims reach the plan unreshaped
+    xs = [torch.randn(*lead, k, device=KERNEL_DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    assert validated[0] == 1  # the first call validates and plans; the others run the plan
+    (plan,) = layer._plans.values()
+    assert plan.route.kernel == kernel
+    for x, y in zip(xs, ys):
+        assert y.shape == (*lead, n) and y.dtype == x.dtype
+        routed = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="triton")
+        assert same_bits(y, routed)
+        ref = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="reference")
+        assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] * 2  # fp32 sums in another order, one bf16 rounding each
+
+
+def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
+    from fp8linear import module
+
+    layer = _layer(130, 300, "block", True)
+    for m in (1, 2, 3):
+        layer(torch.randn(m, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    layer(torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.float32))
+    assert len(layer._plans) == 4
+    monkeypatch.setattr(module, "MAX_PLANS", 4)
+    layer(torch.randn(4, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    assert len(layer._plans) == 1  # full: forgotten, then the new one kept
+
+
+def test_plans_dropped_when_weights_bias_backend_or_device_change():
+    layer = _layer(130, 300, "block", True)
+    x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    layer(x)
+    assert layer._plans
+    other = _layer(130, 300, "row", True)
+    layer.weight_scale_inv = other.weight_scale_inv  # now a 1x128 layer
+    layer.weight = other.weight
+    assert not layer._plans
+    y = layer(x)
+    assert same_bits(y, fp8_linear(x, other.weight, other.weight_scale_inv, layer.bias, backend="triton"))
+    layer.bias = None
+    assert not layer._plans
+    layer(x)
+    layer.backend = "reference"
+    assert not layer._plans
+    y = layer(x)
+    assert not layer._plans  # the reference path keeps no plan
+    assert same_bits(y, fp8_linear(x, other.weight, other.weight_scale_inv, None, backend="reference"))
+    layer.backend = "triton"
+    layer(x)
+    layer.to(KERNEL_DEVICE)
+    assert not layer._plans
+
+
+def test_in_place_updates_reach_the_output():
+    layer = _layer(130, 300, "block", False)
+    x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    layer(x)
+    other = _layer(130, 300, "block", False)
+    layer.load_state_dict(other.state_dict())  # copies into the same tensors, and forgets the plans
+    assert not layer._plans
+    assert same_bits(layer(x), other(x))
+    with torch.no_grad():
+        layer.weight.copy_(_layer(130, 300, "block", False).weight)  # a plan reads the weight where it is
+    assert layer._plans
+    assert same_bits(layer(x), fp8_linear(x, layer.weight, layer.weight_scale_inv, None, backend="triton"))
+
+
+def test_misaligned_or_strided_inputs_take_the_validated_path(monkeypatch):
+    layer = _layer(130, 300, "block", True)
+    validated = _count_validated_calls(monkeypatch)
+    x = torch.randn(3, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    layer(x)
+    flat = torch.randn(3 * 300 + 1, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    misaligned = flat[1:].view(3, 300)  # 2 bytes past a 16-byte boundary
+    strided = torch.randn(300, 3, device=KERNEL_DEVICE, dtype=torch.bfloat16).t()
+    for xi in (misaligned, strided):
+        y = layer(xi)
+        assert same_bits(y, fp8_linear(xi.contiguous(), layer.weight, layer.weight_scale_inv, layer.bias,
+                                       backend="triton"))
+    assert validated[0] == 3
+    assert len(layer._plans) == 1
+
+
+def test_bad_input_still_gets_clear_errors_after_planning():
+    layer = _layer(130, 300, "block", True)
+    layer(torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K=300"):
+        layer(torch.randn(2, 299, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        layer(torch.randn(2, 300, device=KERNEL_DEVICE).to(torch.float64))
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+@pytest.mark.parametrize("m,n,k", [(1, 2112, 7168), (1, 18432, 7168), (8, 576, 7168), (16, 4096, 512), (64, 7168, 2048),
+                                   (77, 1536, 7168), (333, 2112, 7168), (1024, 7168, 2048), (2048, 4096, 512)])
+def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
+    """On a GPU the prepared launches call the compiled kernels directly after the first call,
+    with results bit-identical to the routed path; graphs capture the planned forward."""
+    torch.manual_seed(m + n + k)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16), granularity)
+    xs = [torch.randn(2, m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    (plan,) = layer._plans.values()
+    assert all(c.compiled is not None for c in plan.calls)  # every prepared launch is direct now
+    if plan.route.kernel in ("gemv", "splitk", "tiled"):
+        assert plan.calls
+    for x, y in zip(xs, ys):
+        assert same_bits(y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias))
+    static_x = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    for x, y in zip(xs, ys):
+        static_x.copy_(x)
+        graph.replay()
+        assert same_bits(static_y, y)
+    if layer._workspace is not None:
+        assert not layer._workspace.any()
+
+
+def test_launch_hooks_are_recognised_in_every_form():
+    """A planned launch goes direct only while no launch hook (profilers) would run: Triton >= 3.5
+    keeps hooks in an always-present chain, older builds a plain callable or None."""
+    from fp8linear.ops.launch import _hook_set
+
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not _hook_set(None) and not _hook_set(Chain([]))
+    assert _hook_set(Chain([print])) and _hook_set(print)
