@@ -281,9 +281,11 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         weight, granularity = self.weight, self.granularity
         w_s = self.weight_scale_inv.reshape(()) if granularity == "tensor" else self.weight_scale_inv
         k = x.shape[-1]
-        route = route_linear(x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype,
-                             self.bias, cublas_allowed(self.backend), tma_ok(weight))
-        return LinearPlan(route, x, weight, w_s, granularity, self.bias, workspace)
+        args = (x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype, self.bias,
+                cublas_allowed(self.backend), tma_ok(weight))
+        # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
+        return LinearPlan(route_linear(*args, one_launch=True), x, weight, w_s, granularity, self.bias, workspace,
+                          capture_route=route_linear(*args))
 
     def extra_repr(self) -> str:
         return (

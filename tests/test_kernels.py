@@ -464,9 +464,10 @@ def test_fused_gemv_nan_row_propagates_and_config_validation():
 @pytest.mark.parametrize("m,n,k,fused", [(1, 576, 7168, True), (1, 130, 300, True), (2, 130, 300, False),
                                          (1, 18432, 7168, False), (1, 3072, 8192, False), (1, 3071, 8192, True)])
 def test_fp8_linear_fused_dispatch(m, n, k, fused, monkeypatch):
-    """One token below 24M weight elements (FUSED_GEMV_MAX_WEIGHT) runs the fused kernel alone; otherwise act_quant + GEMM."""
+    """One token below 24M weight elements (FUSED_GEMV_MAX_WEIGHT) runs the fused GEMV; otherwise
+    act_quant + GEMM (the one-launch decode kernel is for eager module plans only, see test_linear_plans)."""
     from fp8linear import functional
-    from fp8linear.ops import fused_gemv, quant
+    from fp8linear.ops import fused_decode, fused_gemv, quant
     from fp8linear.ops.router import route_linear
 
     route = route_linear(torch.device(KERNEL_DEVICE), m, n, k, "row", torch.float8_e4m3fn, torch.bfloat16, None,
@@ -475,7 +476,8 @@ def test_fp8_linear_fused_dispatch(m, n, k, fused, monkeypatch):
     if n * k > 1 << 20:
         return  # the rule is what matters; large weights are run by the GPU tests above
     launched: list[str] = []
-    for mod, name in ((fused_gemv, "_fused_fp8_gemv_kernel"), (quant, "_act_quant_kernel")):
+    for mod, name in ((fused_gemv, "_fused_fp8_gemv_kernel"), (quant, "_act_quant_kernel"),
+                      (fused_decode, "_fused_decode_kernel")):
         monkeypatch.setattr(mod, name, _LaunchSpy(getattr(mod, name), name, launched))
     x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE) / 20, "row")

@@ -7,17 +7,18 @@ import pytest
 import torch
 from torch import nn
 
-from fp8linear import Fp8BlockLinear, fp8_linear
+from fp8linear import Fp8BlockLinear, block_fp8_matmul, dequantize_weight, fp8_linear, quantize_activation
 from fp8linear.ops import HAS_TRITON
 
-from _utils import GEMM_TOL, rel_err, same_bits
+from _utils import FP8_LINEAR_TOL, GEMM_TOL, rel_err, same_bits
 from conftest import HAS_CUDA, KERNEL_DEVICE
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 
-# (M, N, K, route on the interpreter's 4-SM "GPU"): one token -> fused GEMV; long K at small M ->
-# split-K; M % 4 != 0 and short K -> tiled; a single token with K past the split limit -> GEMV.
-CASES = [(1, 130, 300, "gemv"), (3, 130, 4224, "splitk"), (77, 136, 256, "tiled"), (5, 64, 300, "tiled")]
+# (M, N, K, route on the interpreter's 4-SM "GPU"): one token -> fused GEMV; up to 64 tokens -> the
+# one-launch decode kernel, split (long K) or not (short K); more rows -> tiled.
+CASES = [(1, 130, 300, "gemv"), (3, 130, 4224, "decode"), (77, 136, 256, "tiled"), (5, 64, 300, "decode"),
+         (17, 96, 4352, "decode")]
 
 
 def _layer(n: int, k: int, granularity: str, bias: bool, device: str = KERNEL_DEVICE) -> Fp8BlockLinear:
@@ -58,6 +59,44 @@ def test_plan_matches_routed_path_bit_for_bit(m, n, k, kernel, bias, granularity
         assert same_bits(y, routed)
         ref = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="reference")
         assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] * 2  # fp32 sums in another order, one bf16 rounding each
+    if kernel == "decode":
+        assert not layer._workspace.any()  # tile and wait counters left at zero for the next call
+
+
+@pytest.mark.parametrize("workspace", ["none", "too small", "layer's"])
+@pytest.mark.parametrize("m,n,k", [(2, 130, 4224), (33, 64, 300)])
+def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
+    from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
+    from fp8linear.ops.fused_decode import fused_decode_gemm
+    from fp8linear.ops.router import route_linear
+    from fp8linear.ops.splitk_gemm import splitk_workspace
+
+    dev = torch.device(KERNEL_DEVICE)
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / 30, "block")
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    route = route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True, one_launch=True)
+    assert route.kernel == "decode"
+    assert route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True).kernel != "decode"
+    ws = {"none": None, "too small": torch.zeros(3, dtype=torch.int32, device=dev),
+          "layer's": splitk_workspace(n, dev)}[workspace]
+    y = fused_decode_gemm(x, w_q, w_s, "block", bias, route.config, ws)
+    x_q, x_s = quantize_activation(x, backend="triton")
+    assert same_bits(y, block_fp8_matmul(x_q, x_s, w_q, w_s, bias=bias, backend="triton"))
+    if ws is not None:
+        assert not ws.any()
+
+
+def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
+    from fp8linear.ops import router
+
+    dev = torch.device(KERNEL_DEVICE)
+    args = (dev, 8, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False, True)
+    assert router.route_linear(*args, one_launch=True).kernel == "decode"
+    big = (dev, 8, 18432, 7168) + args[4:]
+    assert router.route_linear(*big, one_launch=True).kernel != "decode"  # GPU-bound: two launches win
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert router.route_linear(*args, one_launch=True).kernel != "decode"  # no in-launch wait on ROCm
 
 
 def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
@@ -140,7 +179,8 @@ def test_bad_input_still_gets_clear_errors_after_planning():
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
-@pytest.mark.parametrize("m,n,k", [(1, 2112, 7168), (1, 18432, 7168), (8, 576, 7168), (16, 4096, 512), (64, 7168, 2048),
+@pytest.mark.parametrize("m,n,k", [(1, 2112, 7168), (1, 18432, 7168), (2, 576, 7168), (8, 576, 7168), (16, 4096, 512),
+                                   (33, 24576, 1536), (64, 7168, 2048), (64, 7168, 18432), (3, 300, 4224),
                                    (77, 1536, 7168), (333, 2112, 7168), (1024, 7168, 2048), (2048, 4096, 512)])
 def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
     """On a GPU the prepared launches call the compiled kernels directly after the first call,
@@ -155,6 +195,13 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
         assert plan.calls
     for x, y in zip(xs, ys):
         assert same_bits(y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias))
+        if plan.route.kernel == "decode":  # the same bits as the two-launch path (act_quant, then the GEMM)
+            x_q, x_s = quantize_activation(x)
+            w_s = layer.weight_scale_inv
+            assert same_bits(y, block_fp8_matmul(x_q.flatten(0, 1), x_s.flatten(0, 1), layer.weight, w_s,
+                                                 bias=layer.bias).view_as(y))
+        ref = x.double() @ dequantize_weight(layer.weight, layer.weight_scale_inv, torch.float64).t() + layer.bias.double()
+        assert rel_err(y, ref) < FP8_LINEAR_TOL
     static_x = xs[0].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
 
 from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
+from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, fused_decode_outputs, split_workspace
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, aligned
@@ -33,6 +35,8 @@ def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torc
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K), weight w_q (N, K), on `route`."""
     if route.kernel == "gemv":
         return fused_fp8_gemv(x, w_q, w_s, granularity, bias, route.config)
+    if route.kernel == "decode":
+        return fused_decode_gemm(x, w_q, w_s, granularity, bias, route.config, workspace)
     m = x.shape[0]
     if route.kernel == "cublas":
         x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
@@ -62,6 +66,8 @@ class LinearPlan:
     bit-identical to :func:`run_linear_route` on the same route. cuBLAS routes keep the weight
     scale in cuBLAS's layout; routes without a prepared form (the persistent kernel, whose TMA
     descriptors hold the activations' address, and empty shapes) run :func:`run_linear_route`.
+    `capture_route`: the route to run inside CUDA-graph capture where it differs from `route`
+    (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
     The weight, scales, bias and `workspace` are held by reference: a plan stays valid while
     they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
     another layout), and must be made again when they are replaced.
@@ -70,11 +76,20 @@ class LinearPlan:
     __slots__ = ("route", "run", "calls")
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                 bias: torch.Tensor | None, workspace: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, workspace: torch.Tensor | None, capture_route: Route | None = None) -> None:
         self.route = route
         run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, workspace)
+        if capture_route is not None and capture_route != route and x.device.type == "cuda":
+            # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
+            capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, workspace)
+            eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                return capture_run(x) if is_capturing() else eager_run(x)
+
+            calls = calls + capture_calls
         self.run: Callable[[torch.Tensor], torch.Tensor] = run
-        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches, in order (none: unprepared)
+        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches (none: unprepared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y (..., N) for x (..., K) of the planned shape: the kernels read x through its data
@@ -111,6 +126,30 @@ class LinearPlan:
 
             return run_cublas, (quant,)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
+        if route.kernel == "decode":
+            tiles = triton.cdiv(n, route.config.block_n) * triton.cdiv(m, route.config.block_m)
+            tile_counters, sync = split_workspace(workspace, tiles, device)
+            split, count, part_shape = splitk_buffers(m, n, route.config, k, device, tile_counters)
+            if tile_counters is None:
+                return unprepared, ()  # no workspace to count in: fresh counters per call, as unprepared
+            part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
+            x_q0, x_s0 = fused_decode_outputs(m, k, fp8_dtype, device)
+            grid, args, options = fused_decode_args(x, x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
+                                                    part0, count, sync)
+            slots = ("x_ptr", "xq_ptr", "xs_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",))
+            one = KernelCall(_fused_decode_kernel, grid, args, options, slots + (("part_ptr",) if part_shape else ()))
+
+            def run_decode(x: torch.Tensor) -> torch.Tensor:
+                x_q, x_s = fused_decode_outputs(m, k, fp8_dtype, device)
+                y = torch.empty(out_shape, dtype=out_dtype, device=device)
+                if part_shape is None:
+                    one(x, x_q, x_s, y, y)
+                else:
+                    part = torch.empty(part_shape, dtype=torch.float32, device=device)
+                    one(x, x_q, x_s, y, y, part) if bias is None else one(x, x_q, x_s, y, part)
+                return y
+
+            return run_decode, (one,)
         if route.kernel == "gemv":
             grid, args, options = fused_gemv_args(x, w_q, w_s, y0, granularity, bias, route.config)
             gemv = KernelCall(_fused_fp8_gemv_kernel, grid, args, options, ("x_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",)))

@@ -6,8 +6,12 @@ Every choice between kernels is made here and nowhere else:
   quantized -> the fused quantize + GEMV kernel (:mod:`fp8linear.ops.fused_gemv`), one launch;
 - ``cublas``: on Hopper under backend "auto", prefill-sized GEMMs cuBLAS blockwise FP8 computes
   correctly and faster (:mod:`fp8linear.ops.cublas_gemm`);
+- ``decode``: asked for by eager callers only (``one_launch=True``: ``Fp8BlockLinear``'s plans
+  outside CUDA-graph capture), 2 to SMALL_M_MAX tokens, a weight below ONE_LAUNCH_MAX_WEIGHT
+  elements, NVIDIA GPUs (and the CPU interpreter) -> activation quantization and the split-K GEMM
+  in one launch (:mod:`fp8linear.ops.fused_decode`);
 - ``splitk``: M <= SMALL_M_MAX with long K and too few output tiles to fill the GPU
-  (:mod:`fp8linear.ops.splitk_gemm`);
+  (:mod:`fp8linear.ops.splitk_gemm`), on quantized activations or with PDL;
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import interpreting
+from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
 from .cublas_gemm import CUBLAS_ROW_ALIGN, cublas_device_ok, cublas_shape_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
@@ -40,6 +45,7 @@ except ImportError:  # pragma: no cover - older Triton: the tiled kernel serves 
 __all__ = [
     "KERNELS",
     "LONG_SPLITK_K",
+    "ONE_LAUNCH_MAX_WEIGHT",
     "PERSISTENT_CONFIG",
     "PERSISTENT_MAX_K",
     "PERSISTENT_MIN_M",
@@ -50,7 +56,7 @@ __all__ = [
     "use_persistent",
 ]
 
-KERNELS = ("gemv", "cublas", "splitk", "persistent", "tiled")
+KERNELS = ("gemv", "decode", "cublas", "splitk", "persistent", "tiled")
 
 # Short K (up to PERSISTENT_MAX_K) with M >= PERSISTENT_MIN_M and 128x128-block or per-tensor
 # weights runs the persistent TMA kernel (H100, M=4096: K=512 211 vs 304 us, K=1536 413 vs 437 us
@@ -62,6 +68,14 @@ PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
 LONG_SPLITK_K = 8192
+# The one-launch decode kernel runs, eagerly, weights below this many elements. H100, interleaved
+# A/B against act_quant + GEMM (benchmarks/decode_ab.py, DeepSeek-V3 shapes, M 2/8/64): eager wall
+# time per call 0.82-0.90x up to 24576x1536 (38M elements), where the host sets the pace; on
+# 117-132M-element weights the GPU does, and there the kernel's in-launch wait costs more than a
+# launch (18432x7168 M=8: 113 vs 65 us). Under CUDA graphs it is slower everywhere (GPU time 1.48x
+# geometric mean: its GEMM programs wait for the quantized x instead of streaming weights), so graphs
+# and torch.compile get the two launches.
+ONE_LAUNCH_MAX_WEIGHT = 48 * 2**20
 # TMA wants 16-byte aligned bases and row strides.
 _TMA_ALIGN = 16
 
@@ -107,20 +121,46 @@ def _tiled_or_splitk(device: torch.device, m: int, n: int, k: int, granularity: 
     return Route("tiled", select_config(device, m, n, k, granularity), pdl=pdl, release_early=pdl)
 
 
+def _decode_config(device: torch.device, m: int, n: int, k: int, granularity: str) -> SplitKConfig | None:
+    """The one-launch decode kernel's tiles: split-K's where it splits, else the tiled kernel's tuned
+    or heuristic tile as one split; None where that tile is not one the split-K program runs."""
+    split = splitk_config(m, n, k, device)
+    if split is not None:
+        return split
+    cfg = select_config(device, m, n, k, granularity)
+    if cfg.block_k != GROUP_SIZE or cfg.block_m > GROUP_SIZE or cfg.block_n > GROUP_SIZE or cfg.num_warps > 8:
+        return None
+    return SplitKConfig(block_m=cfg.block_m, block_n=cfg.block_n, split_k=1, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
+
+
+def _one_launch_decode_ok(device: torch.device) -> bool:
+    """Where the decode kernel's in-launch wait is safe: NVIDIA GPUs and the CPU interpreter
+    (both run programs in increasing id order, see :mod:`fp8linear.ops.fused_decode`)."""
+    if torch.version.hip is not None:
+        return False
+    return device.type == "cuda" or interpreting()
+
+
 def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
                  out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
-                 weight_tma_ok: bool) -> Route:
+                 weight_tma_ok: bool, one_launch: bool = False) -> Route:
     """The route of a whole FP8 linear (x not yet quantized, output in x's dtype `out_dtype`).
 
     `weight_tma_ok`: :func:`tma_ok` of the weight (the quantized activations are made
-    16-byte aligned, so they are TMA-addressable whenever K is a multiple of 16).
+    16-byte aligned, so they are TMA-addressable whenever K is a multiple of 16). `one_launch`:
+    the caller runs eagerly, where launches cost more than GPU time (see ONE_LAUNCH_MAX_WEIGHT).
     """
     if use_fused_gemv(m, n, k):
         return Route("gemv", gemv_config(m, n, k))
     if allow_cublas and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device):
         return Route("cublas")
-    return _tiled_or_splitk(device, m, n, k, granularity, weight_tma_ok and k % _TMA_ALIGN == 0,
-                            use_pdl(device, m))
+    pdl = use_pdl(device, m)
+    if one_launch and 1 <= m <= SMALL_M_MAX and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device):
+        cfg = _decode_config(device, m, n, k, granularity)
+        if cfg is not None:
+            return Route("decode", cfg)
+    return _tiled_or_splitk(device, m, n, k, granularity, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
 
 
 def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,

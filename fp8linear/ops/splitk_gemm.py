@@ -38,6 +38,8 @@ _PROGRAMS_PER_SM = 2
 _MIN_GROUPS_PER_SPLIT = 4
 # Only K of at least 32 groups (4096) is split: shorter K was faster unsplit on H100.
 _MIN_SPLIT_GROUPS = 32
+# Counters at the end of a workspace for the one-launch decode kernel (fused_decode.SYNC_COUNTERS).
+_SYNC_COUNTERS = 2
 
 
 @dataclass(frozen=True)
@@ -64,17 +66,17 @@ class SplitKConfig:
 
 
 @triton.jit
-def _splitk_fp8_gemm_kernel(
+def _splitk_program(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    pid_n, pid_s, pid_m, num_n, num_s,
     M, N, K, groups_per_split,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, X_FROM_THIS_LAUNCH: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    """One program of the split-K GEMM: output tile (pid_m, pid_n), K groups of split pid_s of num_s.
+    `X_FROM_THIS_LAUNCH`: x and its scales were written by other programs of this launch, so they are
+    read from L2 (``.cg``), never from a stale L1 line."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
@@ -92,8 +94,12 @@ def _splitk_fp8_gemm_kernel(
     for g in range(g_first, g_last):
         k_left = K - g * GROUP
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        x_s = tl.load(xs_ptr + safe_m * stride_xsm + g)
+        if X_FROM_THIS_LAUNCH:
+            x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0, cache_modifier=".cg")
+            x_s = tl.load(xs_ptr + safe_m * stride_xsm + g, cache_modifier=".cg")
+        else:
+            x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            x_s = tl.load(xs_ptr + safe_m * stride_xsm + g)
         w_s = tl.load(ws_ptrs + g * stride_wsk)
         acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
         x_ptrs += GROUP
@@ -104,18 +110,36 @@ def _splitk_fp8_gemm_kernel(
         mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_s.to(tl.int64) * M * N + mn, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the counter says so
-        count_ptr += pid_m * tl.num_programs(0) + pid_n
+        count_ptr += pid_m * num_n + pid_n
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:  # the last program of this tile reduces it
+        if arrived == num_s - 1:  # the last program of this tile reduces it
             tl.atomic_xchg(count_ptr, 0)  # and leaves the counter at zero for the next launch
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             part_ptrs = part_ptr + mn
-            for _ in range(0, tl.num_programs(1)):  # split order, whoever arrived last
+            for _ in range(0, num_s):  # split order, whoever arrived last
                 acc += tl.load(part_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
                 part_ptrs += M * N
             store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
     else:
         store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _splitk_fp8_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    M, N, K, groups_per_split,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
+    WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
+    _splitk_program(
+        x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(1),
+        M, N, K, groups_per_split,
+        stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
+        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N, GROUP, False,
+    )
 
 
 @lru_cache(maxsize=16)
@@ -152,14 +176,16 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
 
 
 def splitk_workspace(n: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed tile counters for the split-K GEMMs of an N-column weight at M <= SMALL_M_MAX.
+    """Zeroed counters for the decode GEMMs of an N-column weight at M <= SMALL_M_MAX: the split-K
+    tile counters, then the two counters :mod:`fp8linear.ops.fused_decode` synchronises on.
 
     Every launch leaves its counters at zero again, so one workspace serves every call in turn
     and spares each call a memset launch (H100, CUDA graphs: 1.2-1.4 us of a 6.5-55 us GEMM).
     Calls running at the same time on different streams must not share one.
     """
-    # enough for any tile shape SplitKConfig allows (block_m, block_n >= 16)
-    return torch.zeros(triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16), dtype=torch.int32, device=device)
+    # enough for any tile shape SplitKConfig allows (block_m, block_n >= 16), + (ready, done)
+    return torch.zeros(triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16) + _SYNC_COUNTERS, dtype=torch.int32,
+                       device=device)
 
 
 def splitk_buffers(m: int, n: int, cfg: SplitKConfig, k: int, device: torch.device,

@@ -1,0 +1,78 @@
+"""A/B of the decode FP8 linear: one launch (activation quantization inside the split-K GEMM,
+:mod:`fp8linear.ops.fused_decode`) against two (act_quant, then the GEMM), under CUDA graphs
+(GPU time) and eagerly (Fp8BlockLinear's planned forward, wall time per call of back-to-back calls,
+the two layers' bursts interleaved), on the DeepSeek-V3 shapes.
+
+    python benchmarks/decode_ab.py [--m 2 8 16 32 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fp8linear import Fp8BlockLinear, quantize_weight
+from fp8linear.bench import _DSV3, rotation_sets, time_graph
+from fp8linear.ops import router
+from fp8linear.ops.linear import fp8_linear_tokens
+from fp8linear.ops.splitk_gemm import splitk_workspace
+
+
+def eager_pair_us(layers: dict, xs, rounds: int = 9, calls: int = 40) -> dict[str, float]:
+    """Wall us per call of each layer's planned forward, bursts interleaved round by round."""
+    for layer in layers.values():
+        for x in xs[:3]:
+            layer(x)
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in layers}
+    for _ in range(rounds):
+        for name, layer in layers.items():
+            t0 = time.perf_counter()
+            for i in range(calls):
+                layer(xs[i % len(xs)])
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", nargs="+", type=int, default=[2, 8, 16, 32, 64])
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    real_ok = router._one_launch_decode_ok
+    print(f"{torch.cuda.get_device_name()}; us per call; one = fused decode kernel, two = act_quant + GEMM")
+    print(f"{'shape':>12s} {'M':>3s} {'graph one':>9s} {'graph two':>9s} {'ratio':>6s} {'eager one':>9s} {'eager two':>9s} {'ratio':>6s}")
+    ratios_g, ratios_e = [], []
+    for n, k, _ in _DSV3:
+        w_q, w_s = quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, "block")
+        ws = splitk_workspace(n, dev)
+        for m in args.m:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            sets = rotation_sets((x, w_q, w_s), w_q.numel() + x.numel() * 2, dev)
+            res, layers = {}, {}
+            xs = [s[0] for s in sets]
+            for name, ok in (("one", real_ok), ("two", lambda device: False)):
+                router._one_launch_decode_ok = ok
+                fn = lambda x, w_q, w_s: fp8_linear_tokens(x, w_q, w_s, "block", None, True, ws)  # noqa: E731
+                res[name] = [time_graph(fn, sets)]
+                layers[name] = Fp8BlockLinear.from_quantized(w_q, w_s)
+                layers[name](x)  # plans its route now, under this rule
+            router._one_launch_decode_ok = real_ok
+            eager = eager_pair_us(layers, xs)
+            for name in res:
+                res[name].append(eager[name])
+            g, e = res["one"][0] / res["two"][0], res["one"][1] / res["two"][1]
+            ratios_g.append(g)
+            ratios_e.append(e)
+            print(f"{n:>5d}x{k:<6d} {m:3d} {res['one'][0]:9.1f} {res['two'][0]:9.1f} {g:6.3f} {res['one'][1]:9.1f}"
+                  f" {res['two'][1]:9.1f} {e:6.3f}")
+    gm = lambda v: statistics.geometric_mean(v)  # noqa: E731
+    print(f"geomean one/two: graph {gm(ratios_g):.3f} (max {max(ratios_g):.3f}), eager {gm(ratios_e):.3f}")
+
+
+if __name__ == "__main__":
+    main()
