@@ -130,8 +130,9 @@ def test_select_config_on_rocm_uses_the_arch(monkeypatch):
 
 
 def test_persistent_tma_kernel_never_chosen_on_amd(monkeypatch):
-    """On ROCm the router never takes the persistent TMA kernel, whatever the shape; the same calls
-    on a non-AMD build (with TMA, here the interpreter's) would."""
+    """On ROCm the router never takes the persistent TMA kernel (nor the NVIDIA-only one-launch
+    decode kernel), whatever the shape; the same calls on a non-AMD build (with TMA, here the
+    interpreter's) would."""
     from fp8linear.ops import router
 
     monkeypatch.setattr(router, "TensorDescriptor", object)  # as if TMA descriptors were importable
@@ -148,8 +149,8 @@ def test_persistent_tma_kernel_never_chosen_on_amd(monkeypatch):
             for gran in ("block", "tensor"):
                 assert not router.use_persistent(cpu, m, k, gran, True)
                 route = router.route_linear(cpu, m, n, k, gran, torch.float8_e4m3fnuz, torch.bfloat16, None, False,
-                                            True)
-                assert route.kernel in ("gemv", "splitk", "tiled"), (m, n, k, route)
+                                            True, one_launch=True)
+                assert route.kernel in ("gemv", "splitk", "tiled"), (m, n, k, route)  # no TMA, no one-launch
                 if route.kernel == "tiled":
                     assert route.config.matrix_instr_nonkdim == 16 and route.config.num_stages == 2
 

@@ -8,7 +8,6 @@ the extra launch keywords for the running platform (none on NVIDIA, where Triton
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
