@@ -141,9 +141,8 @@ def test_quantize_matches_reference(models, quantized, kind, gran):
     kept = set(qcfg["modules_to_not_convert"])
     if kind.startswith("deepseek_v3"):
         assert "model.layers.1.mlp.gate" in kept and "model.embed_tokens" in kept and "lm_head" in kept
-        assert "model.layers.1.mlp.gate.e_score_correction_bias" not in after or after[
-            "model.layers.1.mlp.gate.e_score_correction_bias"
-        ].dtype == torch.bfloat16
+        bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert bias_name not in after or _same_bytes(after[bias_name], before[bias_name])  # copied as it was
         for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
             assert f"model.layers.0.self_attn.{proj}.weight" in expected_q
         assert "model.layers.1.mlp.shared_experts.down_proj.weight" in expected_q

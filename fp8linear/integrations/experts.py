@@ -54,6 +54,7 @@ __all__ = [
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Experts quantized per chunk in from_experts: bounds the fp32 temporaries to a few experts.
 _QUANT_CHUNK = 8
+_SCALE_SUFFIX = "_scale_inv"
 
 
 # ----------------------------------------------------------------------------- custom op
@@ -468,6 +469,62 @@ class Fp8Experts(QuantizedDtypesMixin):
                 bias = getattr(module, f"{name}_bias").detach().clone()
                 setattr(mod, f"{name}_bias", nn.Parameter(bias, requires_grad=False))
         return mod
+
+    # -- checkpoint layouts -------------------------------------------------------------------
+    def _up_granularity(self) -> str:
+        # Of gate_up_proj itself: a (E, 1, 1) grid reads as per-tensor, whatever down_proj's says.
+        return weight_granularity(getattr(self, self.up_name).shape, getattr(self, f"{self.up_name}_scale_inv").shape)
+
+    def per_expert_layout_problem(self) -> str | None:
+        """Why the per-expert checkpoint layout cannot hold this module's FP8 bytes and scales exactly.
+
+        ``None`` when it can: gate and up of expert ``j`` are rows ``[:I]`` and ``[I:]`` of
+        ``gate_up_proj[j]``, and their scales are the matching rows of the scale grid -- always for
+        row-wise scales, for 128x128 blocks when ``I`` is a multiple of 128, and for per-tensor
+        scales (gate and up both get the expert's one scale).
+        """
+        if not self.has_gate:
+            return "gate-less experts (up_proj) have no per-expert gate/up names"
+        if self.has_bias:
+            return "experts with biases have no per-expert layout here"
+        if self._up_granularity() == "block" and self.intermediate_dim % GROUP_SIZE:
+            return (
+                f"a 128x128 scale block straddles the gate/up boundary (intermediate size {self.intermediate_dim} "
+                f"is not a multiple of {GROUP_SIZE})"
+            )
+        return None
+
+    def per_expert_state(self, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, torch.Tensor]:
+        """This module's tensors in the per-expert layout of official DeepSeek-V3 FP8 checkpoints.
+
+        ``{"J.gate.weight": FP8 (I, H), "J.gate.weight_scale_inv": fp32, ..., "J.down.weight": FP8 (H, I), ...}``
+        for each expert ``J`` with ``names = (gate, up, down)``: the weights are views of this
+        module's (no copy), the scales small copies; exactly its bytes and scales. ValueError when
+        :meth:`per_expert_layout_problem` says the layout cannot hold them.
+        """
+        problem = self.per_expert_layout_problem()
+        if problem is not None:
+            raise ValueError(f"per-expert layout cannot hold these experts exactly: {problem}")
+        if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
+            raise TypeError(f"names must be a tuple of 3 projection names (gate, up, down), got {names!r}")
+        gate_n, up_n, down_n = names
+        inter = self.intermediate_dim
+        gran = self._up_granularity()
+        split = inter // GROUP_SIZE if gran == "block" else inter  # scale-grid rows of the gate
+        gu_w, gu_s = self.gate_up_proj.detach(), self.gate_up_proj_scale_inv.detach()
+        dn_w, dn_s = self.down_proj.detach(), self.down_proj_scale_inv.detach()
+        out: dict[str, torch.Tensor] = {}
+        for j in range(self.num_experts):
+            if gran == "tensor":
+                gate_s = up_s = gu_s[j]
+            else:
+                gate_s, up_s = gu_s[j, :split], gu_s[j, split:]
+            for proj, w, s in (
+                (gate_n, gu_w[j, :inter], gate_s), (up_n, gu_w[j, inter:], up_s), (down_n, dn_w[j], dn_s[j]),
+            ):
+                out[f"{j}.{proj}.weight"] = w
+                out[f"{j}.{proj}.weight{_SCALE_SUFFIX}"] = s.clone()  # small; distinct storage per name
+        return out
 
     def dequantized_weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """{'gate_up_proj' (or 'up_proj'): (E, out, in), 'down_proj': (E, H, I)} dequantized to `dtype`."""

@@ -8,12 +8,22 @@ its device (peak memory about the FP8 size plus one high-precision tensor). The 
 ``model.save_pretrained`` writes what ``fp8linear quantize`` writes; reload it with
 :func:`fp8linear.integrations.transformers.from_pretrained`.
 
+Saving: every model holding fp8linear modules (quantized by :func:`quantize_model_`, by this
+quantizer, or loaded by :func:`from_pretrained`) carries an :class:`Fp8LinearHfQuantizer` as
+``model.hf_quantizer``, so transformers' own ``model.save_pretrained`` asks it for the state dict
+(``get_state_dict_and_metadata``): FP8 weights with their scales, MoE experts per expert
+(official DeepSeek-V3 layout) where that layout holds them exactly, fused otherwise. Anything
+that cannot be written raises ValueError before a file is written.
+
 Works with transformers 5.x (the ``HfQuantizer`` hooks used here -- ``param_needs_quantization``,
-``get_quantize_ops`` and the ``ConversionOps.convert`` signature -- are the same in 5.17 and 5.23).
+``get_quantize_ops`` and the ``ConversionOps.convert`` signature -- are the same in 5.17 and 5.23;
+the save hooks ``is_serializable`` and ``get_state_dict_and_metadata`` are tested with 5.24).
 """
 
 from __future__ import annotations
 
+import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +47,24 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-__all__ = ["QUANT_METHOD", "Fp8LinearConfig", "Fp8LinearHfQuantizer", "Fp8QuantizeOp", "register"]
+__all__ = [
+    "EXPERTS_LAYOUTS",
+    "QUANT_METHOD",
+    "Fp8LinearConfig",
+    "Fp8LinearHfQuantizer",
+    "Fp8QuantizeOp",
+    "attach_save_hook",
+    "fp8_state_dict",
+    "plan_experts_layout",
+    "register",
+]
 
 # Our name in transformers' quantizer registry (distinct from transformers' own "fp8").
 QUANT_METHOD = "fp8linear"
+
+# How FP8 experts are written: per expert where exact else fused ("auto"), always per expert
+# (ValueError naming the modules it cannot hold), or always fused (P + P_scale_inv).
+EXPERTS_LAYOUTS = ("auto", "per_expert", "fused")
 
 
 @dataclass
@@ -115,6 +139,13 @@ class Fp8LinearHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self._fp8_dtype: torch.dtype | None = None
         self._kept: list[str] = []
+        self.experts_layout = "auto"  # how save writes FP8 experts (EXPERTS_LAYOUTS)
+        self._model_ref: weakref.ref | None = None  # the model this quantizer saves (is_serializable checks it)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_model_ref"] = None  # weak references do not pickle; set again when the model saves
+        return state
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         if self.pre_quantized:
@@ -198,13 +229,35 @@ class Fp8LinearHfQuantizer(HfQuantizer):
             self.quantization_config.granularity, self._kept, self._fp8()
         )
         keep_experts_fused_on_save(model)
+        self._model_ref = weakref.ref(model)
         for module in model.modules():
             if isinstance(module, Fp8BlockLinear):
                 module.init_workspace()  # on the device its weight was loaded to
         return model
 
+    def update_parallel_plan(self, model: Any, plan: dict[str, str]) -> None:
+        # tp_plan="auto": scales follow their weights, modules run transformers' styles on local tensors.
+        super().update_parallel_plan(model, plan)
+        from .tensor_parallel import extend_hf_tp_plan
+
+        extend_hf_tp_plan(model, plan)
+
+    # -- saving (transformers' save_pretrained calls these two before it writes anything) -------
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None and getattr(model, "hf_quantizer", None) is self:
+            _check_savable(model, self.experts_layout)  # ValueError before save_pretrained creates the folder
         return True
+
+    def get_state_dict_and_metadata(self, model: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The state dict transformers writes: FP8 weights + scales, experts in ``self.experts_layout``."""
+        self._model_ref = weakref.ref(model)
+        state = fp8_state_dict(model, self.experts_layout)
+        _ensure_checkpoint_config(model)
+        # transformers reverts the model's weight conversions after this hook: keep the key
+        # renamings only, the experts' layout is already the one to write.
+        keep_experts_fused_on_save(model)
+        return state, {}
 
     @property
     def is_trainable(self) -> bool:
@@ -218,6 +271,203 @@ class Fp8LinearHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+# ----------------------------------------------------------------------------- saving
+def _fp8_modules(model: nn.Module) -> tuple[dict[str, Fp8BlockLinear], dict[str, nn.Module]]:
+    try:
+        fp8_experts_cls = experts_api()[0]
+    except ImportError:
+        fp8_experts_cls = None
+    linears, experts = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8BlockLinear):
+            linears[name] = module
+        elif fp8_experts_cls is not None and isinstance(module, fp8_experts_cls):
+            experts[name] = module
+    return linears, experts
+
+
+def _per_expert_names(model: nn.Module, module_name: str, conversions: list[Any] | None = None) -> tuple[str, str, str] | None:
+    """(gate, up, down) per-expert names that transformers fuses into ``module_name``'s experts, if any.
+
+    Read from the model's conversion mapping: a converter merging ``experts.*.G.weight`` and
+    ``experts.*.U.weight`` into ``experts.gate_up_proj`` (MergeModulelist(0), Concatenate(1)) and
+    one merging ``experts.*.D.weight`` into ``experts.down_proj`` (MergeModulelist(0)). None when
+    the architecture has no such merge (its checkpoints store the experts fused).
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    except ImportError:
+        return None
+    pat = re.compile(r"experts\.\*\.(\w+)\.weight$")
+    gate_up = down = None
+    if conversions is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    for conv in conversions:
+        if not isinstance(conv, WeightConverter):
+            continue
+        sources, targets = list(conv._original_source_patterns), list(conv._original_target_patterns)
+        if len(targets) != 1 or not all(pat.search(src) for src in sources):
+            continue
+        target = targets[0]
+        ops = list(conv.operations)
+        merge_first = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+        if target.endswith("experts.gate_up_proj") and f".{module_name}.gate_up_proj".endswith("." + target.lstrip(".")) and (
+            len(sources) == 2 and len(ops) == 2 and merge_first
+            and isinstance(ops[1], Concatenate) and ops[1].dim == 1
+        ):
+            gate_up = tuple(pat.search(src).group(1) for src in sources)
+        elif target.endswith("experts.down_proj") and f".{module_name}.down_proj".endswith("." + target.lstrip(".")) and (
+            len(sources) == 1 and len(ops) == 1 and merge_first
+        ):
+            down = pat.search(sources[0]).group(1)
+    if gate_up is None or down is None:
+        return None
+    return (gate_up[0], gate_up[1], down)
+
+
+def plan_experts_layout(model: nn.Module, experts_layout: str = "auto") -> tuple[dict[str, tuple[str, str, str] | None], list[str]]:
+    """For each FP8 experts module: per-expert names (gate, up, down) to write it per expert, or None (fused).
+
+    Returns ``(plan, problems)``; `problems` names the tensors that `experts_layout="per_expert"`
+    cannot write exactly (empty for "auto" and "fused").
+    """
+    if experts_layout not in EXPERTS_LAYOUTS:
+        raise ValueError(f"experts_layout must be one of {EXPERTS_LAYOUTS}, got {experts_layout!r}")
+    plan: dict[str, tuple[str, str, str] | None] = {}
+    problems: list[str] = []
+    conversions: list[Any] | None = None
+    for name, module in _fp8_modules(model)[1].items():
+        if experts_layout == "fused":
+            plan[name] = None
+            continue
+        if conversions is None:
+            try:
+                from transformers.conversion_mapping import get_model_conversion_mapping
+
+                conversions = get_model_conversion_mapping(model, add_legacy=False)
+            except ImportError:
+                conversions = []
+        names = _per_expert_names(model, name, conversions)
+        problem = module.per_expert_layout_problem()
+        if names is None and problem is None:
+            problem = f"the {type(model).__name__} architecture stores its experts fused (no per-expert names)"
+        if problem is None:
+            plan[name] = names
+        else:
+            plan[name] = None
+            if experts_layout == "per_expert":
+                problems.append(f"{name}.{module.up_name} ({problem})")
+    return plan, problems
+
+
+def _check_savable(model: nn.Module, experts_layout: str) -> dict[str, tuple[str, str, str] | None]:
+    """ValueError naming every tensor that cannot be written completely; the experts plan otherwise."""
+    plan, problems = plan_experts_layout(model, experts_layout)
+    linears, experts = _fp8_modules(model)
+    for prefix, module in list(linears.items()) + list(experts.items()):
+        for attr, t in module._parameters.items():
+            if t is None:
+                continue
+            full = f"{prefix}.{attr}" if prefix else attr
+            if t.device.type == "meta":
+                problems.append(f"{full} (on the meta device: not loaded, or offloaded)")
+            elif not attr.endswith(SCALE_SUFFIX) and is_fp8_dtype(t.dtype) and module._parameters.get(attr + SCALE_SUFFIX) is None:
+                problems.append(f"{full} (FP8 without {attr}{SCALE_SUFFIX})")
+    owned = {id(t) for m in list(linears.values()) + list(experts.values()) for t in m.parameters(recurse=False)}
+    for full, t in model.named_parameters(remove_duplicate=False):
+        if is_fp8_dtype(t.dtype) and id(t) not in owned:
+            problems.append(f"{full} (FP8 outside an fp8linear module: no scale to write with it)")
+    for full, t in model.named_buffers(remove_duplicate=False):
+        if is_fp8_dtype(t.dtype):
+            problems.append(f"{full} (FP8 buffer outside an fp8linear module: no scale to write with it)")
+    if problems:
+        more = f" and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ValueError(
+            f"cannot save a complete FP8 checkpoint; nothing was written. {len(problems)} tensors cannot be written: "
+            f"{'; '.join(problems[:8])}{more}"
+            + ("; save with experts_layout='fused' (or 'auto') to write those experts fused"
+               if experts_layout == "per_expert" else "")
+        )
+    return plan
+
+
+def fp8_state_dict(model: nn.Module, experts_layout: str = "auto") -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as the checkpoint format writes it (model-side names, before renamings).
+
+    FP8 linear layers: ``X.weight`` + ``X.weight_scale_inv``. FP8 experts: per expert
+    (``E.J.gate_proj.weight`` + ``.weight_scale_inv``, ... with the architecture's names) where
+    :func:`plan_experts_layout` says so, else fused (``E.gate_up_proj`` + ``E.gate_up_proj_scale_inv``).
+    Tensors are views of the model's (no copy). ValueError naming the tensors when the state
+    cannot be written completely.
+    """
+    plan = _check_savable(model, experts_layout)
+    state = model.state_dict()
+    experts = _fp8_modules(model)[1]
+    for name, names in plan.items():
+        if names is None:
+            continue
+        module = experts[name]
+        for attr in ("gate_up_proj", "down_proj"):
+            for key in (f"{name}.{attr}", f"{name}.{attr}{SCALE_SUFFIX}"):
+                if state.pop(key, None) is None:
+                    raise ValueError(f"{key} is not in the model's state_dict; cannot write experts {name}")
+        for key, t in module.per_expert_state(names).items():
+            state[f"{name}.{key}"] = t
+    return state
+
+
+def _ensure_checkpoint_config(model: nn.Module) -> None:
+    """Give ``model.config`` the checkpoint format's ``quantization_config`` when it has none."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    qcfg = getattr(config, "quantization_config", None)
+    qdict = qcfg if isinstance(qcfg, dict) or qcfg is None else qcfg.to_dict()
+    if qdict and qdict.get("quant_method") == "fp8":
+        return
+    if qdict and qdict.get("quant_method") not in (None, QUANT_METHOD):
+        raise ValueError(
+            f"model.config.quantization_config has quant_method {qdict.get('quant_method')!r}, but the model holds "
+            "fp8linear modules (checkpoint format quant_method 'fp8'); refusing to write a mislabelled checkpoint"
+        )
+    gran, fp8 = _model_granularity(model)
+    if gran is not None:
+        config.quantization_config = checkpoint_quantization_config(gran, [], fp8)
+
+
+def _model_granularity(model: nn.Module) -> tuple[str | None, torch.dtype | None]:
+    """(granularity, FP8 dtype) of the model's fp8linear modules: row > block > tensor, since a
+    grid of one 128x128 block per weight reads as per-tensor on small weights."""
+    linears, experts = _fp8_modules(model)
+    modules = list(linears.values()) + list(experts.values())
+    if not modules:
+        return None, None
+    found = {m.granularity for m in modules} | {m._up_granularity() for m in experts.values()}
+    gran = next(g for g in ("row", "block", "tensor") if g in found)
+    return gran, modules[0].fp8_dtype
+
+
+def attach_save_hook(model: nn.Module, experts_layout: str = "auto") -> "Fp8LinearHfQuantizer":
+    """Make ``model.save_pretrained`` write `model`'s fp8linear modules in the checkpoint format.
+
+    Sets ``model.hf_quantizer`` to an :class:`Fp8LinearHfQuantizer` (keeping one already there)
+    whose save hooks transformers calls; returns it.
+    """
+    if experts_layout not in EXPERTS_LAYOUTS:
+        raise ValueError(f"experts_layout must be one of {EXPERTS_LAYOUTS}, got {experts_layout!r}")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if not isinstance(quantizer, Fp8LinearHfQuantizer):
+        gran, fp8_dtype = _model_granularity(model)
+        fp8 = str(fp8_dtype).removeprefix("torch.float8_") if fp8_dtype is not None else None
+        quantizer = Fp8LinearHfQuantizer(Fp8LinearConfig(granularity=gran or "block", fp8_dtype=fp8), pre_quantized=True)
+        model.hf_quantizer = quantizer
+    quantizer.experts_layout = experts_layout
+    quantizer._model_ref = weakref.ref(model)
+    keep_experts_fused_on_save(model)
+    return quantizer
 
 
 def register() -> None:

@@ -33,15 +33,16 @@ from torch import nn
 from ..formats import GROUP_SIZE, SCALE_DTYPE, e4m3fn_to_e4m3fnuz, is_fp8_dtype, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
 from ..module import Fp8BlockLinear
-from ..reference import weight_granularity
+from ..reference import weight_granularity, weight_scale_shape
 from ..quantize.naming import SCALE_SUFFIX, torch_dtype_from_safetensors
-from .replace import experts_api
+from .replace import attach_save_hook_if_transformers, experts_api
 
 __all__ = [
     "SCALE_SUFFIX",
     "CheckpointIndex",
     "TensorInfo",
     "index_checkpoint",
+    "check_fp8_scales",
     "from_pretrained",
     "load_fp8_state_",
 ]
@@ -148,6 +149,24 @@ def _rename_index(index: CheckpointIndex, model: nn.Module) -> CheckpointIndex:
     return out
 
 
+def check_fp8_scales(index: CheckpointIndex) -> None:
+    """ValueError naming every FP8 tensor of the checkpoint that has no ``*_scale_inv`` next to it."""
+    missing = []
+    for name, info in index.tensors.items():
+        try:
+            dt = torch_dtype_from_safetensors(info.dtype)
+        except ValueError:
+            continue
+        if dt is not None and is_fp8_dtype(dt) and not name.endswith(SCALE_SUFFIX) and f"{name}{SCALE_SUFFIX}" not in index:
+            missing.append(f"{info.name!r} ({info.dtype}, in {info.file.name})")
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"checkpoint {index.root} has FP8 weights without their scales: {', '.join(sorted(missing)[:5])}{more} "
+            f"(each FP8 'X' needs an 'X{SCALE_SUFFIX}'); the checkpoint is incomplete"
+        )
+
+
 # ----------------------------------------------------------------------------- planning
 def _expected_shape(model_name: str, info: TensorInfo, expected: tuple[int, ...]) -> None:
     if tuple(info.shape) != tuple(expected):
@@ -162,6 +181,16 @@ def _per_expert_names(index: CheckpointIndex, prefix: str) -> tuple[str, str, st
         if f"{prefix}.0.{names[0]}.weight" in index:
             return names
     return None
+
+
+def _checkpoint_granularity(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> str:
+    """Granularity whose scale shape is exactly the checkpoint's: a (1, 1) grid of a 128x128 block
+    stays 'block' (its module then has the checkpoint's shapes); (), (1,) and other one-element
+    shapes are 'tensor'."""
+    for gran in ("block", "row", "tensor"):
+        if tuple(weight_scale_shape(weight_shape, gran)) == tuple(scale_shape):
+            return gran
+    return weight_granularity(weight_shape, scale_shape)
 
 
 def _checkpoint_fp8_dtype(dtype_str: str, prefix: str) -> torch.dtype:
@@ -185,7 +214,7 @@ def _replace_fp8_modules(model: nn.Module, index: CheckpointIndex, backend: str 
             if scale is None or weight is None:
                 continue
             _expected_shape(f"{name}.weight", weight, tuple(module.weight.shape))
-            gran = weight_granularity(weight.shape, scale.shape)
+            gran = _checkpoint_granularity(weight.shape, scale.shape)
             new = Fp8BlockLinear(
                 module.in_features, module.out_features, bias=module.bias is not None, granularity=gran,
                 device="meta", fp8_dtype=_checkpoint_fp8_dtype(weight.dtype, weight.name),
@@ -204,12 +233,12 @@ def _replace_fp8_modules(model: nn.Module, index: CheckpointIndex, backend: str 
             fused_scale = index.get(f"{name}.down_proj{SCALE_SUFFIX}")
             names = _per_expert_names(index, name)
             if fused_scale is not None:
-                gran = weight_granularity(down.shape, fused_scale.shape)
+                gran = _checkpoint_granularity(down.shape, fused_scale.shape)
                 dt = _checkpoint_fp8_dtype(index.tensors[f"{name}.down_proj"].dtype, f"{name}.down_proj")
             elif names is not None and f"{name}.0.{names[2]}.weight{SCALE_SUFFIX}" in index:
                 w = index.tensors[f"{name}.0.{names[2]}.weight"]
                 s = index.tensors[f"{name}.0.{names[2]}.weight{SCALE_SUFFIX}"]
-                gran = weight_granularity(w.shape, s.shape)
+                gran = _checkpoint_granularity(w.shape, s.shape)
                 dt = _checkpoint_fp8_dtype(w.dtype, w.name)
             else:
                 continue
@@ -269,9 +298,10 @@ def _device_for(name: str, dmap: dict[str, torch.device]) -> torch.device:
 class _Reader:
     """Opens each shard at most once per device and reads single tensors from it."""
 
-    def __init__(self, stack: ExitStack) -> None:
+    def __init__(self, stack: ExitStack, tp_load: Any = None) -> None:
         self._stack = stack
         self._handles: dict[tuple[Path, str], Any] = {}
+        self._tp_load = tp_load  # tensor_parallel.TpLoad: reads this rank's slices only
 
     def read(self, info: TensorInfo, device: torch.device) -> torch.Tensor:
         from safetensors import safe_open
@@ -280,6 +310,8 @@ class _Reader:
         key = (info.file, dev)
         if key not in self._handles:
             self._handles[key] = self._stack.enter_context(safe_open(str(info.file), framework="pt", device=dev))
+        if self._tp_load is not None:
+            return self._tp_load.read(info, self._handles[key])
         return self._handles[key].get_tensor(info.name)
 
 
@@ -333,14 +365,14 @@ def _load_fused_experts(
             target = module._parameters[attr]
             _expected_shape(f"{name}.{attr}", info, tuple(target.shape))
             t = _cast(reader.read(info, device), target)
-            used.add(info.name)
+            used.add(f"{name}.{attr}")  # index keys (after renaming)
             if attr in weights:
                 s_info = index.get(f"{name}.{attr}{SCALE_SUFFIX}")
                 if s_info is None:
                     raise ValueError(f"checkpoint lacks {name}.{attr}{SCALE_SUFFIX}, the scales of FP8 {info.name!r}")
                 _expected_shape(f"{name}.{attr}{SCALE_SUFFIX}", s_info, tuple(module._parameters[attr + SCALE_SUFFIX].shape))
                 t, s = _fp8_pair(t, reader.read(s_info, device), fp8_dtype)
-                used.add(s_info.name)
+                used.add(f"{name}.{attr}{SCALE_SUFFIX}")
                 _assign(module, attr + SCALE_SUFFIX, s, False)
             _assign(module, attr, t, False)
         return
@@ -359,7 +391,8 @@ def _load_fused_experts(
     out_dtype = fp8_dtype or gu_w.dtype
     gran = weight_granularity(gu_w.shape, gu_s.shape)
     # Concatenating scale grids is exact for row-wise scales and for 128x128 blocks when the
-    # gate/up boundary falls on a block edge; otherwise the fused tensor is requantized.
+    # gate/up boundary falls on a block edge, and per-tensor scales when gate and up share theirs
+    # (as fp8linear writes them); otherwise the fused tensor is requantized.
     exact_concat = gran == "row" or (gran == "block" and inter % GROUP_SIZE == 0)
     buffers = {
         "gate_up_proj": torch.empty(gu_w.shape, dtype=out_dtype, device=device),
@@ -384,9 +417,13 @@ def _load_fused_experts(
         gw, gs = read_pair(j, gate_n, (inter, hidden))
         uw, us = read_pair(j, up_n, (inter, hidden))
         dw, ds = read_pair(j, down_n, (hidden, inter))
-        if exact_concat and weight_granularity(gw.shape, gs.shape) == gran:
+        pair_gran = weight_granularity(gw.shape, gs.shape)
+        if exact_concat and pair_gran == gran:
             buffers["gate_up_proj"][j].copy_(torch.cat([gw, uw], dim=0))
             buffers["gate_up_proj_scale_inv"][j].copy_(torch.cat([gs, us], dim=0))
+        elif gran == "tensor" and pair_gran == "tensor" and torch.equal(gs.view(torch.int32), us.view(torch.int32)):
+            buffers["gate_up_proj"][j].copy_(torch.cat([gw, uw], dim=0))
+            buffers["gate_up_proj_scale_inv"][j].copy_(gs)
         else:
             full = torch.cat([dequantize_weight(gw, gs), dequantize_weight(uw, us)], dim=0)
             q, s = quantize_weight(full, gran, out_dtype)
@@ -408,8 +445,12 @@ def load_fp8_state_(
     fp8_dtype: torch.dtype | None = None,
     ignore_unexpected: Iterable[str] = (),
     dtype: torch.dtype = torch.bfloat16,
+    tp_load: Any = None,
 ) -> None:
-    """Fill every parameter and persistent buffer of a (meta) `model` from the checkpoint, in place."""
+    """Fill every parameter and persistent buffer of a (meta) `model` from the checkpoint, in place.
+
+    `tp_load` (a :class:`~fp8linear.integrations.tensor_parallel.TpLoad`): read only this rank's
+    slices of the tensors it shards."""
     ignore_re = [re.compile(p) for p in ignore_unexpected]
     fp32_names = _fp32_patterns(model, dtype)
     fused_names: dict[str, nn.Module] = {}
@@ -420,7 +461,7 @@ def load_fp8_state_(
         pass
     used: set[str] = set()
     with ExitStack() as stack:
-        reader = _Reader(stack)
+        reader = _Reader(stack, tp_load)
         for name, module in fused_names.items():
             _load_fused_experts(name, module, index, reader, _device_for(name, device_map), fp8_dtype, used)
         for mod_name, module in model.named_modules():
@@ -442,7 +483,7 @@ def load_fp8_state_(
                     continue  # missing; tied weights are filled below, the rest reported
                 _expected_shape(full, info, tuple(target.shape))
                 t = _cast(reader.read(info, device), target, any(f in full for f in fp32_names))
-                used.add(info.name)
+                used.add(full)  # the index key (after renaming), not the name on disk
                 if isinstance(module, Fp8BlockLinear) and attr in ("weight", "weight" + SCALE_SUFFIX):
                     pairs[attr] = t
                     continue
@@ -480,6 +521,7 @@ def from_pretrained(
     backend: str | None = None,
     model_class: Any = None,
     attn_implementation: str | None = None,
+    tp_plan: Any = None,
 ) -> nn.Module:
     """Load an FP8 checkpoint folder into its transformers model class with fp8linear modules.
 
@@ -494,6 +536,9 @@ def from_pretrained(
         backend: force ``"triton"`` or ``"reference"`` in the FP8 modules; default auto.
         model_class: a transformers auto class or model class; default ``AutoModelForCausalLM``.
         attn_implementation: passed to the model constructor (e.g. ``"sdpa"``, ``"eager"``).
+        tp_plan: ``"auto"`` (the model's transformers plan) or a plan dict: tensor parallel over
+            all ranks of the initialised process group (``torchrun``); each rank reads only its
+            slices. Needs ``device_map=None``. See docs/tensor_parallel.md.
 
     Raises ValueError naming the tensor when the checkpoint and config.json disagree, when
     tensors are missing or unused, or when a file listed in the index lies outside `path`.
@@ -529,12 +574,23 @@ def from_pretrained(
         else:
             model = model_class._from_config(config, **kwargs)
     index = _rename_index(index, model)
+    check_fp8_scales(index)
     kinds = _replace_fp8_modules(model, index, backend)
     if not kinds:
         raise ValueError(f"{root}: no FP8 tensors found (no '*{SCALE_SUFFIX}'); is this an FP8 checkpoint?")
+    tp_load = None
+    if tp_plan is not None:
+        if device_map is not None:
+            raise ValueError(f"tp_plan and device_map cannot be combined (got device_map={device_map!r}); "
+                             "under tensor parallelism each rank uses its own device")
+        from .tensor_parallel import TpLoad
+
+        tp_load = TpLoad(model, tp_plan)
+        index = tp_load.localize(model, index)
+        device_map = tp_load.device
     dmap = _normalize_device_map(model, device_map, dtype)
     ignore = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-    load_fp8_state_(model, index, dmap, fp8, ignore_unexpected=ignore, dtype=dtype)
+    load_fp8_state_(model, index, dmap, fp8, ignore_unexpected=ignore, dtype=dtype, tp_load=tp_load)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     missing = _missing(model)
@@ -549,8 +605,11 @@ def from_pretrained(
         dispatch_model(model, device_map={k: str(v) for k, v in dmap.items()})
     if getattr(model, "can_generate", lambda: False)() and (root / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    if tp_load is not None:
+        tp_load.finish(model)
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
             module.init_workspace()  # on the device its weight was placed on
+    attach_save_hook_if_transformers(model)  # model.save_pretrained writes the checkpoint format
     model.eval()
     return model

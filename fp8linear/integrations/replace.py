@@ -38,6 +38,7 @@ __all__ = [
     "compile_patterns",
     "experts_api",
     "keep_experts_fused_on_save",
+    "attach_save_hook_if_transformers",
 ]
 
 # Linear layers kept in high precision by default: the output head, MoE routers/gates
@@ -205,8 +206,9 @@ def quantize_model_(
         backend: forced backend for the new modules (``"triton"``/``"reference"``), default auto.
         skip_defaults: also keep the output head and MoE routers/gates (:data:`DEFAULT_SKIP_PATTERNS`).
         experts: also replace fused MoE experts modules.
-        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict, so
-            ``model.save_pretrained`` writes a checkpoint that :func:`from_pretrained` reloads.
+        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict and
+            give a transformers model the quantizer whose save hook ``model.save_pretrained``
+            calls, so it writes a complete checkpoint that :func:`from_pretrained` reloads.
         calibration_data: a list of batches (LongTensor input_ids ``[B, T]`` or dicts of model
             keyword arguments). Given, the linear layers are rounded with GPTQ, block by block
             (:mod:`fp8linear.integrations.calibration`): same format and kernels, lower output
@@ -305,18 +307,32 @@ def quantize_model_(
     config = getattr(model, "config", None)
     if set_config and config is not None and plan:
         config.quantization_config = checkpoint_quantization_config(granularity, kept, chosen_dtype)
-        if any(kind == "experts" for _, _, kind in plan):
-            keep_experts_fused_on_save(model)
+        attach_save_hook_if_transformers(model)
     return report
 
 
-def keep_experts_fused_on_save(model: nn.Module) -> None:
-    """Make transformers' ``save_pretrained`` write FP8 experts fused (``P`` + ``P_scale_inv``).
+def attach_save_hook_if_transformers(model: nn.Module) -> None:
+    """Give a transformers model holding fp8linear modules the quantizer whose hooks its
+    ``save_pretrained`` calls to write the checkpoint format (:mod:`.hf_quantizer`); other
+    modules are left alone."""
+    if not callable(getattr(model, "save_pretrained", None)):
+        return
+    try:
+        from .hf_quantizer import attach_save_hook
+    except ImportError:  # transformers missing or < 5: nothing to hook
+        return
+    attach_save_hook(model)
 
-    transformers 5.x un-fuses ``experts.gate_up_proj`` into per-expert tensors when saving
-    (the reverse of its load-time merge) but knows nothing of the scale grids, which would
-    leave a mix of per-expert weights and fused scales. Keeping only the key renamings as the
-    model's conversions saves the FP8 experts in the fused layout of the checkpoint format.
+
+def keep_experts_fused_on_save(model: nn.Module) -> None:
+    """Keep only the key renamings among the model's weight conversions for saving.
+
+    transformers 5.x reverts the model's weight conversions on the state dict it saves: it
+    un-fuses ``experts.gate_up_proj`` into per-expert tensors (the reverse of its load-time
+    merge) and collects ``experts.gate_up_proj_scale_inv`` into the same reverse converter,
+    which drops it. The quantizer's save hook (:func:`.hf_quantizer.fp8_state_dict`) writes the
+    experts' layout itself, so only the renamings (e.g. Mixtral's ``mlp`` -> ``block_sparse_moe``)
+    may run after it.
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -5,7 +5,8 @@
   :func:`save_pretrained`, official DeepSeek-V3 FP8) offline, straight to FP8 on its devices.
 - :class:`Fp8LinearConfig` -- ``AutoModelForCausalLM.from_pretrained(path,
   quantization_config=Fp8LinearConfig())`` quantizes a BF16 checkpoint while loading.
-- :func:`save_pretrained` -- write a quantized model in the shared checkpoint format.
+- :func:`save_pretrained` -- write a quantized model in the shared checkpoint format (so does
+  ``model.save_pretrained``: such models carry a quantizer whose save hook writes it).
 
 See docs/transformers.md.
 """
@@ -17,7 +18,15 @@ from typing import Any
 
 from torch import nn
 
-from .hf_quantizer import QUANT_METHOD, Fp8LinearConfig, Fp8LinearHfQuantizer, register
+from .hf_quantizer import (
+    EXPERTS_LAYOUTS,
+    QUANT_METHOD,
+    Fp8LinearConfig,
+    Fp8LinearHfQuantizer,
+    attach_save_hook,
+    fp8_state_dict,
+    register,
+)
 from .loading import from_pretrained, index_checkpoint
 from .replace import (
     DEFAULT_SKIP_PATTERNS,
@@ -29,11 +38,14 @@ from .replace import (
 
 __all__ = [
     "DEFAULT_SKIP_PATTERNS",
+    "EXPERTS_LAYOUTS",
     "QUANT_METHOD",
     "Fp8LinearConfig",
     "Fp8LinearHfQuantizer",
     "QuantizeReport",
+    "attach_save_hook",
     "checkpoint_quantization_config",
+    "fp8_state_dict",
     "from_pretrained",
     "index_checkpoint",
     "quantize_model_",
@@ -42,12 +54,20 @@ __all__ = [
 ]
 
 
-def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs: Any) -> None:
-    """Save a model quantized by :func:`quantize_model_` / :class:`Fp8LinearConfig` in the checkpoint format.
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, experts_layout: str = "auto", **kwargs: Any) -> None:
+    """Save a model holding fp8linear modules in the checkpoint format (docs/transformers.md, "Saving").
 
-    Same as ``model.save_pretrained(path, **kwargs)`` once the model carries the format's
-    ``quantization_config`` (both quantization paths set it): FP8 ``weight`` +
-    ``weight_scale_inv`` per linear layer, fused experts as ``P`` + ``P_scale_inv``.
+    The same as ``model.save_pretrained(path, **kwargs)`` (which every quantized or loaded model
+    routes through its :class:`Fp8LinearHfQuantizer`), with a choice of experts layout:
+
+    - ``"auto"``: each FP8 experts module per expert (``experts.J.gate_proj.weight`` +
+      ``.weight_scale_inv``, the official DeepSeek-V3 layout, with the architecture's names) when
+      that layout holds its bytes and scales exactly, fused (``experts.gate_up_proj`` +
+      ``_scale_inv``) otherwise;
+    - ``"per_expert"``: per expert, or ValueError naming the experts it cannot hold exactly;
+    - ``"fused"``: always fused.
+
+    Raises ValueError before anything is written when the checkpoint could not be complete.
     """
     config = getattr(model, "config", None)
     qcfg = getattr(config, "quantization_config", None)
@@ -59,5 +79,15 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs: Any) ->
         )
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
-    keep_experts_fused_on_save(model)
-    model.save_pretrained(path, **kwargs)
+    if kwargs.get("safe_serialization", True) is not True:
+        raise ValueError("only safetensors checkpoints are written (safe_serialization=True)")
+    kwargs.pop("safe_serialization", None)
+    if "state_dict" in kwargs:
+        raise ValueError("state_dict cannot be given: the checkpoint is written from the model's fp8linear modules")
+    previous = getattr(getattr(model, "hf_quantizer", None), "experts_layout", "auto")
+    quantizer = attach_save_hook(model, experts_layout)
+    try:
+        quantizer.is_serializable()  # ValueError naming what cannot be written, before anything is
+        model.save_pretrained(path, **kwargs)
+    finally:
+        quantizer.experts_layout = previous  # the choice is for this call; model.save_pretrained keeps its own

@@ -169,16 +169,20 @@ def _after_bytes(ckpt: Checkpoint, quantizable: set[str]) -> dict[str, int]:
 def _fp8_format(ckpt: Checkpoint, fp8: list[TensorInfo]) -> tuple[str | None, str | None]:
     dtype = {"F8_E4M3": "e4m3fn", "F8_E4M3FNUZ": "e4m3fnuz"}.get(fp8[0].dtype, fp8[0].dtype)
     scale = ckpt.tensors.get(scale_name(fp8[0].name))
+    q = ckpt.quantization_config
+    try:
+        cfg_gran = granularity_from_config(q) if q else None
+    except ValueError:
+        cfg_gran = None
     if scale is not None and len(fp8[0].shape) >= 2:
+        # A weight of at most 128x128 has a (1, 1) grid at 'block' too: the config says which.
+        if cfg_gran is not None and tuple(weight_scale_shape(fp8[0].shape, cfg_gran)) == tuple(scale.shape):
+            return cfg_gran, dtype
         try:
             return weight_granularity(fp8[0].shape, scale.shape), dtype
         except ValueError:
             pass
-    q = ckpt.quantization_config
-    try:
-        return (granularity_from_config(q) if q else None), dtype
-    except ValueError:
-        return None, dtype
+    return cfg_gran, dtype
 
 
 def inspect_checkpoint(
