@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fp8linear.bench", "time the FP8 GEMM against BF16 and cuBLAS FP8 on this GPU"),
     "tune": ("fp8linear.tuning", "tune GEMM launch configs for a model's shapes and write a table"),
     "plan-memory": ("fp8linear.plan_memory", "per-GPU memory of a model's config in FP8 under tensor parallelism"),
+    "amd-check": ("fp8linear.amd_check", "compile every kernel and AMD config for MI300X (gfx942) without a GPU; "
+                  "report registers, spills, LDS, occupancy, MFMAs"),
 }
 
 

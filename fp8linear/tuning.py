@@ -84,6 +84,10 @@ TABLES_OFF = ("off", "none", "0")
 GRANULARITY_KEYS = ("block", "row", "tensor")
 _SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
 _CONFIG_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+# AMD compiler options an entry may carry (AMD tables); written only where they differ from
+# Triton's defaults, so NVIDIA tables keep exactly the fields above.
+_AMD_FIELDS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+_AMD_DEFAULTS = {"waves_per_eu": 0, "matrix_instr_nonkdim": 0, "kpack": 1}
 # Measurement fields an entry may carry besides the config (informational, never required).
 _INFO_FIELDS = ("us", "heuristic_us", "tried")
 
@@ -141,10 +145,16 @@ def cache_table_path(device: str, directory: Path | None = None) -> Path:
 def _config_from_entry(entry: Mapping[str, Any]) -> GemmConfig:
     from .ops.configs import GemmConfig
 
-    unknown = set(entry) - set(_CONFIG_FIELDS) - set(_INFO_FIELDS)
+    unknown = set(entry) - set(_CONFIG_FIELDS) - set(_AMD_FIELDS) - set(_INFO_FIELDS)
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)} in table entry {dict(entry)}")
-    return GemmConfig(**{f: int(entry[f]) for f in _CONFIG_FIELDS if f in entry})
+    return GemmConfig(**{f: int(entry[f]) for f in _CONFIG_FIELDS + _AMD_FIELDS if f in entry})
+
+
+def _entry_from_config(config: GemmConfig) -> dict[str, Any]:
+    entry = {f: getattr(config, f) for f in _CONFIG_FIELDS}
+    entry.update({f: getattr(config, f) for f in _AMD_FIELDS if getattr(config, f) != _AMD_DEFAULTS[f]})
+    return entry
 
 
 @dataclass
@@ -188,7 +198,7 @@ class ConfigTable:
         bad = set(info) - set(_INFO_FIELDS)
         if bad:
             raise ValueError(f"unknown info fields {sorted(bad)}; allowed: {_INFO_FIELDS}")
-        entry = {f: getattr(config, f) for f in _CONFIG_FIELDS}
+        entry = _entry_from_config(config)
         entry.update({k_: v for k_, v in info.items() if v is not None})
         self.shapes.setdefault(_shape_key(n, k, granularity), {})[bucket] = entry
 
@@ -340,11 +350,16 @@ def clear_lookup_cache() -> None:
 
 @lru_cache(maxsize=16)
 def _cuda_device_name(index: int) -> str:
+    if torch.version.hip is not None:  # AMD: the arch ('gfx942'), shared by MI300X/MI300A/MI325X
+        from .ops.configs import hip_arch
+
+        return hip_arch(torch.cuda.get_device_properties(index).gcnArchName)
     return torch.cuda.get_device_name(index)
 
 
 def device_name(device: torch.device | str | int | None = None) -> str:
-    """The name tables are keyed by: torch.cuda.get_device_name (cached), 'cpu' for CPU devices."""
+    """The name tables are keyed by: torch.cuda.get_device_name on NVIDIA, the arch name
+    ('gfx942') on ROCm (both cached), 'cpu' for CPU devices."""
     if isinstance(device, int):
         return _cuda_device_name(device)
     dev = torch.device(device) if device is not None else torch.device("cuda")
@@ -373,15 +388,19 @@ def _fits(bm: int, bn: int, bk: int, warps: int, stages: int) -> bool:
     return _MIN_ACC_PER_THREAD <= acc <= _MAX_ACC_PER_THREAD and stages * (bm + bn) * bk <= _SMEM_BUDGET
 
 
-def candidate_configs(m: int, n: int, k: int) -> list[GemmConfig]:
+def candidate_configs(m: int, n: int, k: int, arch: str | None = None) -> list[GemmConfig]:
     """Phase-one candidates for an (M, N, K) GEMM: tile shapes and warps at a default pipeline depth.
 
     Decode (M <= 64): block_m 16/32/64 (no larger than M needs), block_n 32-256, 4 or 8
     warps. Prefill: block_m 64/128/256 x block_n 64/128/256 with 4 or 8 warps, as far as the
     accumulator fits in registers. block_k is 128 (one scale group per step) here; 64 and the
-    pipeline depth are explored by :func:`refine_candidates`.
+    pipeline depth are explored by :func:`refine_candidates`. On an AMD `arch` ('gfx942'):
+    the AMD heuristic's config, then every tile of the AMD option table (spill-free options).
     """
-    from .ops.configs import GemmConfig, heuristic_config
+    from .ops.configs import GemmConfig, heuristic_config, is_amd_arch
+
+    if is_amd_arch(arch):
+        return _amd_candidates(m, n, k, arch)
 
     pow2_m = 1 << max(int(m) - 1, 0).bit_length()
     if m <= 64:  # memory bound: enough CTAs to stream W matters more than tile efficiency
@@ -412,11 +431,39 @@ def candidate_configs(m: int, n: int, k: int) -> list[GemmConfig]:
     return out
 
 
-def refine_candidates(best: Sequence[GemmConfig]) -> list[GemmConfig]:
-    """Phase-two candidates around the fastest configs: other pipeline depths, and block_k=64."""
-    from .ops.configs import GemmConfig
+def _amd_candidates(m: int, n: int, k: int, arch: str) -> list[GemmConfig]:
+    from .ops.configs import AMD_TILE_OPTIONS, amd_gemm_config, amd_heuristic_config
+
+    pow2_m = 1 << max(int(m) - 1, 0).bit_length()
+    max_bn = max(32, 1 << (int(n) - 1).bit_length())
+    tiles = [t for t in AMD_TILE_OPTIONS if t[1] <= max_bn and (m > 64 or t[0] <= max(16, pow2_m))]
+    tiles.sort(key=lambda t: -t[0] * t[1] if m > 256 else t[0] * t[1])
+    out = [amd_heuristic_config(m, n, k, arch)]
+    out += [c for c in (amd_gemm_config(bm, bn, group_m=32 if m > 256 else 8) for bm, bn in tiles) if c not in out]
+    return out
+
+
+def _amd_refinements(cfg: GemmConfig) -> list[GemmConfig]:
+    """AMD phase two: pipeline depth 1/3, the other MFMA size and kpack, waves_per_eu 0..2."""
+    from dataclasses import replace
+
+    out = [replace(cfg, num_stages=s) for s in (1, 3) if s != cfg.num_stages]
+    out.append(replace(cfg, matrix_instr_nonkdim=32 if cfg.matrix_instr_nonkdim == 16 else 16))
+    out.append(replace(cfg, kpack=3 - cfg.kpack))
+    out += [replace(cfg, waves_per_eu=w) for w in (0, 1, 2) if w != cfg.waves_per_eu]
+    return out
+
+
+def refine_candidates(best: Sequence[GemmConfig], arch: str | None = None) -> list[GemmConfig]:
+    """Phase-two candidates around the fastest configs: other pipeline depths, and block_k=64
+    (on an AMD `arch`: the AMD options, see :func:`_amd_refinements`)."""
+    from .ops.configs import GemmConfig, is_amd_arch
 
     out: list[GemmConfig] = []
+    if is_amd_arch(arch):
+        for cfg in best:
+            out += [c for c in _amd_refinements(cfg) if c not in out and c not in best]
+        return out
     for cfg in best:
         for bk, stages in _REFINE_STEPS:
             if not _fits(cfg.block_m, cfg.block_n, bk, cfg.num_warps, stages):
@@ -552,10 +599,11 @@ def tune_shape(
     fastest three. A bucket can overrun its share by one compile (a few seconds).
     """
     _check_can_tune()
-    from .ops.configs import heuristic_config
+    from .ops.configs import amd_heuristic_config, heuristic_config, is_amd_arch
     from .ops.gemm import block_fp8_gemm
 
     dev = torch.device(device) if device is not None else torch.device("cuda")
+    arch = device_name(dev)  # 'gfx942' on ROCm: AMD heuristic and candidates
     timer = timer or _default_timer(dev)
     errors = _candidate_errors()
     buckets = sorted({m_bucket(m) for m in ms})
@@ -595,12 +643,12 @@ def tune_shape(
                     first = str(e).splitlines()[0][:120] if str(e) else ""
                     log(f"    {_cfg_str(cfg)}: skipped ({type(e).__name__}: {first})")
 
-        heuristic = heuristic_config(bucket, n, k)
+        heuristic = amd_heuristic_config(bucket, n, k, arch) if is_amd_arch(arch) else heuristic_config(bucket, n, k)
         # Always timed: the heuristic and the config a table already has for this bucket, so a
         # re-tune whose budget runs out early (compiles on a fresh machine) never picks worse.
         current = lookup_config(device_name(dev), bucket, n, k, granularity)
         must = [heuristic] + ([current] if current is not None and current != heuristic else [])
-        phase1 = must + [c for c in candidate_configs(bucket, n, k) if c not in must]
+        phase1 = must + [c for c in candidate_configs(bucket, n, k, arch) if c not in must]
         if max_candidates is not None:
             phase1 = phase1[: max(len(must), max_candidates)]
         for rank, cfg in enumerate(phase1):
@@ -609,7 +657,7 @@ def tune_shape(
             measure(cfg)
         if times and time.monotonic() < bucket_deadline:
             top = sorted(times, key=times.__getitem__)[:_REFINE_TOP]
-            phase2 = [c for c in refine_candidates(top) if c not in times]
+            phase2 = [c for c in refine_candidates(top, arch) if c not in times]
             if max_candidates is not None:
                 phase2 = phase2[: max(0, max_candidates - len(phase1))]
             for cfg in phase2:
@@ -637,7 +685,10 @@ def tune_shape(
 
 
 def _cfg_str(cfg: GemmConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"
+    s = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"
+    if cfg.amd_options() != _AMD_DEFAULTS:
+        s += f" wpe{cfg.waves_per_eu} nk{cfg.matrix_instr_nonkdim} kp{cfg.kpack}"
+    return s
 
 
 def _table_meta() -> dict[str, Any]:
@@ -647,6 +698,8 @@ def _table_meta() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
     }
+    if torch.version.hip is not None:
+        meta["hip"] = torch.version.hip
     try:
         import triton
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import GemmConfig
+from .configs import GemmConfig, launch_options
 from .cublas_gemm import cublas_fp8_gemm
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
@@ -137,7 +137,8 @@ def tiled_args(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
     )
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl)}
+    return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),
+                        **launch_options(cfg)}
 
 
 def _persistent_gemm(x_q, x_s, w_q, w_s, y, granularity, bias, cfg: GemmConfig) -> None:

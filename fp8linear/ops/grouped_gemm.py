@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import GemmConfig
+from .configs import GemmConfig, amd_grouped_config_here, launch_options, moe_align_num_warps
 from .gemm_common import promote, weight_scale_ptrs
 
 __all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeRouting", "align_num_blocks", "grouped_config", "moe_align_block_size", "grouped_fp8_gemm"]
@@ -64,6 +64,9 @@ def grouped_config(num_pairs: int, num_experts: int, n: int, k: int) -> GemmConf
     922 us, best; 2,048 tokens (512 rows/expert) 128x128 / 8 warps won, gate_up 1479 vs 1759 us and
     down 845 vs 851 us, and at 4,096 tokens (1,024). So above 384 rows the dense prefill tile takes over.
     """
+    amd = amd_grouped_config_here(num_pairs, num_experts)  # AMD tiles and options on ROCm
+    if amd is not None:
+        return amd
     rows_per_expert = num_pairs / max(num_experts, 1)
     if rows_per_expert <= 16:  # decode: each block is ~one expert's few rows; stream W with the smallest M tile
         return GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
@@ -166,7 +169,7 @@ def moe_align_block_size(
             top_k_index.reshape(-1).contiguous(), sorted_pair_ids, block_expert,
             num_pairs, num_experts, num_blocks,
             BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=max(16, min(128, _ALIGN_TILE // num_bins)),
-            num_warps=4,
+            num_warps=moe_align_num_warps(),
         )
     return MoeRouting(sorted_pair_ids, block_expert, block_m, num_pairs, top_k)
 
@@ -320,6 +323,6 @@ def grouped_fp8_gemm(
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(cfg),
     )
     return c

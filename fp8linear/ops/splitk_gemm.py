@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX
+from .configs import SMALL_M_MAX, launch_options, splitk_num_stages
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
 
@@ -172,7 +172,7 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     if split < 2:
         return None
     split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
-    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split)
+    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split, num_stages=splitk_num_stages(4, device))
 
 
 def splitk_workspace(n: int, device: torch.device | str) -> torch.Tensor:
@@ -222,7 +222,8 @@ def splitk_args(x: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torc
         SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE, USE_PDL=pdl,
     )
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl)}
+    return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),
+                        **launch_options(cfg)}
 
 
 def splitk_fp8_gemm(
