@@ -20,6 +20,8 @@ from fp8linear import bench, tuning
 from fp8linear.cli import main as cli_main
 from fp8linear.ops.configs import GemmConfig
 
+from conftest import HAS_CUDA
+
 DEVICE = "Fake GPU 80GB"
 
 # DeepSeek-V3's config.json, trimmed to the fields that decide linear-layer shapes.
@@ -517,7 +519,8 @@ def test_tune_always_times_the_heuristic_and_the_current_entry(isolated, monkeyp
         return real_gemm(*args, config=config, **kw)
 
     monkeypatch.setattr("fp8linear.ops.gemm.block_fp8_gemm", spy)
-    res = tuning.tune_shape(128, 256, ms=(3,), device="cpu", budget_s=0.0, max_candidates=1)
+    # where the kernels run: the GPU, or the CPU interpreter (conftest sets it without a GPU)
+    res = tuning.tune_shape(128, 256, ms=(3,), device="cuda" if HAS_CUDA else "cpu", budget_s=0.0, max_candidates=1)
     assert res[0].tried == 2 and set(timed) == {heuristic_config(3, 128, 256), current}
 
 

@@ -96,7 +96,7 @@ def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
     big = (dev, 8, 18432, 7168) + args[4:]
     assert router.route_linear(*big, one_launch=True).kernel != "decode"  # GPU-bound: two launches win
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert router.route_linear(*args, one_launch=True).kernel != "decode"  # no in-launch wait on ROCm
+    assert not router._one_launch_decode_ok(dev)  # no in-launch wait on ROCm
 
 
 def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
