@@ -69,9 +69,11 @@ def quantize_activation_grid(x2d: torch.Tensor, fp8_dtype: torch.dtype) -> tuple
     """
     m, k = x2d.shape
     groups = _cdiv(k, GROUP_SIZE)
-    xf = x2d.float()
-    if groups * GROUP_SIZE != k:
-        xf = F.pad(xf, (0, groups * GROUP_SIZE - k))
+    if groups * GROUP_SIZE != k:  # zero padding (F.pad costs ~40 us a call here)
+        xf = torch.zeros(m, groups * GROUP_SIZE, dtype=torch.float32)
+        xf[:, :k] = x2d
+    else:
+        xf = x2d.float()
     xg = xf.reshape(m, groups, GROUP_SIZE)
     qmax = activation_max(fp8_dtype)
     amax = xg.abs().amax(dim=-1, keepdim=True).clamp_(min=AMAX_FLOOR)
