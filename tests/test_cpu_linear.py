@@ -145,7 +145,7 @@ def test_linear_matches_float64(m, n, k, granularity, fp8_dtype, out_dtype, with
 
 @pytest.mark.parametrize("tile_elems", [1, 300, 128 * 256, 1 << 22])
 @pytest.mark.parametrize("granularity", GRANS)
-@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("m", [1, 4, 40])
 def test_tilings_agree(tile_elems, granularity, m, monkeypatch):
     """Every tiling (one row, powers of two inside a 128-row block, whole blocks, one tile)."""
     monkeypatch.setattr(cpu_linear, "TILE_ELEMS", tile_elems)
@@ -153,6 +153,7 @@ def test_tilings_agree(tile_elems, granularity, m, monkeypatch):
     w_q, w_s = quantize_weight_ref(torch.randn(300, 300) / 17, granularity, torch.float8_e4m3fn)
     bias = torch.randn(300)
     y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    assert y.shape == (m, 300) and y.is_contiguous()
     x_q, x_s = quantize_activation_ref(x, torch.float8_e4m3fn)
     assert rel_err(y, _ref64(x_q, x_s, w_q, w_s, bias)) < GEMM_TOL[torch.float32]
 
