@@ -36,8 +36,13 @@ from .reference import AMAX_FLOOR
 
 __all__ = ["CpuFp8Weight", "prepare_cpu_weight", "quantize_activation_grid", "cpu_fp8_linear"]
 
-# A decoded tile holds about this many weight elements (rows = TILE_ELEMS // K).
+# A decoded tile holds about this many weight elements (rows = TILE_ELEMS // K). M=1, 1 thread
+# (benchmarks/cpu_linear.py --tile-sweep): 2^17 fastest on 2048x7168 (5.9 ms; 2^16 7.8, 2^19 8.0),
+# 7168x2048 (6.2 ms; 2^19 11.7), 576x1536 (0.44 ms; 2^19 0.80): fp32 tile + int16 scratch stay in L2.
 TILE_ELEMS = 1 << 17
+# Above XFOLD_MAX_M rows of x the GEMM dominates and MKL repacks x for every tile: bigger tiles.
+# 2048x7168, 1 thread: M=512 351 ms at 2^17, 166 ms at 2^20; M=128 140 ms -> 63 ms.
+TILE_ELEMS_LARGE_M = 1 << 20
 # 'block' weights fold their scales into the activations (instead of the decoded tile) up to this M.
 XFOLD_MAX_M = 32
 # From M=2 to this M the GEMM writes y (M, N), not y.T (measured: 3-4x faster MKL calls at M=2..4).
@@ -162,8 +167,8 @@ def _decode(p: CpuFp8Weight, n0: int, n1: int, h: torch.Tensor, f: torch.Tensor)
     f.copy_(h.view(torch.float16))
 
 
-def _tile_rows(n: int, kp: int, xfold: bool) -> int:
-    rows = max(1, TILE_ELEMS // kp)
+def _tile_rows(n: int, kp: int, xfold: bool, m: int) -> int:
+    rows = max(1, (TILE_ELEMS if m <= XFOLD_MAX_M else TILE_ELEMS_LARGE_M) // kp)
     if not xfold:
         return min(rows, n)
     if rows >= GROUP_SIZE:  # whole 128-row blocks, a batched GEMM over them
@@ -197,7 +202,7 @@ def cpu_fp8_linear(
     xfold = p.block_scale is not None and m <= XFOLD_MAX_M
     # A few rows of x: y (M, N) = x @ tile.T runs 3-4x faster in MKL than y.T = tile @ x.T.
     m_major = 2 <= m <= M_MAJOR_MAX_M
-    rows = _tile_rows(n, kp, xfold)
+    rows = _tile_rows(n, kp, xfold, m)
     h = torch.empty(rows, kp, dtype=torch.int16)
     if kp != k:
         h[:, k:].zero_()

@@ -149,6 +149,7 @@ def test_linear_matches_float64(m, n, k, granularity, fp8_dtype, out_dtype, with
 def test_tilings_agree(tile_elems, granularity, m, monkeypatch):
     """Every tiling (one row, powers of two inside a 128-row block, whole blocks, one tile)."""
     monkeypatch.setattr(cpu_linear, "TILE_ELEMS", tile_elems)
+    monkeypatch.setattr(cpu_linear, "TILE_ELEMS_LARGE_M", tile_elems)
     x = torch.randn(m, 300)
     w_q, w_s = quantize_weight_ref(torch.randn(300, 300) / 17, granularity, torch.float8_e4m3fn)
     bias = torch.randn(300)
