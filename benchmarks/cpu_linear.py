@@ -28,7 +28,7 @@ from fp8linear import cpu_linear
 from fp8linear.cpu_linear import cpu_fp8_linear, prepare_cpu_weight
 from fp8linear.reference import block_fp8_matmul_ref, quantize_activation_ref, quantize_weight_ref
 
-# N:K of the large shapes and of SmolLM2-135M's linears (q/o 576x576, gate/up 1536x576,
+# N:K of two large DeepSeek-V3-sized shapes and of SmolLM2-135M's linears (q/o 576x576, gate/up 1536x576,
 # down 576x1536, k/v 192x576).
 DEFAULT_SHAPES = ("2048:7168", "7168:2048", "576:576", "1536:576", "576:1536", "192:576")
 
