@@ -6,7 +6,7 @@ and of the per-round ratios (fp8 / bf16). The thread count is fixed (torch.set_n
 
     python benchmarks/cpu_linear.py [--threads 2] [--m 1,4,16,128,512] [--shapes 2048:7168 ...]
                                     [--granularity block] [--rounds 7] [--json out.json]
-    python benchmarks/cpu_linear.py --tile-sweep      # M=1 time per TILE_ELEMS value
+    python benchmarks/cpu_linear.py --tile-sweep      # M=1 time per TILE_ELEMS value (elements per thread)
 
 The reference path (dequantize the whole weight, then an fp32 GEMM) is slow: it is timed with
 fewer calls per round and skipped above --ref-max-m.

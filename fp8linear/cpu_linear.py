@@ -36,9 +36,10 @@ from .reference import AMAX_FLOOR
 
 __all__ = ["CpuFp8Weight", "prepare_cpu_weight", "quantize_activation_grid", "cpu_fp8_linear"]
 
-# A decoded tile holds about this many weight elements (rows = TILE_ELEMS // K). M=1, 1 thread
-# (benchmarks/cpu_linear.py --tile-sweep): 2^17 fastest on 2048x7168 (5.9 ms; 2^16 7.8, 2^19 8.0),
-# 7168x2048 (6.2 ms; 2^19 11.7), 576x1536 (0.44 ms; 2^19 0.80): fp32 tile + int16 scratch stay in L2.
+# A decoded tile holds about this many weight elements per intra-op thread (rows = elements // K),
+# so each core's share stays in its L2. M=1 (benchmarks/cpu_linear.py --tile-sweep), 1 thread:
+# 2^17 fastest on 2048x7168 (5.9 ms; 2^16 7.8, 2^19 8.0), 7168x2048 (6.2 ms; 2^19 11.7), 576x1536
+# (0.44 ms; 2^19 0.80); 2 threads: 2^18 in all (3.6 / 3.8 / 0.36 ms; 2^17 4.9 / 4.7 / 0.38).
 TILE_ELEMS = 1 << 17
 # Above XFOLD_MAX_M rows of x the GEMM dominates and MKL repacks x for every tile: bigger tiles.
 # 2048x7168, 1 thread: M=512 351 ms at 2^17, 166 ms at 2^20; M=128 140 ms -> 63 ms.
@@ -168,7 +169,8 @@ def _decode(p: CpuFp8Weight, n0: int, n1: int, h: torch.Tensor, f: torch.Tensor)
 
 
 def _tile_rows(n: int, kp: int, xfold: bool, m: int) -> int:
-    rows = max(1, (TILE_ELEMS if m <= XFOLD_MAX_M else TILE_ELEMS_LARGE_M) // kp)
+    elems = TILE_ELEMS * torch.get_num_threads() if m <= XFOLD_MAX_M else TILE_ELEMS_LARGE_M
+    rows = max(1, elems // kp)
     if not xfold:
         return min(rows, n)
     if rows >= GROUP_SIZE:  # whole 128-row blocks, a batched GEMM over them
