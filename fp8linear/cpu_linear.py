@@ -10,7 +10,8 @@ What makes it fast, without a BF16/fp32 copy of the weight:
 * **Weight decode in tiles, with integer ops.** torch's FP8 -> float cast is scalar code on the
   CPU (~2 ns an element, 30x a BF16 GEMV). Instead each FP8 code, read as int8, is widened to
   int16 and moved into the bit layout of a float16 (sign to bit 15, exponent and mantissa to
-  bits 13..7): three vectorised ops (``int8 * int16(128)``, ``& 0xBF80``, float16 -> fp32 copy).
+  bits 13..7): four vectorised ops (int8 -> int16 copy, ``* 128``, ``& 0xBF80``, float16 -> fp32
+  copy).
   That float16 is the FP8 value times 2^-8 (e4m3fn: exponent bias 7 against 15) or 2^-7
   (e4m3fnuz: bias 8), subnormals included; the power of two goes into the activation scales.
   Tiles of rows are decoded into buffers that stay in cache and are reused for every tile.
@@ -18,7 +19,8 @@ What makes it fast, without a BF16/fp32 copy of the weight:
   few rows of x: on the activations, once per 128-row block (a batched GEMM over the blocks).
   'row', and 'block' with many rows: one multiply over the decoded tile (row-expanded scales,
   N*K/128 floats, prepared once per weight).
-* **One fp32 GEMM per tile** (MKL), with the bias added by ``addmm``/``baddbmm``.
+* **One fp32 GEMM per tile** (MKL), with the bias added by ``addmm``/``baddbmm`` (after the
+  GEMMs for M = 2..8, where the GEMM writes y rather than y.T).
 
 The codes that are NaN (e4m3fn 0x7F/0xFF, e4m3fnuz 0x80) do not decode to NaN this way; the rows
 holding one are found once per weight and their outputs set to NaN, as the reference gives.
@@ -44,15 +46,14 @@ TILE_ELEMS = 1 << 17
 # Above XFOLD_MAX_M rows of x the GEMM dominates and MKL repacks x for every tile: bigger tiles.
 # 2048x7168, 1 thread: M=512 351 ms at 2^17, 166 ms at 2^20; M=128 140 ms -> 63 ms.
 TILE_ELEMS_LARGE_M = 1 << 20
-# 'block' weights fold their scales into the activations (instead of the decoded tile) up to this M.
+# 'block' weights fold their scales into the activations (instead of the decoded tile) up to this M:
+# per 128-row block that costs M*K multiplies against 128*K on the tile (a bound, not tuned).
 XFOLD_MAX_M = 32
 # From M=2 to this M the GEMM writes y (M, N), not y.T (measured: 3-4x faster MKL calls at M=2..4).
 M_MAJOR_MAX_M = 8
 
 # int16 mask keeping bit 15 (sign) and bits 13..7 (FP8 exponent and mantissa): 0xBF80.
 _MASK = -16512
-# A 1-element int16 tensor: `int8 codes * _C128` computes in int16 (sign-extends, then << 7).
-_C128 = torch.tensor([128], dtype=torch.int16)
 # float16 value of a decoded code = FP8 value * 2**-shift (exponent bias 15 against 7 or 8).
 _DECODE_SHIFT = {torch.float8_e4m3fn: 8, torch.float8_e4m3fnuz: 7}
 _FP32_EXP = 0x7F800000
