@@ -49,7 +49,7 @@ TILE_ELEMS_LARGE_M = 1 << 20
 # 'block' weights fold their scales into the activations (instead of the decoded tile) up to this M:
 # per 128-row block that costs M*K multiplies against 128*K on the tile (a bound, not tuned).
 XFOLD_MAX_M = 32
-# From M=2 to this M the GEMM writes y (M, N), not y.T (measured: 3-4x faster MKL calls at M=2..4).
+# Up to this M the GEMM writes y (M, N), not y.T (measured: 3-4x faster MKL calls at M=2..4).
 M_MAJOR_MAX_M = 8
 
 # int16 mask keeping bit 15 (sign) and bits 13..7 (FP8 exponent and mantissa): 0xBF80.
@@ -203,8 +203,9 @@ def cpu_fp8_linear(
         s = s * p.tensor_scale
     xd = grid.mul_(s.unsqueeze(-1))  # (M, G, 128) dequantized activations (times x_factor)
     xfold = p.block_scale is not None and m <= XFOLD_MAX_M
-    # A few rows of x: y (M, N) = x @ tile.T runs 3-4x faster in MKL than y.T = tile @ x.T.
-    m_major = 2 <= m <= M_MAJOR_MAX_M
+    # Up to a few rows of x: y (M, N) = x @ tile.T runs 3-4x faster in MKL than y.T = tile @ x.T
+    # (at M=1 too for the batched GEMM over blocks: 13 us against 41 us for 3 blocks of 128x640).
+    m_major = m <= M_MAJOR_MAX_M
     rows = _tile_rows(n, kp, xfold, m)
     h = torch.empty(rows, kp, dtype=torch.int16)
     if kp != k:
@@ -227,6 +228,9 @@ def cpu_fp8_linear(
             b0 = n0 // GROUP_SIZE
             a = (xd.unsqueeze(0) * p.block_scale[b0:b0 + blocks]).view(blocks, m, kp)
             fb = f[: blocks * GROUP_SIZE].view(blocks, GROUP_SIZE, kp)
+            if m == 1:
+                torch.bmm(a, fb.transpose(1, 2), out=y_out.view(-1, 1, GROUP_SIZE)[b0:b0 + blocks])
+                continue
             if m_major:
                 out = torch.bmm(a, fb.transpose(1, 2))  # (blocks, M, 128)
                 y_out.view(m, n_pad // GROUP_SIZE, GROUP_SIZE)[:, b0:b0 + blocks].copy_(out.transpose(0, 1))
