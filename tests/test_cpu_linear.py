@@ -1,0 +1,233 @@
+"""The CPU fast path (fp8linear/cpu_linear.py) against the reference numerics (CPU, fast)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8linear import cpu_linear
+from fp8linear.cpu_linear import cpu_fp8_linear, prepare_cpu_weight, quantize_activation_grid
+from fp8linear.formats import activation_max
+from fp8linear.reference import (
+    block_fp8_matmul_ref,
+    dequantize_activation_ref,
+    dequantize_weight_ref,
+    quantize_activation_ref,
+    quantize_weight_ref,
+)
+
+from _utils import GEMM_TOL, rel_err, same_bits
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+GRANS = ["block", "row", "tensor"]
+OUT = [torch.bfloat16, torch.float16, torch.float32]
+SIZES = [576, 2112, 300, 130]
+MS = [1, 3, 77, 333]
+# The float64 check dominates: skip products above this many multiply-adds (M=333 runs with K, N <= 576).
+MAX_MACS = 2**26
+
+
+def _ref64(x_q, x_s, w_q, w_s, bias):
+    y = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(w_q, w_s).double().T
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the numerics do not depend on it, and on a shared CPU the many small
+    parallel regions of a tiled call wait on descheduled threads (seconds per test)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# --- activation quantization: bit-exact with quantize_activation_ref ------------------------
+def _hard_activations(m: int, k: int, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Random rows plus rows built to hit FP8 rounding ties, subnormals, zeros and -0.0."""
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).unsqueeze(1)
+    qmax = activation_max(fp8_dtype)
+    if m >= 4 and k >= 8:
+        # amax = qmax makes the scale 1: the row holds exact midpoints between FP8 values (ties),
+        # values around the subnormal range and signed zeros
+        codes = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).float()
+        grid = codes[torch.isfinite(codes)].abs().unique()
+        mids = (grid[1:] + grid[:-1]) / 2
+        row = torch.cat([mids, -mids, grid * 0.999, -grid * 1.001, torch.tensor([0.0, -0.0])])
+        row = torch.cat([row[torch.randperm(row.numel(), generator=gen)], torch.zeros(k)])[:k].clone()
+        row[0] = qmax
+        x[0] = row
+        x[1] = row * 2.0**-10  # same pattern, scale 2**-10: still ties
+        x[2] = 0.0  # all-zero row: amax floored
+        x[3, : k // 2] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("x_dtype", OUT)
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 576), (9, 300), (4, 130), (33, 2112), (6, 7)])
+def test_activation_grid_bit_exact(m, k, x_dtype, fp8_dtype):
+    x = _hard_activations(m, k, fp8_dtype).to(x_dtype)
+    q_ref, s_ref = quantize_activation_ref(x, fp8_dtype)
+    grid, s = quantize_activation_grid(x, fp8_dtype)
+    assert same_bits(s, s_ref)
+    q = grid.reshape(m, -1)[:, :k]
+    assert same_bits(q.to(fp8_dtype), q_ref)  # the same FP8 bytes
+    assert same_bits(q, q_ref.float())  # and the grid is those values exactly (+0.0 for zeros)
+    assert (grid.reshape(m, -1)[:, k:] == 0).all()
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_activation_grid_nan_inf_and_huge(fp8_dtype):
+    x = torch.randn(4, 256)
+    x[0, 3] = float("nan")
+    x[1, 200] = float("inf")
+    x[2, 5] = -1e38
+    x[3, 130] = 3e-39  # fp32 subnormal
+    q_ref, s_ref = quantize_activation_ref(x, fp8_dtype)
+    grid, s = quantize_activation_grid(x, fp8_dtype)
+    assert same_bits(s, s_ref)
+    assert same_bits(grid.reshape(4, -1).to(fp8_dtype), q_ref)
+
+
+# --- weight decode -----------------------------------------------------------------------------
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("k", [256, 300, 130])
+def test_decode_every_code(fp8_dtype, k):
+    codes = torch.arange(256, dtype=torch.uint8).repeat(k // 256 + 3)[: 3 * k].view(3, k)
+    w = codes.view(fp8_dtype)
+    p = prepare_cpu_weight(w, torch.tensor(1.0), "tensor")
+    kp = p.groups * 128
+    h = torch.full((3, kp), 12345, dtype=torch.int16)
+    h[:, k:] = 0
+    f = torch.empty(3, kp)
+    cpu_linear._decode(p, 0, 3, h, f)
+    want = w.float()
+    finite = torch.isfinite(want)
+    assert torch.equal((f[:, :k] * p.x_factor)[finite], want[finite])  # exact, subnormals included
+    assert (f[:, k:] == 0).all()
+    nan_rows = torch.nonzero((~finite).any(dim=1)).flatten()
+    assert torch.equal(p.nan_rows, nan_rows) if nan_rows.numel() else p.nan_rows is None
+
+
+# --- the whole linear against float64 -----------------------------------------------------------
+def _linear_cases():
+    cases = []
+    i = 0
+    for n in SIZES:
+        for k in SIZES:
+            for m in MS:
+                if m * n * k > MAX_MACS:
+                    continue
+                for gran in GRANS:
+                    # cycle dtype / bias so every combination class meets every shape class
+                    cases.append((m, n, k, gran, FP8[i % 2], OUT[i % 3], (i // 2) % 2 == 0))
+                    i += 1
+    return cases
+
+
+@pytest.mark.parametrize("m,n,k,granularity,fp8_dtype,out_dtype,with_bias", _linear_cases())
+def test_linear_matches_float64(m, n, k, granularity, fp8_dtype, out_dtype, with_bias):
+    gen = torch.Generator().manual_seed(m + 7 * n + 31 * k)
+    x = torch.randn(m, k, generator=gen).to(out_dtype)
+    w = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    w_q, w_s = quantize_weight_ref(w, granularity, fp8_dtype)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    assert y.shape == (m, n) and y.dtype == out_dtype and y.is_contiguous()
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)
+    ref = _ref64(x_q, x_s, w_q, w_s, bias)
+    assert rel_err(y, ref) < GEMM_TOL[out_dtype]  # the bound the reference path meets (test_numerics.py)
+
+
+@pytest.mark.parametrize("tile_elems", [1, 300, 128 * 256, 1 << 22])
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("m", [1, 4, 40])
+def test_tilings_agree(tile_elems, granularity, m, monkeypatch):
+    """Every tiling (one row, powers of two inside a 128-row block, whole blocks, one tile)."""
+    monkeypatch.setattr(cpu_linear, "TILE_ELEMS", tile_elems)
+    monkeypatch.setattr(cpu_linear, "TILE_ELEMS_LARGE_M", tile_elems)
+    x = torch.randn(m, 300)
+    w_q, w_s = quantize_weight_ref(torch.randn(300, 300) / 17, granularity, torch.float8_e4m3fn)
+    bias = torch.randn(300)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    assert y.shape == (m, 300) and y.is_contiguous()
+    x_q, x_s = quantize_activation_ref(x, torch.float8_e4m3fn)
+    assert rel_err(y, _ref64(x_q, x_s, w_q, w_s, bias)) < GEMM_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_strided_weight_and_empty_batch(granularity):
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 200), granularity, torch.float8_e4m3fn)
+    w_nc = w_q.t().contiguous().t()  # same values, column-major storage
+    x = torch.randn(3, 200, dtype=torch.bfloat16)
+    assert torch.equal(cpu_fp8_linear(x, w_nc, w_s, granularity), cpu_fp8_linear(x, w_q, w_s, granularity))
+    assert cpu_fp8_linear(x[:0], w_q, w_s, granularity).shape == (0, 256)
+
+
+# --- NaN / Inf -------------------------------------------------------------------------------
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("m", [4, 40])
+def test_nan_inf_in_x_give_nan_rows(fp8_dtype, granularity, m):
+    x = torch.randn(m, 256)
+    x[1, 3] = float("nan")
+    x[2, 200] = float("inf")
+    x[3, 7] = -float("inf")
+    w_q, w_s = quantize_weight_ref(torch.randn(200, 256), granularity, fp8_dtype)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity, torch.randn(200))
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float32, None)
+    assert torch.equal(y.isnan(), ref.isnan())
+    assert y[1:4].isnan().all() and torch.isfinite(y[0]).all()
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_nan_weight_codes_give_nan_columns(fp8_dtype, granularity):
+    w_q, w_s = quantize_weight_ref(torch.randn(300, 256), granularity, fp8_dtype)
+    w_q = w_q.clone()
+    nan_code = 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80
+    w_q.view(torch.uint8)[5, 17] = nan_code
+    w_q.view(torch.uint8)[299, 255] = nan_code | 0x80 if fp8_dtype == torch.float8_e4m3fn else nan_code
+    x = torch.randn(3, 256)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity)
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float32, None)
+    assert torch.equal(y.isnan(), ref.isnan())
+    assert y[:, [5, 299]].isnan().all() and ref.isnan().sum() == 6
+
+
+# --- per-weight preparation ---------------------------------------------------------------------
+def test_weak_cache_follows_in_place_updates():
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 256), "row", torch.float8_e4m3fn)
+    x = torch.randn(2, 256)
+    y0 = cpu_fp8_linear(x, w_q, w_s, "row")
+    w2, s2 = quantize_weight_ref(torch.randn(256, 256), "row", torch.float8_e4m3fn)
+    w_q.copy_(w2)  # bumps the version counter: prepared again
+    w_s.copy_(s2)
+    y1 = cpu_fp8_linear(x, w_q, w_s, "row")
+    assert not torch.equal(y0, y1)
+    assert torch.equal(y1, cpu_fp8_linear(x, w2, s2, "row", prepared=prepare_cpu_weight(w2, s2, "row")))
+    w_q.view(torch.uint8)[0, 0] = 0x7F  # a NaN code written in place: row 0 becomes NaN
+    assert cpu_fp8_linear(x, w_q, w_s, "row")[:, 0].isnan().all()
+
+
+def test_prepared_weight_holds_no_weight_copy():
+    w_q, w_s = quantize_weight_ref(torch.randn(1024, 1024), "block", torch.float8_e4m3fn)
+    p = prepare_cpu_weight(w_q, w_s, "block")
+    assert p.codes.data_ptr() == w_q.data_ptr()
+    extra = sum(t.numel() * t.element_size() for t in (p.row_scale, p.block_scale) if t is not None)
+    assert extra <= w_q.numel() * 4 // 128 + w_s.numel() * 4
+
+
+def test_two_threads_agree_with_one():
+    w_q, w_s = quantize_weight_ref(torch.randn(600, 2112) / 46, "block", torch.float8_e4m3fn)
+    x = torch.randn(5, 2112)
+    y1 = cpu_fp8_linear(x, w_q, w_s, "block")
+    torch.set_num_threads(2)
+    y2 = cpu_fp8_linear(x, w_q, w_s, "block")
+    assert rel_err(y2, y1) < GEMM_TOL[torch.float32]
