@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .backend import cublas_allowed, resolve_backend
+from .backend import cpu_fast_path, cublas_allowed, resolve_backend
+from .cpu_linear import cpu_fp8_linear
 from .formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
 from .ops import HAS_TRITON
 from .reference import (
@@ -289,7 +290,9 @@ def fp8_linear(
     elements runs one fused quantize+GEMV kernel (same quantized values, fp32 sums in another
     order); everything else quantizes x, then runs the GEMM (cuBLAS blockwise FP8 for
     prefill-sized GEMMs on Hopper under backend "auto", else ours). `Fp8BlockLinear` runs the same
-    work through a plan it keeps per input shape (:func:`plan_linear`).
+    work through a plan it keeps per input shape. CPU tensors under backend "auto" run
+    :func:`fp8linear.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
+    tile by tile, fp32 GEMMs); backend "reference" runs the reference itself.
 
     `workspace`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
     for this weight's N, on x's device; decode GEMMs then count their split-K tiles there instead
@@ -316,8 +319,11 @@ def fp8_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if resolve_backend(backend, x.device) == "reference":
-        x_q, x_s = quantize_activation_ref(x2, weight.dtype)
-        y = block_fp8_matmul_ref(x_q, x_s, weight, weight_scale_inv, x.dtype, bias)
+        if cpu_fast_path(backend, x.device):
+            y = cpu_fp8_linear(x2, weight, weight_scale_inv, granularity, bias)
+        else:
+            x_q, x_s = quantize_activation_ref(x2, weight.dtype)
+            y = block_fp8_matmul_ref(x_q, x_s, weight, weight_scale_inv, x.dtype, bias)
     else:
         w_s = weight_scale_inv.reshape(()) if granularity == "tensor" else weight_scale_inv
         y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend),
