@@ -7,6 +7,7 @@ force `backend="triton"` pay for it.
 """
 
 import os
+import socket
 
 import pytest
 import torch
@@ -40,3 +41,17 @@ def _release_gpu_memory(request):
     if HAS_CUDA and "gpu" in request.keywords:
         torch.cuda.empty_cache()
 
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any socket connection fails; the hub is offline (for tests that build transformers models)."""
+
+    def refuse(*args, **kwargs):
+        raise OSError("network access is blocked in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -48,17 +47,8 @@ COS_TOL = 0.93
 
 
 @pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Any socket connection fails; the hub is offline."""
-
-    def refuse(*args, **kwargs):
-        raise OSError("network access is blocked in this test")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+def _offline(no_network):
+    """Every test here runs without network (conftest.no_network)."""
 
 
 # ----------------------------------------------------------------------------- models

@@ -14,7 +14,6 @@ CPU dequantization needs each scale block to tile its weight.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -48,14 +47,8 @@ SMALL_SHARDS = "120KB"
 
 
 @pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise OSError("network access is blocked in this test")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+def _offline(no_network):
+    """Every test here runs without network (conftest.no_network)."""
 
 
 # ----------------------------------------------------------------------------- models
