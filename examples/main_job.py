@@ -8,7 +8,7 @@
 
     python examples/main_job.py [--granularity block|row|tensor] [--max-new-tokens N] [--device cpu|cuda]
 
-On a GPU the FP8 GEMMs run in Triton; without one, on the CPU reference path (a few minutes).
+On a GPU the FP8 GEMMs run in Triton; without one, on fp8linear's CPU path (fp8linear/cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         for q in PROMPTS
     ]
 
-    print(f"[4/4] greedy generation, {max_new} new tokens per prompt ({'Triton' if on_gpu else 'CPU reference path'})")
+    print(f"[4/4] greedy generation, {max_new} new tokens per prompt ({'Triton' if on_gpu else 'fp8linear CPU path'})")
     print(compare_generation(bf16, fp8, tokenizer, prompts, max_new, labels=PROMPTS, warmup=on_gpu))
     print(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
