@@ -17,7 +17,7 @@ import torch
 from fp8linear import Fp8BlockLinear, quantize_weight
 from fp8linear.bench import _DSV3, rotation_sets, time_graph
 from fp8linear.ops import router
-from fp8linear.ops.linear import fp8_linear_tokens
+from fp8linear.ops.linear import run_linear_route
 from fp8linear.ops.splitk_gemm import splitk_workspace
 
 
@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--m", nargs="+", type=int, default=[2, 8, 16, 32, 64])
     args = p.parse_args()
     dev = torch.device("cuda")
+    router.ONE_LAUNCH_MAX_WEIGHT = 1 << 62  # A/B every shape, also those the router keeps on two launches
     real_ok = router._one_launch_decode_ok
     print(f"{torch.cuda.get_device_name()}; us per call; one = fused decode kernel, two = act_quant + GEMM")
     print(f"{'shape':>12s} {'M':>3s} {'graph one':>9s} {'graph two':>9s} {'ratio':>6s} {'eager one':>9s} {'eager two':>9s} {'ratio':>6s}")
@@ -55,12 +56,13 @@ def main() -> None:
             sets = rotation_sets((x, w_q, w_s), w_q.numel() + x.numel() * 2, dev)
             res, layers = {}, {}
             xs = [s[0] for s in sets]
-            for name, ok in (("one", real_ok), ("two", lambda device: False)):
-                router._one_launch_decode_ok = ok
-                fn = lambda x, w_q, w_s: fp8_linear_tokens(x, w_q, w_s, "block", None, True, ws)  # noqa: E731
-                res[name] = [time_graph(fn, sets)]
+            for name, one in (("one", True), ("two", False)):
+                route = router.route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, None, True, True, one_launch=one)
+                fn = lambda x, w_q, w_s, r=route: run_linear_route(r, x, w_q, w_s, "block", None, ws)  # noqa: E731
+                res[name] = [time_graph(fn, sets)]  # GPU time of this route, whatever graphs would pick
+                router._one_launch_decode_ok = real_ok if one else (lambda device: False)
                 layers[name] = Fp8BlockLinear.from_quantized(w_q, w_s)
-                layers[name](x)  # plans its route now, under this rule
+                layers[name](x)  # plans its eager route now, under this rule
             router._one_launch_decode_ok = real_ok
             eager = eager_pair_us(layers, xs)
             for name in res:

@@ -24,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
+from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 from .gemm_common import uniform_weight_scale, weight_scale_layout
-from .quant import quantize_groups
+from .quant import act_quant_outputs, quantize_groups
 from .splitk_gemm import _SYNC_COUNTERS, SplitKConfig, _splitk_program, splitk_buffers
 
-__all__ = ["SYNC_COUNTERS", "fused_decode_args", "fused_decode_gemm", "fused_decode_outputs", "split_workspace"]
+__all__ = ["SYNC_COUNTERS", "fused_decode_args", "fused_decode_gemm", "split_workspace"]
 
 # Counters the kernel synchronises on (ready, done), after the split-K tile counters in a workspace.
 SYNC_COUNTERS = _SYNC_COUNTERS
@@ -87,12 +87,6 @@ def _fused_decode_kernel(
             tl.atomic_xchg(sync_ptr + 1, 0)
 
 
-def fused_decode_outputs(m: int, k: int, fp8_dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh (x_q (M, K), x_s (M, ceil(K/128))) for the kernel to quantize into."""
-    return (torch.empty((m, k), dtype=fp8_dtype, device=device),
-            torch.empty((m, triton.cdiv(k, GROUP_SIZE)), dtype=SCALE_DTYPE, device=device))
-
-
 def fused_decode_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
                       y: torch.Tensor, granularity: str, bias: torch.Tensor | None, cfg: SplitKConfig,
                       split: tuple[int, int], part: torch.Tensor | None, count: torch.Tensor | None,
@@ -146,7 +140,7 @@ def fused_decode_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, gra
     tile_counters, sync = split_workspace(workspace, tiles, x.device)
     split, count, part_shape = splitk_buffers(m, n, cfg, k, x.device, tile_counters)
     part = torch.empty(part_shape, dtype=torch.float32, device=x.device) if part_shape else None
-    x_q, x_s = fused_decode_outputs(m, k, w_q.dtype, x.device)
+    x_q, x_s = act_quant_outputs(m, k, w_q.dtype, x.device)  # the layout act_quant writes
     grid, args, options = fused_decode_args(x, x_q, x_s, w_q, w_s, y, granularity, bias, cfg, split, part, count, sync)
     _fused_decode_kernel[grid](**args, **options)
     return y

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
-from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, fused_decode_outputs, split_workspace
+from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_workspace
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, aligned
@@ -134,14 +134,14 @@ class LinearPlan:
             if tile_counters is None:
                 return unprepared, ()  # no workspace to count in: fresh counters per call, as unprepared
             part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
-            x_q0, x_s0 = fused_decode_outputs(m, k, fp8_dtype, device)
+            x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device)
             grid, args, options = fused_decode_args(x, x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
                                                     part0, count, sync)
             slots = ("x_ptr", "xq_ptr", "xs_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",))
             one = KernelCall(_fused_decode_kernel, grid, args, options, slots + (("part_ptr",) if part_shape else ()))
 
             def run_decode(x: torch.Tensor) -> torch.Tensor:
-                x_q, x_s = fused_decode_outputs(m, k, fp8_dtype, device)
+                x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device)
                 y = torch.empty(out_shape, dtype=out_dtype, device=device)
                 if part_shape is None:
                     one(x, x_q, x_s, y, y)
