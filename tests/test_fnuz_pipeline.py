@@ -24,11 +24,8 @@ PROMPT_LEN, NEW_TOKENS = 6, 3
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _single_thread(single_thread):
+    """Every test here runs on one intra-op thread (conftest.single_thread)."""
 
 
 @pytest.fixture(scope="module")

@@ -51,12 +51,8 @@ BLOCK_SIZE = {"block": [128, 128], "row": [1, 128], "tensor": None}
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One intra-op thread: these tensors are tiny, and OpenMP spinning hurts on busy 2-core CI boxes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _single_thread(single_thread):
+    """Every test here runs on one intra-op thread (conftest.single_thread)."""
 
 
 def _env() -> dict[str, str]:
