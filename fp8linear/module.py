@@ -210,6 +210,11 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             self._plans.clear()
         super().__setattr__(name, value)
 
+    def __getstate__(self):
+        # Plans hold closures and compiled kernels: neither pickles nor deep-copies; a copy makes its own.
+        state = super().__getstate__()
+        return {**state, "_plans": {}}
+
     def clear_plans(self) -> None:
         """Forget the launch plans (done on replacement, loading and moves; call it after changing
         ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout)."""

@@ -137,6 +137,22 @@ def test_plans_dropped_when_weights_bias_backend_or_device_change():
     assert not layer._plans
 
 
+def test_a_planned_layer_copies_and_pickles_without_its_plans():
+    import copy
+    import io
+
+    layer = _layer(130, 300, "block", True)
+    x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    y = layer(x)
+    assert layer._plans
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    for clone in (copy.deepcopy(layer), torch.load(buf, weights_only=False)):
+        assert not clone._plans and layer._plans
+        assert same_bits(clone(x), y) and clone._plans
+
+
 def test_in_place_updates_reach_the_output():
     layer = _layer(130, 300, "block", False)
     x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
