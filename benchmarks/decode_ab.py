@@ -10,32 +10,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from fp8linear import Fp8BlockLinear, quantize_weight
 from fp8linear.bench import _DSV3, rotation_sets, time_graph
+from fp8linear.bench_eager import interleaved_wall_us
 from fp8linear.ops import router
 from fp8linear.ops.linear import run_linear_route
 from fp8linear.ops.splitk_gemm import splitk_workspace
-
-
-def eager_pair_us(layers: dict, xs, rounds: int = 9, calls: int = 40) -> dict[str, float]:
-    """Wall us per call of each layer's planned forward, bursts interleaved round by round."""
-    for layer in layers.values():
-        for x in xs[:3]:
-            layer(x)
-    torch.cuda.synchronize()
-    samples: dict[str, list[float]] = {name: [] for name in layers}
-    for _ in range(rounds):
-        for name, layer in layers.items():
-            t0 = time.perf_counter()
-            for i in range(calls):
-                layer(xs[i % len(xs)])
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main() -> None:
@@ -64,7 +47,7 @@ def main() -> None:
                 layers[name] = Fp8BlockLinear.from_quantized(w_q, w_s)
                 layers[name](x)  # plans its eager route now, under this rule
             router._one_launch_decode_ok = real_ok
-            eager = eager_pair_us(layers, xs)
+            eager = interleaved_wall_us(layers, xs)
             for name in res:
                 res[name].append(eager[name])
             g, e = res["one"][0] / res["two"][0], res["one"][1] / res["two"][1]

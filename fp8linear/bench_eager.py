@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EAGER_SHAPES", "EAGER_MS", "EagerRow", "measure_eager", "format_eager", "run_eager"]
+__all__ = ["EAGER_SHAPES", "EAGER_MS", "EagerRow", "interleaved_wall_us", "measure_eager", "format_eager", "run_eager"]
 
 # DeepSeek-V3 linear shapes (N, K) of the eager-mode targets: q_a/kv_a-like, wide q_b, expert-width down.
 EAGER_SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048))
@@ -75,6 +75,26 @@ def _burst_times(fn: Callable[[torch.Tensor], Any], xs: Sequence[torch.Tensor], 
         hosts.append((t1 - t0) / _BURST * 1e6)
         walls.append((t2 - t0) / _BURST * 1e6)
     return statistics.median(walls), statistics.median(hosts)
+
+
+def interleaved_wall_us(methods: dict[str, Callable[[torch.Tensor], Any]], xs: Sequence[torch.Tensor],
+                       rounds: int = 9, calls: int = 40) -> dict[str, float]:
+    """Median wall us per call of each method over bursts of back-to-back calls (one synchronisation
+    per burst), the methods' bursts interleaved round by round so machine drift reaches them alike."""
+    device = xs[0].device
+    for fn in methods.values():
+        for x in xs[:3]:
+            fn(x)
+    _sync(device)
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn(xs[i % len(xs)])
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def _gpu_us(fn: Callable[[torch.Tensor], Any], xs: Sequence[torch.Tensor]) -> float | None:
