@@ -40,7 +40,7 @@ def main() -> None:
             res, layers = {}, {}
             xs = [s[0] for s in sets]
             for name, one in (("one", True), ("two", False)):
-                route = router.route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, None, True, True, one_launch=one)
+                route = router.route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, None, True, True, eager=one)
                 fn = lambda x, w_q, w_s, r=route: run_linear_route(r, x, w_q, w_s, "block", None, ws)  # noqa: E731
                 res[name] = [time_graph(fn, sets)]  # GPU time of this route, whatever graphs would pick
                 router._one_launch_decode_ok = real_ok if one else (lambda device: False)

@@ -216,10 +216,10 @@ def _dense_launches(arch: str, shapes: Sequence[tuple[int, int]], ms: Sequence[i
                 for m in ms:
                     launches.where["label"] = f"{gran} N={n} K={k} M={m}"
                     x = _meta((m, k), torch.bfloat16)
-                    # one_launch: as Fp8BlockLinear's eager plans ask (the one-launch decode kernel is
+                    # eager: as Fp8BlockLinear's eager plans ask (the one-launch decode kernel is
                     # NVIDIA-only; the router declines it on ROCm)
                     route = route_linear(x.device, m, n, k, gran, fp8, x.dtype, None, False, tma_ok(w_q),
-                                         one_launch=True)
+                                         eager=True)
                     run_linear_route(route, x, w_q, w_s, gran, None)
     return list(launches)
 

@@ -289,7 +289,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         args = (x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype, self.bias,
                 cublas_allowed(self.backend), tma_ok(weight))
         # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
-        return LinearPlan(route_linear(*args, one_launch=True), x, weight, w_s, granularity, self.bias, workspace,
+        return LinearPlan(route_linear(*args, eager=True), x, weight, w_s, granularity, self.bias, workspace,
                           capture_route=route_linear(*args))
 
     def extra_repr(self) -> str:

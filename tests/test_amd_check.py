@@ -149,7 +149,7 @@ def test_persistent_tma_kernel_never_chosen_on_amd(monkeypatch):
             for gran in ("block", "tensor"):
                 assert not router.use_persistent(cpu, m, k, gran, True)
                 route = router.route_linear(cpu, m, n, k, gran, torch.float8_e4m3fnuz, torch.bfloat16, None, False,
-                                            True, one_launch=True)
+                                            True, eager=True)
                 assert route.kernel in ("gemv", "splitk", "tiled"), (m, n, k, route)  # no TMA, no one-launch
                 if route.kernel == "tiled":
                     assert route.config.matrix_instr_nonkdim == 16 and route.config.num_stages == 2

@@ -75,7 +75,7 @@ def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
     w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / 30, "block")
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
-    route = route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True, one_launch=True)
+    route = route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True, eager=True)
     assert route.kernel == "decode"
     assert route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True).kernel != "decode"
     ws = {"none": None, "too small": torch.zeros(3, dtype=torch.int32, device=dev),
@@ -92,9 +92,9 @@ def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
 
     dev = torch.device(KERNEL_DEVICE)
     args = (dev, 8, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False, True)
-    assert router.route_linear(*args, one_launch=True).kernel == "decode"
+    assert router.route_linear(*args, eager=True).kernel == "decode"
     big = (dev, 8, 18432, 7168) + args[4:]
-    assert router.route_linear(*big, one_launch=True).kernel != "decode"  # GPU-bound: two launches win
+    assert router.route_linear(*big, eager=True).kernel != "decode"  # GPU-bound: two launches win
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert not router._one_launch_decode_ok(dev)  # no in-launch wait on ROCm
 
@@ -243,3 +243,21 @@ def test_launch_hooks_are_recognised_in_every_form():
 
     assert not _hook_set(None) and not _hook_set(Chain([]))
     assert _hook_set(Chain([print])) and _hook_set(print)
+
+
+def test_eager_plans_keep_small_prefill_gemms_off_cublas(monkeypatch):
+    """Eagerly, `torch._scaled_mm`'s host cost outweighs what cuBLAS saves below EAGER_CUBLAS_MIN_MNK;
+    graphs and compiled code (eager=False) keep cuBLAS there (the rule, on a stand-in Hopper)."""
+    from fp8linear.ops import router
+
+    monkeypatch.setattr(router, "cublas_device_ok", lambda device: True)
+    dev = torch.device(KERNEL_DEVICE)
+
+    def kernel(m, n, k, eager):
+        return router.route_linear(dev, m, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None, True, True,
+                                   eager=eager).kernel
+
+    assert kernel(512, 2112, 7168, eager=False) == "cublas"
+    assert kernel(512, 2112, 7168, eager=True) != "cublas"  # 7.7e9 multiply-adds
+    assert kernel(128, 7168, 18432, eager=True) == "cublas"  # 1.7e10: the GPU sets the pace
+    assert kernel(4096, 2112, 7168, eager=True) == "cublas"

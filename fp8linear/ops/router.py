@@ -5,8 +5,9 @@ Every choice between kernels is made here and nowhere else:
 - ``gemv``: one token and a weight below FUSED_GEMV_MAX_WEIGHT elements, activations not yet
   quantized -> the fused quantize + GEMV kernel (:mod:`fp8linear.ops.fused_gemv`), one launch;
 - ``cublas``: on Hopper under backend "auto", prefill-sized GEMMs cuBLAS blockwise FP8 computes
-  correctly and faster (:mod:`fp8linear.ops.cublas_gemm`);
-- ``decode``: asked for by eager callers only (``one_launch=True``: ``Fp8BlockLinear``'s plans
+  correctly and faster (:mod:`fp8linear.ops.cublas_gemm`); eager callers only from
+  EAGER_CUBLAS_MIN_MNK, below which ``torch._scaled_mm``'s host cost exceeds the GPU time saved;
+- ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), 2 to SMALL_M_MAX tokens, a weight below ONE_LAUNCH_MAX_WEIGHT
   elements, NVIDIA GPUs (and the CPU interpreter) -> activation quantization and the split-K GEMM
   in one launch (:mod:`fp8linear.ops.fused_decode`);
@@ -44,6 +45,7 @@ except ImportError:  # pragma: no cover - older Triton: the tiled kernel serves 
 
 __all__ = [
     "KERNELS",
+    "EAGER_CUBLAS_MIN_MNK",
     "LONG_SPLITK_K",
     "ONE_LAUNCH_MAX_WEIGHT",
     "PERSISTENT_CONFIG",
@@ -76,6 +78,13 @@ LONG_SPLITK_K = 8192
 # geometric mean: its GEMM programs wait for the quantized x instead of streaming weights), so graphs
 # and torch.compile get the two launches.
 ONE_LAUNCH_MAX_WEIGHT = 48 * 2**20
+# Eager callers send GEMMs to cuBLAS blockwise only from this M*N*K up. A plan's `torch._scaled_mm`
+# call costs 45-90 us of host time (H100 host, torch 2.11), more than our directly launched kernels;
+# below the cut the GEMM finishes before the host does. H100, benchmarks/eager_cublas_ab.py (eager
+# wall time, plans on our kernels / plans on cuBLAS, one run): 0.57-0.87 at M*N*K 0.2e10-1.55e10
+# (2112x7168 M=1024 0.87, 7168x2048 M=1024 0.57), 1.11 at 7168x18432 M=128 (1.69e10), and
+# 1.10-2.27 from 2.2e10 up; one case is lost by the cut: 24576x1536 M=512 (1.93e10), 0.84.
+EAGER_CUBLAS_MIN_MNK = 16 * 10**9
 # TMA wants 16-byte aligned bases and row strides.
 _TMA_ALIGN = 16
 
@@ -144,19 +153,21 @@ def _one_launch_decode_ok(device: torch.device) -> bool:
 
 def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
                  out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
-                 weight_tma_ok: bool, one_launch: bool = False) -> Route:
+                 weight_tma_ok: bool, eager: bool = False) -> Route:
     """The route of a whole FP8 linear (x not yet quantized, output in x's dtype `out_dtype`).
 
     `weight_tma_ok`: :func:`tma_ok` of the weight (the quantized activations are made
-    16-byte aligned, so they are TMA-addressable whenever K is a multiple of 16). `one_launch`:
-    the caller runs eagerly, where launches cost more than GPU time (see ONE_LAUNCH_MAX_WEIGHT).
+    16-byte aligned, so they are TMA-addressable whenever K is a multiple of 16). `eager`: the
+    caller launches eagerly (not in a CUDA graph or compiled region), where host time per call
+    counts as much as GPU time (see ONE_LAUNCH_MAX_WEIGHT and EAGER_CUBLAS_MIN_MNK).
     """
     if use_fused_gemv(m, n, k):
         return Route("gemv", gemv_config(m, n, k))
-    if allow_cublas and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device):
+    if (allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
+            and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device)):
         return Route("cublas")
     pdl = use_pdl(device, m)
-    if one_launch and 1 <= m <= SMALL_M_MAX and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device):
+    if eager and 1 <= m <= SMALL_M_MAX and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device):
         cfg = _decode_config(device, m, n, k, granularity)
         if cfg is not None:
             return Route("decode", cfg)
