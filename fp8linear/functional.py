@@ -33,6 +33,7 @@ __all__ = [
     "dequantize_weight",
     "block_fp8_matmul",
     "fp8_linear",
+    "validate_linear",
 ]
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -274,6 +275,29 @@ def block_fp8_matmul(
                       cublas_allowed(backend), workspace)
 
 
+def validate_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                    bias: torch.Tensor | None, workspace: torch.Tensor | None = None) -> str:
+    """The checks of :func:`fp8_linear` (clear TypeError/ValueError); returns the weight's granularity."""
+    _check_tensor("x", x)
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    _check_fp8("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must have shape (..., K={k}), got {tuple(x.shape)}")
+    if weight_scale_inv.dtype != SCALE_DTYPE:
+        raise TypeError(f"weight_scale_inv must be float32, got {weight_scale_inv.dtype}")
+    granularity = weight_granularity(weight.shape, weight_scale_inv.shape)
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must have shape (N,) = {(n,)}, got {tuple(bias.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {weight.device}")
+    _check_workspace(workspace, x.device)
+    return granularity
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -299,23 +323,8 @@ def fp8_linear(
     of zeroing fresh counters each call (one launch less). The kernels leave it zeroed; calls that
     run concurrently on different streams must not share one. `Fp8BlockLinear` keeps its own.
     """
-    _check_tensor("x", x)
-    if x.dtype not in _FLOAT_INPUTS:
-        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    _check_fp8("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    granularity = validate_linear(x, weight, weight_scale_inv, bias, workspace)
     n, k = weight.shape
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"x must have shape (..., K={k}), got {tuple(x.shape)}")
-    if weight_scale_inv.dtype != SCALE_DTYPE:
-        raise TypeError(f"weight_scale_inv must be float32, got {weight_scale_inv.dtype}")
-    granularity = weight_granularity(weight.shape, weight_scale_inv.shape)
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"bias must have shape (N,) = {(n,)}, got {tuple(bias.shape)}")
-    if x.device != weight.device:
-        raise ValueError(f"x is on {x.device} but the weight is on {weight.device}")
-    _check_workspace(workspace, x.device)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if resolve_backend(backend, x.device) == "reference":

@@ -9,7 +9,7 @@ from torch import nn
 
 from .backend import cublas_allowed, resolve_backend
 from .formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
-from .functional import dequantize_weight, fp8_linear, quantize_weight
+from .functional import dequantize_weight, fp8_linear, quantize_weight, validate_linear
 from .ops import HAS_TRITON
 from .reference import GRANULARITIES, weight_granularity, weight_scale_shape
 
@@ -269,15 +269,19 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
                           workspace=self._split_k_workspace())
 
     def _forward_and_plan(self, x: torch.Tensor) -> torch.Tensor:
-        """The validated forward; where our Triton kernels run it, also keeps a plan for x's shape."""
-        y = self._forward_validated(x)
+        """The validated forward; where our Triton kernels run it, through a plan it keeps for x's
+        shape (so the first call of a shape computes what the later ones do)."""
         weight = self.weight
-        if (HAS_TRITON and x.numel() and x.is_contiguous() and x.data_ptr() % _ALIGN == 0 and weight.is_contiguous()
+        if not (HAS_TRITON and x.numel() and x.is_contiguous() and x.data_ptr() % _ALIGN == 0
+                and weight.is_contiguous() and is_fp8_dtype(weight.dtype)
                 and resolve_backend(self.backend, x.device) == "triton"):
-            if len(self._plans) >= MAX_PLANS:
-                self._plans.clear()
-            self._plans[(x.shape, x.dtype, x.device)] = self._make_plan(x, self._split_k_workspace())
-        return y
+            return self._forward_validated(x)
+        workspace = self._split_k_workspace()
+        validate_linear(x, weight, self.weight_scale_inv, self.bias, workspace)
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        plan = self._plans[(x.shape, x.dtype, x.device)] = self._make_plan(x, workspace)
+        return plan(x)
 
     def _make_plan(self, x: torch.Tensor, workspace: torch.Tensor | None):
         from .ops.linear import LinearPlan

@@ -27,16 +27,18 @@ def _layer(n: int, k: int, granularity: str, bias: bool, device: str = KERNEL_DE
 
 
 def _count_validated_calls(monkeypatch) -> list[int]:
+    """Counts the layer's validated calls (validate_linear before planning, fp8_linear otherwise)."""
     from fp8linear import module
 
     calls = [0]
-    real = module.fp8_linear
+    for name in ("fp8_linear", "validate_linear"):
+        real = getattr(module, name)
 
-    def spy(*a, **kw):
-        calls[0] += 1
-        return real(*a, **kw)
+        def spy(*a, _real=real, **kw):
+            calls[0] += 1
+            return _real(*a, **kw)
 
-    monkeypatch.setattr(module, "fp8_linear", spy)
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 
