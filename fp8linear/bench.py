@@ -23,7 +23,7 @@ replayed in interleaved rounds, one replay of each method per round, so clock dr
 run reaches every method alike; the median replay time divided by R is the time per call.
 ``ours_*`` count split-K tiles in a per-layer workspace, as ``Fp8BlockLinear`` does. Every
 method's output (its first 128 rows) is also compared with a float64 product of the BF16 inputs.
-Output: a table on stdout, per-target summaries (issue 3), CSV + JSON with versions, a PNG.
+Output: a table on stdout, per-target summaries (the speed targets), CSV + JSON with versions, a PNG.
 """
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ _METHOD_LABELS = {
 }
 DECODE_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_MS: tuple[int, ...] = (1024, 2048, 4096)
-# Issue 3's boundaries: decode is M <= 64, prefill M >= 1024.
+# The speed targets' boundaries: decode is M <= 64, prefill M >= 1024.
 DECODE_MAX_M = 64
 PREFILL_MIN_M = 1024
-# Issue 3, target 2: the M=1 bandwidth target applies to weights of at least 64M elements.
+# The M=1 bandwidth target applies to weights of at least 64M elements.
 BIG_WEIGHT_ELEMENTS = 64 * 2**20
-# Issue 3 targets (ratios of per-call times measured in one run).
+# The speed targets (ratios of per-call times measured in one run).
 TARGET_PREFILL_VS_CUBLAS = 1.0  # ours / cuBLAS blockwise, geomean, M >= 1024
 TARGET_PREFILL_MOONSHOT = 1.10  # ours / per-tensor FP8
 TARGET_PREFILL_VS_BF16 = 1.6  # BF16 / ours per shape class
@@ -143,7 +143,7 @@ class Shape:
         return f"{self.n}x{self.k}" + (f" {self.name}" if self.name else "")
 
 
-# DeepSeek-V3 (671B) linear shapes, as listed in issue 3.
+# DeepSeek-V3 (671B) linear shapes.
 _DSV3 = (
     (1536, 7168, "dsv3 q_a_proj"),
     (576, 7168, "dsv3 kv_a_proj_with_mqa"),
@@ -155,7 +155,7 @@ _DSV3 = (
     (2048, 7168, "dsv3 expert gate/up"),
     (7168, 2048, "dsv3 expert down"),
 )
-# Issue 3's other shapes: odd K (256, 2304: cuBLAS blockwise refuses), small N, other models.
+# Other shapes: odd K (256, 2304: cuBLAS blockwise refuses), small N, other models.
 _EXTRA = (
     (3072, 1536, "extra"),
     (7168, 256, "extra K=256"),
@@ -170,7 +170,7 @@ QUICK_MS: tuple[int, ...] = (1, 16, 64, 1024, 4096)
 
 
 def default_shapes() -> list[Shape]:
-    """Issue 3's shape list: the 9 DeepSeek-V3 linear shapes and 6 others."""
+    """The default shape list: the 9 DeepSeek-V3 linear shapes and 6 others."""
     return [Shape(n, k, name) for n, k, name in _DSV3 + _EXTRA]
 
 
@@ -364,7 +364,7 @@ def _n_sets(bytes_per_set: int, l2: int) -> int:
 # Each method is first prepared (warmed up and, for the 'graph' timer, captured in a CUDA graph);
 # then the methods of one (shape, M) are timed in interleaved rounds, one sample each per round,
 # starting each round one method further on. Timed one after another, later methods ran at
-# other clocks: H100 session 6, ours (which hands these GEMMs to the same cuBLAS call) measured
+# other clocks: on H100, ours (which hands these GEMMs to the same cuBLAS call) measured
 # 1.03-1.24x cuBLAS's time right after it, while the two alternating took 218.0/219.2 us.
 Round = Callable[[], float]  # one timed sample: µs per call
 
@@ -826,7 +826,7 @@ def _item(value: float | None, target: float, higher_is_better: bool, n: int, **
 
 
 def summarize(rows: Sequence[BenchRow]) -> dict[str, Any]:
-    """Issue 3's targets as ratios over the rows: value, target, pass, number of cases."""
+    """The speed targets as ratios over the rows: value, target, pass, number of cases."""
     t: dict[tuple[int, int, int, str], float] = {  # wrong results (e.g. a misread scale layout) do not count
         (r.n, r.k, r.m, r.method): r.us for r in rows
         if r.status == "ok" and r.us and (r.rel_err is None or r.rel_err < _SUSPICIOUS_ERR)
@@ -873,7 +873,7 @@ def summarize(rows: Sequence[BenchRow]) -> dict[str, Any]:
           if (*c, "ours_forward") in t and (*c, "ours_block") in t]
     s["decode_forward_minus_gemm_us_max"] = _item(max(d4) if d4 else None, TARGET_FWD_DECODE_US, False, len(d4),
                                                   mean=statistics.fmean(d4) if d4 else None)
-    # Issue 3's reference numbers: geomean µs per method over the DeepSeek-V3 shapes.
+    # Reference numbers: geomean µs per method over the DeepSeek-V3 shapes.
     dsv3 = {(n, k) for n, k, _ in _DSV3}
     ref: dict[str, dict[str, float | None]] = {}
     for label, m_set in (("M=4096", {4096}), ("M in {1,16,64}", {1, 16, 64})):
@@ -955,7 +955,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     w = s.get("prefill_min_speedup_vs_bf16", {})
     bw = s.get("decode_m1_weight_tbps_min", {})
     lines = [
-        "Issue 3 targets (ratios of per-call times from this run):",
+        "Speed targets (ratios of per-call times from this run):",
         f"  1. prefill M>={PREFILL_MIN_M}: ours/cuBLAS-blockwise geomean {v('prefill_ours_over_cublas_block')}",
         f"     our Triton kernel alone/cuBLAS-blockwise geomean {v('prefill_triton_over_cublas_block')}",
         f"     moonshot ours/per-tensor geomean {v('prefill_ours_over_per_tensor')}",
@@ -1054,7 +1054,7 @@ def plot_results(result: BenchResult, path: str | os.PathLike[str]) -> bool:
 # ----------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", metavar="N,K", default=None,
-                        help="weight shapes N,K (out_features,in_features); default: issue 3's 15 shapes")
+                        help="weight shapes N,K (out_features,in_features); default: the 15 DeepSeek-V3 and other shapes")
     parser.add_argument("--hf-config", metavar="PATH", default=None,
                         help="a Hugging Face config.json (or its folder): benchmark its linear-layer shapes")
     parser.add_argument("--m", nargs="+", type=int, default=None, metavar="M",

@@ -1,4 +1,4 @@
-"""CPU tests of the benchmark and the tuning infrastructure (issue 3): formats, lookups, CLI, dry runs.
+"""CPU tests of the benchmark and the tuning infrastructure: formats, lookups, CLI, dry runs.
 
 Nothing here times anything for real or asserts on speed; the bench runs on the reference
 backend with a wall clock, the tuner on Triton's CPU interpreter (set up by conftest.py).
@@ -413,7 +413,7 @@ def test_bench_dry_run_end_to_end(tmp_path, capsys):
                    "--replays", "1", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "(N=256, K=384)" in printed and "Issue 3 targets" in printed
+    assert "(N=256, K=384)" in printed and "Speed targets" in printed
     data = json.loads((out / "bench_gemm.json").read_text())
     assert data["meta"]["torch"] == torch.__version__ and "timestamp" in data["meta"] and "gpu" in data["meta"]
     rows = {(r["m"], r["method"]): r for r in data["rows"]}

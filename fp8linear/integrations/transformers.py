@@ -32,7 +32,6 @@ from .replace import (
     DEFAULT_SKIP_PATTERNS,
     QuantizeReport,
     checkpoint_quantization_config,
-    keep_experts_fused_on_save,
     quantize_model_,
 )
 

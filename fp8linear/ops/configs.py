@@ -126,7 +126,7 @@ def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
     """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py, 2026-11-22)."""
     if m <= SMALL_M_MAX:
         # Decode shapes split-K does not take. What H100 `fp8linear tune` picked under CUDA graphs
-        # (7th session, 8 shapes x M 1..64): one tile of 16/32/64 rows covering M, 64 columns up to
+        # (8 shapes x M 1..64): one tile of 16/32/64 rows covering M, 64 columns up to
         # M=8 and 32 above, 4 warps, 3-6 stages (18432x7168 M=64: 64x64 54 us where the former
         # heuristic, 16x64 s6 for every M, took 91 us).
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)

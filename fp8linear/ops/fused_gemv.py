@@ -34,7 +34,7 @@ __all__ = ["FUSED_GEMV_MAX_WEIGHT", "GemvConfig", "gemv_config", "use_fused_gemv
 # for 3-6 MB of weight (N=1536..3072, K=1536..2816), 8.6 vs 9.2 us at N=576, K=7168, 18.5 vs 18.5
 # at 24576x1536; from 117 MB up (7168x16384, 18432x7168) the split-K GEMM streams HBM faster
 # (51.4 vs 50.4 and 58.5 vs 53.8 us). At M >= 2 each row re-reads the weight tile and the
-# two-kernel path won (geometric mean 19.9 vs 16.8 us at M=2). Re-swept (H100, 6th session): from
+# two-kernel path won (geometric mean 19.9 vs 16.8 us at M=2). Re-swept (H100): from
 # 33M elements the two kernels win too (4608x7168 19.6 vs 21.7 us; 18432x7168 54.5 vs 63.8) or tie
 # (24576x1536 18.2 vs 18.5; 32768x512, 16.8M: 10.7 vs 10.7), while below it the fused kernel still
 # wins (7168x2304 11.1 vs 13.6, 1536x7168 10.2 vs 11.4): hence 24M.

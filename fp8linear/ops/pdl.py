@@ -12,7 +12,7 @@ own start (:func:`release_dependents`, ``griddepcontrol.launch_dependents``) whe
 decode sizes (M <= SMALL_M_MAX) use it: there act_quant is one wave of small programs, so GEMM
 programs placed early never keep act_quant's from starting.
 
-Why it is off by default (H100, ninth session): `benchmarks/pdl_ab.py` (interleaved CUDA-graph
+Why it is off by default (H100): `benchmarks/pdl_ab.py` (interleaved CUDA-graph
 A/B, 15 shapes x M 1-64) measured the forward at 0.976x the time of plain launches (geometric
 mean; 0.985x summed; 0.95-0.97x on short K, e.g. 4096x512 5.55 -> 5.45 us) and the GEMM alone at
 0.979x (0.990x summed), but in two of five whole `fp8linear bench` runs with early release one or two graphs ran
