@@ -1070,13 +1070,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("auto", "triton", "reference"), default=None,
                         help="fp8linear backend for 'ours' (default: auto)")
     parser.add_argument("--no-bias", action="store_true", help="time the forward without a bias")
-    parser.add_argument("--deadline-s", type=float, default=330.0,
-                        help="stop starting new shapes after this many seconds (default 330)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="stop starting new shapes after this many seconds (default 330; with --grid 540)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--long", action="store_true", help="also print one line per (shape, M, method)")
     from .bench_eager import add_eager_arguments
+    from .tools.grid import add_grid_arguments
 
     add_eager_arguments(parser)
+    add_grid_arguments(parser)
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
@@ -1096,7 +1098,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         shapes=tuple(uniq.values()), ms=ms, methods=tuple(args.methods),
         device=device, timer=timer, replays=args.replays,
         backend=None if args.backend in (None, "auto") else args.backend,
-        bias=not args.no_bias, deadline_s=args.deadline_s,
+        bias=not args.no_bias, deadline_s=args.deadline_s or 330.0,
     )
 
 
@@ -1105,6 +1107,16 @@ def run(args: argparse.Namespace) -> int:
         from .bench_eager import run_eager
 
         return run_eager(args)
+    if getattr(args, "grid", False):
+        from .tools import grid
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        timer = args.timer or ("graph" if torch.device(device).type == "cuda" else "wall")
+        try:
+            return grid.run(args, device, timer)
+        except (OSError, ValueError) as e:
+            print(f"fp8linear bench --grid: {e}", file=sys.stderr)
+            return 2
     try:
         cfg = build_config(args)
     except (OSError, ValueError) as e:
