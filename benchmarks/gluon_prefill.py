@@ -36,7 +36,7 @@ import triton
 from fp8linear import quantize_activation, quantize_weight
 from fp8linear.bench import _rel_err as rel, default_shapes, rotation_sets, time_graph
 from fp8linear.formats import GROUP_SIZE
-from fp8linear.ops.cublas_gemm import cublas_fp8_gemm, cublas_shape_ok
+from fp8linear.ops.cublas_gemm import cublas_accepts, cublas_fp8_gemm
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.reference import block_fp8_matmul_ref
 
@@ -265,9 +265,9 @@ def time_shapes(ms: list[int], quick: bool) -> list[dict]:
                 "gluon_row": (lambda a, s, b, t: gluon_fp8_gemm(a, s, b, t, "row", torch.bfloat16, mode=1),
                               (x_q, x_s, wq_r, ws_r)),
             }
-            if cublas_shape_ok(m, n, k, "block", wq_b.dtype, torch.bfloat16, None):
+            if cublas_accepts(n, k, "block", wq_b.dtype, torch.bfloat16, None):
                 methods["cublas"] = (lambda a, s, b, t: cublas_fp8_gemm(a, s, b, t, "block", None), (x_q, xs_mmajor, wq_b, ws_b))
-            if cublas_shape_ok(m, n, k, "row", wq_r.dtype, torch.bfloat16, None):
+            if cublas_accepts(n, k, "row", wq_r.dtype, torch.bfloat16, None):
                 methods["cublas_row"] = (lambda a, s, b, t: cublas_fp8_gemm(a, s, b, t, "row", None), (x_q, xs_mmajor, wq_r, ws_r))
             row = {"shape": f"{n}x{k}", "n": n, "k": k, "m": m}
             for name, (fn, args) in methods.items():

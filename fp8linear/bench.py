@@ -579,7 +579,6 @@ def _method_setup(
     """(fn, args of one set, bytes one call moves (weight + scales + activation + output), output bytes)."""
     from .backend import cublas_allowed
     from .functional import block_fp8_matmul, fp8_linear, quantize_activation
-    from .ops.cublas_gemm import use_cublas_prequantized
 
     m, k = x.shape
     n = ops.w.shape[0]
@@ -612,7 +611,7 @@ def _method_setup(
         backend = "triton" if method == "triton_block" and cfg.backend != "reference" else cfg.backend
         # The activation scales in the layout Fp8BlockLinear's forward writes for the path this GEMM
         # takes: M-major where it goes to cuBLAS (as cuBLAS-blk gets them), row-major for our kernels.
-        on_cublas = use_cublas_prequantized(x_q, w_q, granularity, torch.bfloat16, None, cublas_allowed(backend))
+        on_cublas = x.device.type == "cuda" and _routed_to_cublas(x_q, w_q, granularity, cublas_allowed(backend))
 
         workspace = _ours_workspace(n, x.device)
 
@@ -633,6 +632,15 @@ def _method_setup(
         extra = n * 2 if bias is not None else 0
         return forward, (x, w_q, w_s, bias), n * k + w_s.numel() * 4 + m * k * 2 + extra + out_bytes, out_bytes
     raise ValueError(f"unknown method {method!r}")
+
+
+def _routed_to_cublas(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, allow_cublas: bool) -> bool:
+    from .ops.router import route_gemm, tma_ok
+
+    m, k = x_q.shape
+    route = route_gemm(x_q.device, m, w_q.shape[0], k, granularity, w_q.dtype, torch.bfloat16, None, allow_cublas,
+                       tma_ok(x_q) and tma_ok(w_q))
+    return route.kernel == "cublas"
 
 
 def _clone_set(args: tuple) -> tuple:

@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("fp8linear.quantize.cli_inspect", "summarise a checkpoint's tensors and quantization error"),
     "bench": ("fp8linear.bench", "time the FP8 GEMM against BF16 and cuBLAS FP8 on this GPU"),
     "tune": ("fp8linear.tuning", "tune GEMM launch configs for a model's shapes and write a table"),
+    "tune-routes": ("fp8linear.tools.route_tune", "time every kernel the router could pick per shape and M; "
+                    "write this GPU's routes table"),
     "plan-memory": ("fp8linear.plan_memory", "per-GPU memory of a model's config in FP8 under tensor parallelism"),
     "amd-check": ("fp8linear.amd_check", "compile every kernel and AMD config for MI300X (gfx942) without a GPU; "
                   "report registers, spills, LDS, occupancy, MFMAs"),

@@ -44,32 +44,30 @@ def test_act_quant_cublas_layout(m, k):
 
 
 @pytest.mark.parametrize(
-    "m,n,k,gran,fp8,out,bias,ok",
+    "n,k,gran,fp8,out,bias,ok",
     [
-        (4096, 7168, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
-        (128, 1536, 7168, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),
-        (130, 1536, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, torch.bfloat16, True),  # M padded
-        (127, 1536, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # decode-sized: ours
-        (512, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # small weight: ours
-        (1024, 576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
-        (4096, 7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 18: as 1x128
-        (4096, 4096, 1152, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 9: as 1x128
-        (4096, 7168, 640, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # short K: ours
-        (4096, 7168, 256, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),
-        (4096, 7168, 2304, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),  # row scales are fine
-        (4096, 300, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # N % 16
-        (4096, 512, 300, "row", torch.float8_e4m3fn, torch.bfloat16, None, False),  # K % 16
-        (4096, 512, 512, "tensor", torch.float8_e4m3fn, torch.bfloat16, None, False),
-        (4096, 512, 512, "block", torch.float8_e4m3fnuz, torch.bfloat16, None, False),
-        (4096, 512, 512, "block", torch.float8_e4m3fn, torch.float16, None, False),
-        (4096, 512, 512, "block", torch.float8_e4m3fn, torch.bfloat16, torch.float32, False),
+        (7168, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (1536, 7168, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (1536, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, torch.bfloat16, True),
+        (576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 18: as 1x128
+        (4096, 1152, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 9: as 1x128
+        (7168, 640, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # short K: ours
+        (7168, 256, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),
+        (7168, 2304, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),  # row scales are fine
+        (300, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # N % 16
+        (512, 300, "row", torch.float8_e4m3fn, torch.bfloat16, None, False),  # K % 16
+        (512, 512, "tensor", torch.float8_e4m3fn, torch.bfloat16, None, False),
+        (512, 512, "block", torch.float8_e4m3fnuz, torch.bfloat16, None, False),
+        (512, 512, "block", torch.float8_e4m3fn, torch.float16, None, False),
+        (512, 512, "block", torch.float8_e4m3fn, torch.bfloat16, torch.float32, False),
     ],
 )
-def test_cublas_shape_rules(m, n, k, gran, fp8, out, bias, ok):
-    from fp8linear.ops.cublas_gemm import cublas_shape_ok
+def test_cublas_accepts(n, k, gran, fp8, out, bias, ok):
+    from fp8linear.ops.cublas_gemm import cublas_accepts
 
     b = None if bias is None else torch.zeros(n, dtype=bias)
-    assert cublas_shape_ok(m, n, k, gran, fp8, out, b) is ok
+    assert cublas_accepts(n, k, gran, fp8, out, b) is ok
 
 
 def test_cublas_only_under_auto(monkeypatch):
@@ -139,7 +137,8 @@ CUBLAS_CASES = [
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_auto_matches_triton_and_reference(m, n, k, gran, with_bias, monkeypatch):
     """fp8_linear under "auto" (cuBLAS where it takes the shape) vs our kernels vs float64, and the path taken."""
-    from fp8linear.ops import cublas_gemm, linear
+    from fp8linear.ops import linear
+    from fp8linear.ops.router import route_linear, tma_ok
 
     taken: list[bool] = []
     orig = linear.cublas_fp8_gemm
@@ -151,7 +150,7 @@ def test_gpu_auto_matches_triton_and_reference(m, n, k, gran, with_bias, monkeyp
     y_triton = fp8_linear(x, w_q, w_s, bias, backend="triton")
     x_q, x_s = quantize_activation_ref(x, w_q.dtype)
     ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias, backend="reference").double()
-    expected = cublas_gemm.cublas_shape_ok(m, n, k, gran, w_q.dtype, x.dtype, bias)
+    expected = route_linear(x.device, m, n, k, gran, w_q.dtype, x.dtype, bias, True, tma_ok(w_q)).kernel == "cublas"
     assert taken == ([True] if expected else [])
     assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
     assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] and rel_err(y_triton, ref) < GEMM_TOL[torch.bfloat16]

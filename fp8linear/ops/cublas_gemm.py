@@ -6,14 +6,15 @@ promoted to fp32 per K group like our kernel. At M >= 1024 it beat our Triton ke
 (geometric mean of the H100 benchmark, docs/benchmarks.md): with fp32 promotion the register
 file caps a Triton tile at 128x128, and 128x128 tiles cannot feed the tensor cores at cuBLAS's
 rate even without promotion (Gluon experiment, benchmarks/gluon_prefill.py).
-At decode sizes our kernels win (split-K and the fused GEMV), and cuBLAS refuses M that is not a
-multiple of 4. So ``backend="auto"`` hands GEMMs with M >= CUBLAS_MIN_M (small weights: M >= 1024)
-to cuBLAS where it takes them correctly, and ``backend="triton"`` never does.
+At decode sizes and where few output tiles leave SMs idle our kernels win (split-K, the fused
+GEMV). So under ``backend="auto"`` the router (:mod:`fp8linear.ops.router`) hands a GEMM to cuBLAS
+where cuBLAS computes it correctly (:func:`cublas_accepts`) and is the faster kernel, and
+``backend="triton"`` never does.
 
 What cuBLAS takes, probed on H100 with torch 2.11 + CUDA 13.0 (the GPU tests in
 tests/test_cublas_gemm.py check these rules against the reference):
 
-- activations: FP8 (M, K) row-major, M a multiple of 4, K a multiple of 16; scales (M, K/128)
+- activations: FP8 (M, K) row-major, M a multiple of 4 (other M run on a padded copy), K a multiple of 16; scales (M, K/128)
   M-major (stride (1, M)). :func:`fp8linear.ops.quant.act_quant` writes them that way directly
   (``cublas_layout=True``), padding M with zero rows, so no copy is needed;
 - 128x128 weights: scale_b = ``w_s.t()`` of the contiguous (N/128, K/128) grid. With K/128 not a
@@ -34,18 +35,9 @@ import torch
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["CUBLAS_MIN_M", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_shape_ok", "cublas_device_ok", "use_cublas", "use_cublas_prequantized",
-           "cublas_fp8_gemm", "cublas_weight_scale"]
+__all__ = ["CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
+           "cublas_weight_scale"]
 
-# Under backend="auto", GEMMs with at least CUBLAS_MIN_M rows go to cuBLAS, and those with a
-# weight below CUBLAS_SMALL_WEIGHT elements only from CUBLAS_SMALL_WEIGHT_MIN_M rows. H100,
-# `fp8linear bench` (CUDA graphs, L2-cold): ours wins at M <= 64 on every shape; at M=128..512
-# cuBLAS wins on weights of 11M+ elements (1536x7168 M=128: 22.4 vs 29.9 us; 7168x2048 and up)
-# but not on small ones, where it sits at a ~22 us floor (576x7168 M=512: 22.2 vs 19.1 us;
-# 512x7168, 3072x1536, 4096x512 likewise); at M >= 1024 it wins everywhere but 512x7168 M=1024.
-CUBLAS_MIN_M = 128
-CUBLAS_SMALL_WEIGHT = 8 * 2**20
-CUBLAS_SMALL_WEIGHT_MIN_M = 1024
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
 _ALIGN_KN = 16
 # and M (the M-major activation scales' leading dimension) a multiple of 4 (16 bytes of fp32).
@@ -70,11 +62,10 @@ def _version(text: str | None) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def cublas_shape_ok(m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype, out_dtype: torch.dtype,
-                    bias: torch.Tensor | None) -> bool:
-    """Whether cuBLAS blockwise takes this GEMM correctly and is the faster choice (device aside)."""
-    if m < (CUBLAS_MIN_M if n * k >= CUBLAS_SMALL_WEIGHT else CUBLAS_SMALL_WEIGHT_MIN_M):
-        return False
+def cublas_accepts(n: int, k: int, granularity: str, fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None) -> bool:
+    """Whether cuBLAS blockwise computes this GEMM correctly, for any M (device aside); whether it is
+    also the faster kernel is the router's decision (:mod:`fp8linear.ops.router`)."""
     if n % _ALIGN_KN or k % _ALIGN_KN:
         return False
     if fp8_dtype != torch.float8_e4m3fn or out_dtype != torch.bfloat16:
@@ -107,33 +98,36 @@ def cublas_device_ok(device: torch.device) -> bool:
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def use_cublas(x: torch.Tensor, w_q: torch.Tensor, granularity: str, out_dtype: torch.dtype,
-               bias: torch.Tensor | None, allow_cublas: bool) -> bool:
-    """The one dispatch rule: allowed (backend "auto"), a shape cuBLAS gets right and wins, a Hopper device."""
-    return (allow_cublas
-            and cublas_shape_ok(x.shape[0], w_q.shape[0], x.shape[1], granularity, w_q.dtype, out_dtype, bias)
-            and cublas_device_ok(x.device))
-
-
-def use_cublas_prequantized(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, out_dtype: torch.dtype,
-                            bias: torch.Tensor | None, allow_cublas: bool) -> bool:
-    """The rule for an already quantized x_q (block_fp8_matmul), which cannot be padded: M a multiple of 4 too."""
-    return x_q.shape[0] % CUBLAS_ROW_ALIGN == 0 and use_cublas(x_q, w_q, granularity, out_dtype, bias, allow_cublas)
-
-
 def cublas_fp8_gemm(
     x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on cuBLAS.
 
-    x_q (M, K) with M a multiple of 4; x_s (M, K/128) in any layout (M-major is used as is);
-    w_s (N/128, K/128) for 'block', (N, K/128) for 'row'. Shapes must pass cublas_shape_ok.
+    x_q (M, K); x_s (M, K/128) in any layout (M-major is used as is); w_s (N/128, K/128) for
+    'block', (N, K/128) for 'row'. Shapes must pass cublas_accepts. An M that is not a multiple of
+    4 runs on a zero-padded copy of x_q and its scales (:func:`fp8linear.ops.quant.act_quant`
+    writes that layout directly, so the linear layer never copies); the padding rows are dropped.
     """
-    if x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
+    m = x_q.shape[0]
+    if m % CUBLAS_ROW_ALIGN:
+        x_q, x_s = _pad_rows(x_q, x_s)
+    elif x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
         x_s = x_s.t().contiguous().t()  # M-major
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=cublas_weight_scale(w_q, w_s, granularity), bias=bias,
+    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=cublas_weight_scale(w_q, w_s, granularity), bias=bias,
                             out_dtype=torch.bfloat16)
+    return y if y.shape[0] == m else y[:m]  # a contiguous view
+
+
+def _pad_rows(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_q and x_s with M rounded up to CUBLAS_ROW_ALIGN: zero rows, unit scales, M-major scales."""
+    m, k = x_q.shape
+    rows = -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
+    x_p = x_q.new_zeros((rows, k))
+    x_p[:m] = x_q
+    s_p = x_s.new_ones((x_s.shape[1], rows))
+    s_p[:, :m] = x_s.t()
+    return x_p, s_p.t()
 
 
 def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str) -> torch.Tensor:

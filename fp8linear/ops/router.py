@@ -4,19 +4,24 @@ Every choice between kernels is made here and nowhere else:
 
 - ``gemv``: one token and a weight below FUSED_GEMV_MAX_WEIGHT elements, activations not yet
   quantized -> the fused quantize + GEMV kernel (:mod:`fp8linear.ops.fused_gemv`), one launch;
-- ``cublas``: on Hopper under backend "auto", prefill-sized GEMMs cuBLAS blockwise FP8 computes
-  correctly and faster (:mod:`fp8linear.ops.cublas_gemm`); eager callers only from
-  EAGER_CUBLAS_MIN_MNK, below which ``torch._scaled_mm``'s host cost exceeds the GPU time saved;
+- ``cublas``: on Hopper under backend "auto", GEMMs cuBLAS blockwise FP8 computes correctly
+  (:mod:`fp8linear.ops.cublas_gemm`) where it is the faster kernel: as this GPU's routes table
+  measured (:mod:`fp8linear.ops.route_table`), else by the tile-count rule (CUBLAS_MIN_TILES_PER_SM);
+  eager callers only from EAGER_CUBLAS_MIN_MNK, below which ``torch._scaled_mm``'s host cost
+  exceeds the GPU time saved;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), 2 to SMALL_M_MAX tokens, a weight below ONE_LAUNCH_MAX_WEIGHT
   elements, NVIDIA GPUs (and the CPU interpreter) -> activation quantization and the split-K GEMM
   in one launch (:mod:`fp8linear.ops.fused_decode`);
-- ``splitk``: M <= SMALL_M_MAX with long K and too few output tiles to fill the GPU
-  (:mod:`fp8linear.ops.splitk_gemm`), on quantized activations or with PDL;
+- ``splitk``: too few output tiles to fill the GPU and K long enough to split
+  (:mod:`fp8linear.ops.splitk_gemm`; decode rules up to SMALL_M_MAX rows, MID_SPLIT_TILE above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
-  (:func:`fp8linear.ops.configs.select_config`).
+  (:func:`fp8linear.ops.configs.select_config`; MID_M_CONFIG where 128x128 tiles leave SMs idle).
+
+Where this GPU has a routes table entry for the shape and a nearby M (measured by
+``fp8linear tune-routes``), its kernel and config win over these rules.
 
 Programmatic dependent launch (``FP8LINEAR_PDL=1``, :mod:`fp8linear.ops.pdl`) is decided here too.
 A :class:`Route` is a plain value: callers that run the same shape again (``Fp8BlockLinear``
@@ -33,10 +38,11 @@ import torch
 from ..backend import interpreting
 from ..formats import GROUP_SIZE
 from .configs import SMALL_M_MAX, GemmConfig, select_config
-from .cublas_gemm import CUBLAS_ROW_ALIGN, cublas_device_ok, cublas_shape_ok
+from .cublas_gemm import cublas_accepts, cublas_device_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
 from .pdl import use_pdl
-from .splitk_gemm import SplitKConfig, splitk_config
+from .route_table import lookup_route
+from .splitk_gemm import SplitKConfig, sm_count, splitk_config
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -51,7 +57,12 @@ __all__ = [
     "PERSISTENT_CONFIG",
     "PERSISTENT_MAX_K",
     "PERSISTENT_MIN_M",
+    "CUBLAS_ANY_TILES_M",
+    "CUBLAS_MIN_TILES_PER_SM",
+    "MID_M_CONFIG",
+    "MID_SPLIT_TILE",
     "Route",
+    "mid_splitk_config",
     "route_gemm",
     "route_linear",
     "tma_ok",
@@ -85,6 +96,19 @@ ONE_LAUNCH_MAX_WEIGHT = 48 * 2**20
 # (2112x7168 M=1024 0.87, 7168x2048 M=1024 0.57), 1.11 at 7168x18432 M=128 (1.69e10), and
 # 1.10-2.27 from 2.2e10 up; one case is lost by the cut: 24576x1536 M=512 (1.93e10), 0.84.
 EAGER_CUBLAS_MIN_MNK = 16 * 10**9
+# Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
+# 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
+# Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
+# M 1-4096): this rule's choice took 1.07x the time of the fastest kernel (geometric mean of 341
+# cases); 0.5 tiles per SM gave 1.10x, 0.75 1.12x, and the former rule (cuBLAS from M=128 on
+# weights of 8M+ elements) 1.24x.
+CUBLAS_MIN_TILES_PER_SM = 0.25
+CUBLAS_ANY_TILES_M = 1024
+# Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per
+# SM; in that sweep 1 program per SM beat 2), and the tiled kernel with 64x64 tiles where 128x128
+# tiles leave SMs idle (N=576, K=1536, M=512: 6.3 vs 7.8 us for 128x128).
+MID_SPLIT_TILE = (64, 64)
+MID_M_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
 # TMA wants 16-byte aligned bases and row strides.
 _TMA_ALIGN = 16
 
@@ -119,15 +143,63 @@ def use_persistent(device: torch.device, m: int, k: int, granularity: str, opera
     return interpreting()  # the CPU interpreter emulates TMA descriptors, so CI runs this kernel too
 
 
-def _tiled_or_splitk(device: torch.device, m: int, n: int, k: int, granularity: str, operands_tma_ok: bool,
-                     pdl: bool) -> Route:
-    if m <= SMALL_M_MAX:
-        split = splitk_config(m, n, k, device)
-        if split is not None:
-            return Route("splitk", split, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
+def _ours(device: torch.device, m: int, n: int, k: int, granularity: str, operands_tma_ok: bool, pdl: bool) -> Route:
+    """Our kernel for this GEMM without a table entry: split-K where the output tiles leave SMs idle
+    (decode rules of :func:`splitk_config`, or MID_SPLIT_TILE tiles above SMALL_M_MAX), else the
+    persistent TMA kernel or the tiled kernel (MID_M_CONFIG where 128x128 tiles leave SMs idle)."""
+    split = splitk_config(m, n, k, device) if m <= SMALL_M_MAX else mid_splitk_config(m, n, k, device)
+    if split is not None:
+        return Route("splitk", split, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
     if use_persistent(device, m, k, granularity, operands_tma_ok):
         return Route("persistent", PERSISTENT_CONFIG)
+    if m > SMALL_M_MAX and _tiles(m, n, GROUP_SIZE, GROUP_SIZE) < sm_count(device):
+        return Route("tiled", MID_M_CONFIG, pdl=pdl, release_early=pdl)
     return Route("tiled", select_config(device, m, n, k, granularity), pdl=pdl, release_early=pdl)
+
+
+def _tiles(m: int, n: int, block_m: int, block_n: int) -> int:
+    return -(-m // block_m) * -(-n // block_n)
+
+
+def mid_splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig | None:
+    """Split-K above SMALL_M_MAX rows: MID_SPLIT_TILE tiles, enough splits for one program per SM,
+    each at least 2 K groups; None where the tiles already fill the GPU or K is too short."""
+    bm, bn = MID_SPLIT_TILE
+    tiles = _tiles(m, n, bm, bn)
+    groups = -(-k // GROUP_SIZE)
+    split = min(-(-sm_count(device) // tiles), groups // 2)
+    if split < 2:
+        return None
+    split = -(-groups // -(-groups // split))  # no empty splits
+    return SplitKConfig(block_m=bm, block_n=bn, split_k=split, num_warps=4, num_stages=4)
+
+
+def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, cublas_ok: bool,
+               operands_tma_ok: bool, pdl: bool) -> Route:
+    """Shapes without a table entry: cuBLAS above SMALL_M_MAX rows once 128x128 tiles give
+    CUBLAS_MIN_TILES_PER_SM per SM; else our split-K where it applies; else cuBLAS from
+    CUBLAS_ANY_TILES_M rows; else our persistent or tiled kernel."""
+    if cublas_ok and m > SMALL_M_MAX and _tiles(m, n, 128, 128) >= CUBLAS_MIN_TILES_PER_SM * sm_count(device):
+        return Route("cublas")
+    route = _ours(device, m, n, k, granularity, operands_tma_ok, pdl)
+    if route.kernel != "splitk" and cublas_ok and m >= CUBLAS_ANY_TILES_M:
+        return Route("cublas")
+    return route
+
+
+def _choose(device: torch.device, m: int, n: int, k: int, granularity: str, cublas_ok: bool, operands_tma_ok: bool,
+            pdl: bool) -> Route:
+    """The measured choice where this GPU's table has one (:mod:`fp8linear.ops.route_table`), else the heuristic."""
+    entry = lookup_route(device, m, n, k, granularity)
+    if entry is None:
+        return _heuristic(device, m, n, k, granularity, cublas_ok, operands_tma_ok, pdl)
+    if entry.kernel == "cublas" and cublas_ok:
+        return Route("cublas")
+    if entry.kernel == "splitk":
+        return Route("splitk", entry.config, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
+    if entry.kernel == "tiled":
+        return Route("tiled", entry.config, pdl=pdl, release_early=pdl)
+    return _ours(device, m, n, k, granularity, operands_tma_ok, pdl)  # cuBLAS measured fastest but not allowed here
 
 
 def _decode_config(device: torch.device, m: int, n: int, k: int, granularity: str) -> SplitKConfig | None:
@@ -163,23 +235,21 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     """
     if use_fused_gemv(m, n, k):
         return Route("gemv", gemv_config(m, n, k))
-    if (allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
-            and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device)):
-        return Route("cublas")
+    cublas_ok = (allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
+                 and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))
     pdl = use_pdl(device, m)
     if eager and 1 <= m <= SMALL_M_MAX and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device):
         cfg = _decode_config(device, m, n, k, granularity)
         if cfg is not None:
             return Route("decode", cfg)
-    return _tiled_or_splitk(device, m, n, k, granularity, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
+    return _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
 
 
 def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
                out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
                operands_tma_ok: bool) -> Route:
-    """The route of a GEMM on already quantized activations (no fused GEMV; cuBLAS only where M is
-    a multiple of 4, since quantized rows cannot be padded here)."""
-    if (allow_cublas and m % CUBLAS_ROW_ALIGN == 0 and cublas_shape_ok(m, n, k, granularity, fp8_dtype, out_dtype, bias)
-            and cublas_device_ok(device)):
-        return Route("cublas")
-    return _tiled_or_splitk(device, m, n, k, granularity, operands_tma_ok, use_pdl(device, m))
+    """The route of a GEMM on already quantized activations (no fused GEMV; where cuBLAS runs an M
+    that is not a multiple of 4, :func:`~fp8linear.ops.cublas_gemm.cublas_fp8_gemm` pads a copy)."""
+    cublas_ok = (allow_cublas and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
+                 and cublas_device_ok(device))
+    return _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m))

@@ -1,0 +1,145 @@
+"""Measured kernel choices: which kernel ran fastest for a weight shape (N, K) at a given M, per GPU.
+
+The router (:mod:`fp8linear.ops.router`) consults these tables before its heuristic. One JSON file
+per GPU model in ``fp8linear/configs/routes/``, written by ``fp8linear tune-routes``
+(:mod:`fp8linear.tools.route_tune`), which times every candidate kernel (cuBLAS blockwise, our
+tiled kernel at several tiles, our split-K kernel at several tiles and splits) per (N, K, M) under
+CUDA graphs and keeps the fastest. Format::
+
+    {"format": "fp8linear-routes", "version": 1, "device": "NVIDIA H100 80GB HBM3", "meta": {...},
+     "routes": {"N,K": {"M": {"kernel": "splitk", "block_m": 64, "block_n": 64, "split_k": 5,
+                               "num_warps": 4, "num_stages": 4, "us": 12.1, "bf16_us": 13.0}, ...}}}
+
+``kernel`` is ``cublas``, ``tiled`` (a :class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk``
+(a :class:`~fp8linear.ops.splitk_gemm.SplitKConfig`). A GEMM with M rows uses the entry measured at
+the M nearest in log scale, if one lies within a factor MAX_M_RATIO; otherwise there is no entry.
+Tables hold 128x128-block weights (the checkpoint format); other granularities use the heuristic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .configs import GemmConfig
+from .splitk_gemm import SplitKConfig
+
+__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "RouteEntry", "routes_dir",
+           "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
+
+ROUTES_FORMAT = "fp8linear-routes"
+ROUTES_VERSION = 1
+# An entry serves M within this factor of the M it was measured at (entries sit at most 1.5x apart).
+MAX_M_RATIO = 1.5
+ROUTE_KERNELS = ("cublas", "tiled", "splitk")
+_DIR = Path(__file__).resolve().parent.parent / "configs" / "routes"
+
+
+@dataclass(frozen=True)
+class RouteEntry:
+    """One measured choice: the kernel and, for ours, its launch config."""
+
+    kernel: str
+    config: GemmConfig | SplitKConfig | None = None
+
+
+def routes_dir() -> Path:
+    return _DIR
+
+
+def routes_path(device_name: str, directory: Path | None = None) -> Path:
+    """Table file of a GPU model: 'NVIDIA H100 80GB HBM3' -> NVIDIA_H100_80GB_HBM3.json."""
+    stem = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+    if not stem:
+        raise ValueError(f"device name {device_name!r} has no usable characters")
+    return (directory or _DIR) / f"{stem}.json"
+
+
+def _entry(raw: Any, where: str) -> RouteEntry:
+    if not isinstance(raw, dict) or raw.get("kernel") not in ROUTE_KERNELS:
+        raise ValueError(f"{where}: an entry is an object with kernel in {ROUTE_KERNELS}, got {raw!r}")
+    kernel = raw["kernel"]
+    try:
+        if kernel == "tiled":
+            return RouteEntry(kernel, GemmConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
+                                                 block_k=int(raw.get("block_k", 128)), group_m=int(raw.get("group_m", 8)),
+                                                 num_warps=int(raw["num_warps"]), num_stages=int(raw["num_stages"])))
+        if kernel == "splitk":
+            return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
+                                                   split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
+                                                   num_stages=int(raw["num_stages"])))
+    except KeyError as e:
+        raise ValueError(f"{where}: a {kernel} entry needs field {e.args[0]!r}, got {raw!r}") from None
+    return RouteEntry(kernel)
+
+
+def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"kernel": entry.kernel}
+    c = entry.config
+    if isinstance(c, GemmConfig):
+        out.update(block_m=c.block_m, block_n=c.block_n, block_k=c.block_k, group_m=c.group_m,
+                   num_warps=c.num_warps, num_stages=c.num_stages)
+    elif isinstance(c, SplitKConfig):
+        out.update(block_m=c.block_m, block_n=c.block_n, split_k=c.split_k, num_warps=c.num_warps,
+                   num_stages=c.num_stages)
+    return out
+
+
+def parse_routes(doc: Any, source: str = "routes table") -> dict[tuple[int, int], dict[int, RouteEntry]]:
+    """{(N, K): {M: RouteEntry}} from a table's JSON document; ValueError naming what is wrong."""
+    if not isinstance(doc, dict) or doc.get("format") != ROUTES_FORMAT:
+        raise ValueError(f"{source}: not a {ROUTES_FORMAT!r} file")
+    if doc.get("version") != ROUTES_VERSION:
+        raise ValueError(f"{source}: version {doc.get('version')!r}, this fp8linear reads {ROUTES_VERSION}")
+    routes = doc.get("routes")
+    if not isinstance(routes, dict):
+        raise ValueError(f"{source}: 'routes' must be an object, got {type(routes).__name__}")
+    out: dict[tuple[int, int], dict[int, RouteEntry]] = {}
+    for key, per_m in routes.items():
+        try:
+            n, k = (int(v) for v in key.split(","))
+        except ValueError:
+            raise ValueError(f"{source}: shape key must be 'N,K', got {key!r}") from None
+        if not isinstance(per_m, dict):
+            raise ValueError(f"{source}: routes[{key!r}] must be an object of M -> entry")
+        entries: dict[int, RouteEntry] = {}
+        for m_text, raw in per_m.items():
+            if not str(m_text).isdigit() or int(m_text) < 1:
+                raise ValueError(f"{source}: routes[{key!r}] has M key {m_text!r}, expected a positive integer")
+            entries[int(m_text)] = _entry(raw, f"{source}: routes[{key!r}][{m_text!r}]")
+        out[(n, k)] = entries
+    return out
+
+
+@lru_cache(maxsize=8)
+def _table(device_name: str) -> dict[tuple[int, int], dict[int, RouteEntry]]:
+    path = routes_path(device_name)
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return parse_routes(json.load(f), str(path))
+
+
+@lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def lookup_route(device: torch.device, m: int, n: int, k: int, granularity: str) -> RouteEntry | None:
+    """The measured choice for this GEMM on `device`, or None (no table, shape or nearby M)."""
+    if device.type != "cuda" or granularity != "block" or torch.version.hip is not None:
+        return None
+    per_m = _table(_device_name(device.index if device.index is not None else torch.cuda.current_device())).get((n, k))
+    if not per_m:
+        return None
+    nearest = min(per_m, key=lambda mm: abs(math.log(mm / m)))
+    if max(nearest / m, m / nearest) > MAX_M_RATIO:
+        return None
+    return per_m[nearest]

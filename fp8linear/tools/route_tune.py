@@ -1,0 +1,255 @@
+"""`fp8linear tune-routes`: time every kernel the router could pick per (N, K, M); write the routes table.
+
+For each weight shape and M it times, interleaved under CUDA graphs over operand sets rotated
+past L2 (the `fp8linear bench` timer): cuBLAS blockwise (on activations quantized into its padded
+layout, as the linear layer runs it), our tiled kernel with the router's config and fixed tiles,
+our split-K kernel at several tiles and splits, the heuristic's own choice, and BF16 for reference.
+The fastest of ours or cuBLAS becomes the table entry (:mod:`fp8linear.ops.route_table`), so
+GEMMs of these shapes run what measured fastest on this GPU model. Writes the table (JSON, by a
+temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
+the table into ``fp8linear/configs/routes/`` to ship it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import bench
+from ..bench import BenchConfig, _prepare, _time_rounds, parse_shape, rotation_sets
+from .grid import grid_shapes
+
+__all__ = ["TABLE_MS", "candidates", "sweep", "build_table", "write_table", "add_arguments", "run"]
+
+# The Ms a table is measured at: powers of two to 64, then steps of at most 1.5x (an entry serves
+# M within 1.5x, route_table.MAX_M_RATIO), up to 8192.
+TABLE_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+                             4096, 6144, 8192)
+_QUICK_MS: tuple[int, ...] = (16, 96, 384, 1024)
+_SPLIT_TILES = ((16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
+# A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
+_GRAPH_US = 1500.0
+
+
+def _tiled_candidates() -> list:
+    from ..ops.configs import GemmConfig
+
+    return [GemmConfig(64, 64, 128, num_warps=4, num_stages=4), GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+            GemmConfig(128, 64, 128, num_warps=4, num_stages=4), GemmConfig(128, 128, 128, num_warps=8, num_stages=4)]
+
+
+def _split_candidates(m: int, n: int, k: int, sms: int) -> list:
+    from ..ops.splitk_gemm import SplitKConfig
+
+    groups = -(-k // 128)
+    out = []
+    for bm, bn in _SPLIT_TILES:
+        if bm > max(16, 1 << (m - 1).bit_length()) or (m > 64 and bm < 64) or (m <= 16 and bm > 16):
+            continue
+        tiles = -(-m // bm) * -(-n // bn)
+        for per_sm in (1, 2):
+            split = min(-(-per_sm * sms // tiles), max(1, groups // 2))
+            if split < 2:
+                continue
+            split = -(-groups // -(-groups // split))
+            big = bm * bn >= 128 * 128
+            c = SplitKConfig(bm, bn, split, num_warps=8 if big else 4, num_stages=3 if big else 4)
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def _label(kernel: str, cfg: Any) -> str:
+    if cfg is None:
+        return kernel
+    if kernel == "splitk":
+        return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
+    return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
+
+
+def candidates(m: int, n: int, k: int, device: torch.device) -> dict[str, tuple[str, Any]]:
+    """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape)."""
+    from ..ops import router
+    from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
+    from ..ops.route_table import lookup_route
+    from ..ops.splitk_gemm import sm_count
+
+    out: dict[str, tuple[str, Any]] = {}
+    cublas_ok = cublas_accepts(n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
+    if cublas_ok:
+        out["cublas"] = ("cublas", None)
+    heur = router._heuristic(device, m, n, k, "block", cublas_ok, True, False)
+    if heur.kernel in ("tiled", "splitk"):
+        out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
+    table_cfg = router.select_config(device, m, n, k, "block")
+    out.setdefault(_label("tiled", table_cfg), ("tiled", table_cfg))
+    for cfg in _tiled_candidates():
+        out.setdefault(_label("tiled", cfg), ("tiled", cfg))
+    for cfg in _split_candidates(m, n, k, sm_count(device)):
+        out.setdefault(_label("splitk", cfg), ("splitk", cfg))
+    shipped = lookup_route(device, m, n, k, "block")
+    if shipped is not None and shipped.config is not None:
+        out.setdefault(_label(shipped.kernel, shipped.config), (shipped.kernel, shipped.config))
+    return out
+
+
+def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.device, deadline_s: float,
+          log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """One row per (N, K, M): every candidate's µs per call, BF16's, and the heuristic's label."""
+    from ..functional import quantize_weight
+    from ..ops import router
+    from ..ops.cublas_gemm import cublas_fp8_gemm
+    from ..ops.gemm import block_fp8_gemm
+    from ..ops.quant import act_quant
+    from ..ops.splitk_gemm import splitk_workspace
+
+    cfg = BenchConfig(shapes=(bench.Shape(1, 1),), ms=(1,), replays=5)
+    saved = bench._TARGET_GRAPH_US
+    bench._TARGET_GRAPH_US = _GRAPH_US
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    t0 = time.monotonic()
+    try:
+        for n, k in shapes:
+            if time.monotonic() - t0 > deadline_s:
+                log(f"deadline of {deadline_s:.0f}s reached: not measured from {n}x{k} on")
+                break
+            w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+            w_q, w_s = quantize_weight(w, "block", torch.float8_e4m3fn)
+            counters = splitk_workspace(n, device)
+            for m in ms:
+                x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+                x_q, x_s = act_quant(x, torch.float8_e4m3fn)
+                xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+                fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
+                for label, (kernel, c) in candidates(m, n, k, device).items():
+                    if kernel == "cublas":
+                        fns[label] = (lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, "block", None), (xp_q, xp_s, w_q, w_s))
+                    else:
+                        fns[label] = ((lambda c_: lambda a, sa, b, sb: block_fp8_gemm(
+                            a, sa, b, sb, "block", torch.bfloat16, None, config=c_, counters=counters))(c),
+                            (x_q, x_s, w_q, w_s))
+                rounds = {}
+                for label, (fn, args) in fns.items():
+                    try:
+                        nbytes = sum(t.numel() * t.element_size() for t in args)
+                        rounds[label], _ = _prepare(fn, rotation_sets(args, nbytes, device), cfg)
+                    except (RuntimeError, ValueError) as e:
+                        log(f"  {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
+                us = _time_rounds(rounds, cfg.replays)
+                del rounds
+                heur = router._heuristic(device, m, n, k, "block", "cublas" in us, True, False)
+                rows.append({"n": n, "k": k, "m": m, "us": us, "heuristic": _label(heur.kernel, heur.config)})
+                best = min((v, lab) for lab, v in us.items() if lab != "bf16")
+                log(f"[{time.monotonic() - t0:5.0f}s] {n}x{k} M={m}: BF16 {us['bf16']:.1f} best {best[1]} {best[0]:.1f}")
+            del w, w_q, w_s
+            torch.cuda.empty_cache()
+    finally:
+        bench._TARGET_GRAPH_US = saved
+    return rows
+
+
+def _entry_from_label(label: str) -> dict[str, Any]:
+    if label == "cublas":
+        return {"kernel": "cublas"}
+    kernel, spec = label.split(":")
+    dims, rest = spec.split("w", 1)
+    sizes = [int(v) for v in dims.split("x")]
+    warps = int(rest.split("s")[0])
+    stages = int(rest.split("s")[1].split("g")[0])
+    if kernel == "splitk":
+        return {"kernel": "splitk", "block_m": sizes[0], "block_n": sizes[1], "split_k": sizes[2],
+                "num_warps": warps, "num_stages": stages}
+    return {"kernel": "tiled", "block_m": sizes[0], "block_n": sizes[1], "block_k": sizes[2],
+            "group_m": int(rest.split("g")[1]), "num_warps": warps, "num_stages": stages}
+
+
+def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The routes table document: per (N, K, M) the fastest candidate, with its and BF16's µs."""
+    from ..ops.route_table import ROUTES_FORMAT, ROUTES_VERSION, parse_routes
+
+    routes: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        best_us, best = min((v, lab) for lab, v in r["us"].items() if lab != "bf16")
+        entry = _entry_from_label(best)
+        entry.update(us=round(best_us, 2), bf16_us=round(r["us"]["bf16"], 2))
+        routes.setdefault(f"{r['n']},{r['k']}", {})[str(r["m"])] = entry
+    doc = {"format": ROUTES_FORMAT, "version": ROUTES_VERSION, "device": device_name, "meta": meta, "routes": routes}
+    parse_routes(doc, "new routes table")  # what we write must read back
+    return doc
+
+
+def write_table(doc: dict[str, Any], path: Path) -> Path:
+    """Write by a temporary file in the same folder and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def heuristic_report(rows: Sequence[dict[str, Any]]) -> str:
+    """How the heuristic's choice compares with the fastest candidate (for shapes in no table)."""
+    ratios = [r["us"][r["heuristic"]] / min(v for lab, v in r["us"].items() if lab != "bf16")
+              for r in rows if r["heuristic"] in r["us"]]
+    if not ratios:
+        return "heuristic: no case where its choice was timed"
+    gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    return (f"heuristic / fastest: geomean {gm:.3f}, max {max(ratios):.2f}, within 1.2x in "
+            f"{sum(r <= 1.2 for r in ratios)} of {len(ratios)} cases")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="route_tune", help="folder for the table and route_sweep.json")
+    parser.add_argument("--shapes", nargs="+", metavar="N,K", default=None, help="default: the `bench --grid` shapes")
+    parser.add_argument("--m", nargs="+", type=int, default=None, help=f"default: {list(TABLE_MS)}")
+    parser.add_argument("--quick", action="store_true", help=f"M in {list(_QUICK_MS)} only")
+    parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting new shapes after this long")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("fp8linear tune-routes: needs a CUDA GPU (it times kernels)", file=sys.stderr)
+        return 2
+    try:
+        shapes = [(s.n, s.k) for s in (map(parse_shape, args.shapes) if args.shapes else grid_shapes())]
+    except ValueError as e:
+        print(f"fp8linear tune-routes: {e}", file=sys.stderr)
+        return 2
+    ms = tuple(args.m) if args.m else (_QUICK_MS if args.quick else TABLE_MS)
+    if any(m < 1 for m in ms):
+        print(f"fp8linear tune-routes: M must be positive, got {ms}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = sweep(shapes, ms, device, args.deadline_s, lambda s: print(s, file=sys.stderr, flush=True))
+    out = Path(args.out)
+    name = torch.cuda.get_device_name(device)
+    import triton
+
+    from ..ops.route_table import routes_path
+
+    meta = {"tool": "fp8linear tune-routes", "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
+    write_table({"gpu": name, "meta": meta, "rows": rows}, out / "route_sweep.json")
+    path = write_table(build_table(rows, name, meta), routes_path(name, out))
+    print(heuristic_report(rows))
+    print(f"wrote {path} ({len(rows)} cases) and {out / 'route_sweep.json'}")
+    return 0
