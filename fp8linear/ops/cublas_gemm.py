@@ -106,7 +106,7 @@ def cublas_fp8_gemm(
 
     x_q (M, K); x_s (M, K/128) in any layout (M-major is used as is); w_s (N/128, K/128) for
     'block', (N, K/128) for 'row'. Shapes must pass cublas_accepts. An M that is not a multiple of
-    4 runs on a zero-padded copy of x_q and its scales (:func:`fp8linear.ops.quant.act_quant`
+    4 runs on a padded copy of x_q and its scales (:func:`fp8linear.ops.quant.act_quant`
     writes that layout directly, so the linear layer never copies); the padding rows are dropped.
     """
     m = x_q.shape[0]
@@ -120,13 +120,14 @@ def cublas_fp8_gemm(
 
 
 def _pad_rows(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x_q and x_s with M rounded up to CUBLAS_ROW_ALIGN: zero rows, unit scales, M-major scales."""
+    """x_q and x_s with M rounded up to CUBLAS_ROW_ALIGN, scales M-major: two copies. The padding
+    rows are left unwritten: output rows depend only on their own input row, and they are dropped."""
     m, k = x_q.shape
     rows = -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
-    x_p = x_q.new_zeros((rows, k))
-    x_p[:m] = x_q
-    s_p = x_s.new_ones((x_s.shape[1], rows))
-    s_p[:, :m] = x_s.t()
+    x_p = x_q.new_empty((rows, k))
+    x_p[:m].copy_(x_q)
+    s_p = x_s.new_empty((x_s.shape[1], rows))
+    s_p[:, :m].copy_(x_s.t())
     return x_p, s_p.t()
 
 

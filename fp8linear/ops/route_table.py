@@ -12,14 +12,14 @@ CUDA graphs and keeps the fastest. Format::
 
 ``kernel`` is ``cublas``, ``tiled`` (a :class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk``
 (a :class:`~fp8linear.ops.splitk_gemm.SplitKConfig`). A GEMM with M rows uses the entry measured at
-the M nearest in log scale, if one lies within a factor MAX_M_RATIO; otherwise there is no entry.
+the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
+within that factor; otherwise there is no entry.
 Tables hold 128x128-block weights (the checkpoint format); other granularities use the heuristic.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -139,7 +139,8 @@ def lookup_route(device: torch.device, m: int, n: int, k: int, granularity: str)
     per_m = _table(_device_name(device.index if device.index is not None else torch.cuda.current_device())).get((n, k))
     if not per_m:
         return None
-    nearest = min(per_m, key=lambda mm: abs(math.log(mm / m)))
-    if max(nearest / m, m / nearest) > MAX_M_RATIO:
-        return None
-    return per_m[nearest]
+    above = [mm for mm in per_m if m <= mm <= m * MAX_M_RATIO]
+    if above:  # a config measured for at least M rows tiles M without an extra row of tiles
+        return per_m[min(above)]
+    below = [mm for mm in per_m if mm < m and m <= mm * MAX_M_RATIO]
+    return per_m[max(below)] if below else None

@@ -1,0 +1,105 @@
+"""The router's measured tables (ops/route_table.py) and its heuristic's rules, on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fp8linear.ops import route_table, router
+from fp8linear.ops.configs import GemmConfig
+from fp8linear.ops.splitk_gemm import SplitKConfig
+
+
+def _doc(routes):
+    return {"format": route_table.ROUTES_FORMAT, "version": route_table.ROUTES_VERSION, "device": "X", "meta": {},
+            "routes": routes}
+
+
+def test_shipped_tables_parse_and_cover_every_bucket():
+    files = sorted(route_table.routes_dir().glob("*.json"))
+    assert files, "no routes table is shipped"
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            table = route_table.parse_routes(json.load(f), str(path))
+        assert table
+        for (n, k), per_m in table.items():
+            ms = sorted(per_m)
+            # every M from 1 to the largest measured one has an entry within MAX_M_RATIO
+            assert ms[0] == 1
+            assert all(b <= a * route_table.MAX_M_RATIO ** 2 for a, b in zip(ms, ms[1:])), (n, k, ms)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"format": "other"}, "not a"),
+    ({**_doc({}), "version": 99}, "version"),
+    (_doc({"12": {}}), "'N,K'"),
+    (_doc({"128,256": {"x": {"kernel": "cublas"}}}), "positive integer"),
+    (_doc({"128,256": {"4": {"kernel": "magic"}}}), "kernel in"),
+    (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16}}}), "needs field"),
+    (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16, "block_n": 64, "split_k": 0,
+                             "num_warps": 4, "num_stages": 4}}}), "split_k"),
+])
+def test_bad_tables_are_refused_with_a_reason(bad, match):
+    with pytest.raises(ValueError, match=match):
+        route_table.parse_routes(bad)
+
+
+def test_entries_round_trip():
+    entries = [route_table.RouteEntry("cublas"),
+               route_table.RouteEntry("tiled", GemmConfig(64, 64, 128, num_warps=4, num_stages=4)),
+               route_table.RouteEntry("splitk", SplitKConfig(64, 64, 5, num_warps=4, num_stages=4))]
+    doc = _doc({"576,7168": {str(i + 1): route_table.entry_to_json(e) for i, e in enumerate(entries)}})
+    parsed = route_table.parse_routes(json.loads(json.dumps(doc)))
+    assert [parsed[(576, 7168)][i + 1] for i in range(3)] == entries
+
+
+@pytest.mark.parametrize("m,expected", [(64, 64), (65, 96), (77, 96), (96, 96), (100, 96), (143, 96), (145, None),
+                                        (1, 1), (4096, 4096), (6000, 4096), (6200, None)])
+def test_lookup_takes_the_entry_at_or_above_m(monkeypatch, m, expected):
+    table = {(576, 7168): {mm: route_table.RouteEntry("tiled", GemmConfig(16, 64, 128, num_stages=mm % 7 + 1))
+                           for mm in (1, 64, 96, 4096)}}
+    monkeypatch.setattr(route_table, "_table", lambda name: table)
+    monkeypatch.setattr(route_table, "_device_name", lambda index: "X")
+    monkeypatch.setattr(torch.version, "hip", None)
+    got = route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "block")
+    assert got == (None if expected is None else table[(576, 7168)][expected])
+    assert route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "row") is None  # block tables only
+    assert route_table.lookup_route(torch.device("cpu"), m, 576, 7168, "block") is None
+
+
+CPU = torch.device("cpu")  # sm_count: 4 SMs
+
+
+@pytest.mark.parametrize("m,n,k,cublas_ok,kernel,config", [
+    (8, 64, 8192, True, "splitk", None),  # decode: never cuBLAS; one 16x64 tile on 4 SMs splits
+    (128, 512, 8192, True, "cublas", None),  # 4 tiles of 128x128 >= 0.25 per SM
+    (100, 64, 8192, True, "cublas", None),  # 1 tile of 128x128 = 0.25 x 4 SMs
+    (128, 512, 8192, False, "tiled", None),  # 16 tiles of 64x64 fill the 4 SMs: no split
+    (100, 64, 8192, False, "splitk", None),  # 2 tiles of 64x64 on 4 SMs: split K
+    (70, 256, 256, False, "tiled", router.MID_M_CONFIG),  # 2 K groups: no split; 128x128 tiles leave SMs idle
+])
+def test_heuristic_rules(m, n, k, cublas_ok, kernel, config):
+    route = router._heuristic(CPU, m, n, k, "block", cublas_ok, False, False)
+    assert route.kernel == kernel
+    if config is not None:
+        assert route.config == config
+
+
+def test_mid_splitk_config():
+    cfg = router.mid_splitk_config(100, 64, 8192, CPU)
+    assert cfg is not None and (cfg.block_m, cfg.block_n) == router.MID_SPLIT_TILE
+    assert 2 <= cfg.split_k <= 8192 // 128 // 2
+    assert router.mid_splitk_config(100, 64, 256, CPU) is None  # 2 K groups: nothing to split
+    assert router.mid_splitk_config(512, 4096, 8192, CPU) is None  # tiles fill the SMs
+
+
+def test_table_entry_wins_over_the_heuristic(monkeypatch):
+    split = SplitKConfig(64, 128, 3, num_warps=4, num_stages=4)
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("splitk", split))
+    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False) == router.Route("splitk", split)
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas"))
+    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False).kernel == "cublas"
+    # cuBLAS measured fastest but not allowed here (backend "triton", an eager cut, a bias dtype): ours
+    assert router._choose(CPU, 300, 576, 7168, "block", False, False, False).kernel in ("splitk", "tiled")
