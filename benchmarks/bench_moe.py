@@ -88,7 +88,8 @@ def sweep_configs(fp8: Fp8Experts, tokens: list[int], hidden: int, experts: int,
     """Time the grouped GEMM alone (gate_up and down shapes) for a set of tile configs."""
     from fp8linear import quantize_activation
     from fp8linear.ops.configs import GemmConfig
-    from fp8linear.ops.grouped_gemm import grouped_config, grouped_fp8_gemm, moe_align_block_size
+    from fp8linear.ops.grouped_gemm import grouped_fp8_gemm, moe_align_block_size
+    from fp8linear.ops.router import grouped_config
 
     candidates = [
         (16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (32, 64, 4, 4), (32, 128, 4, 4),

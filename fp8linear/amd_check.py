@@ -256,7 +256,8 @@ def _table_launches(arch: str, fp8: torch.dtype, shapes: Sequence[tuple[int, int
 def _moe_launches(arch: str, tokens: Sequence[int], granularities: Sequence[str], fp8: torch.dtype,
                   experts: Sequence[int] = (MOE_EXPERTS,)) -> list[Launch]:
     from .formats import GROUP_SIZE
-    from .ops.grouped_gemm import grouped_config, grouped_fp8_gemm, moe_align_block_size
+    from .ops.grouped_gemm import grouped_fp8_gemm, moe_align_block_size
+    from .ops.router import grouped_config
     from .ops.quant import act_quant
 
     top_k = MOE_TOP_K

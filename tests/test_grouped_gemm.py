@@ -402,7 +402,7 @@ def test_gpu_grouped_gemm_speed_report():
 @pytest.mark.parametrize("pairs,experts,tile", [(6, 64, (16, 64)), (1024, 64, (16, 64)), (2048 * 6, 64, (64, 128)),
                                                 (384 * 32, 32, (64, 128)), (2048 * 8, 32, (128, 128))])
 def test_grouped_config_follows_rows_per_expert(pairs, experts, tile):
-    from fp8linear.ops.grouped_gemm import grouped_config
+    from fp8linear.ops.router import grouped_config
 
     cfg = grouped_config(pairs, experts, 4096, 7168)
     assert (cfg.block_m, cfg.block_n) == tile

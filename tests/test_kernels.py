@@ -21,7 +21,7 @@ from fp8linear.reference import (
     quantize_activation_ref,
 )
 
-from _utils import GEMM_TOL, KERNEL_GEMM_TOL, rel_err, same_bits
+from _utils import KERNEL_GEMM_TOL, rel_err, same_bits
 from conftest import HAS_CUDA, KERNEL_DEVICE
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")

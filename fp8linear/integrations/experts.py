@@ -223,7 +223,7 @@ def grouped_fp8_matmul(
         return _grouped_ref(
             a_q, a_s, w_q, w_s, top_k_index.reshape(-1), a_row_div, out_dtype, bias, topk_weights
         )
-    from ..ops.grouped_gemm import grouped_config
+    from ..ops.router import grouped_config
 
     routing = _routing
     if routing is None:
@@ -588,7 +588,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         w_up, w_down = getattr(self, self.up_name), self.down_proj
         routing = None
         if backend == "triton":
-            from ..ops.grouped_gemm import grouped_config
+            from ..ops.router import grouped_config
 
             # block_m depends only on pairs per expert, so one routing serves both GEMMs.
             block_m = grouped_config(t * top_k, self.num_experts, w_up.shape[1], self.hidden_dim).block_m

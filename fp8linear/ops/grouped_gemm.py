@@ -34,10 +34,11 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import GemmConfig, amd_grouped_config_here, launch_options, moe_align_num_warps
+from .configs import GemmConfig, launch_options, moe_align_num_warps
+from .router import grouped_config
 from .gemm_common import promote, weight_scale_ptrs
 
-__all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeRouting", "align_num_blocks", "grouped_config", "moe_align_block_size", "grouped_fp8_gemm"]
+__all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeRouting", "align_num_blocks", "moe_align_block_size", "grouped_fp8_gemm"]
 
 
 class MoeRouting(NamedTuple):
@@ -48,31 +49,6 @@ class MoeRouting(NamedTuple):
     block_m: int
     num_pairs: int  # S = T * top_k
     top_k: int
-
-
-# Average rows per expert up to which the grouped GEMM uses 64x128 tiles (see grouped_config).
-GROUPED_WIDE_TILE_MAX_ROWS = 384
-
-
-def grouped_config(num_pairs: int, num_experts: int, n: int, k: int) -> GemmConfig:
-    """Tile config from the average number of rows per expert (a static, host-known quantity).
-
-    H100 sweeps (`benchmarks/bench_moe.py --sweep`, CUDA graphs): 64x128 tiles, 4 warps, 4 stages
-    were best from 48 to 384 rows per expert. H=2048, I=1408, 64 experts, top-6: 2,048 tokens (192
-    rows/expert) gate_up 347 vs 395 us and down 206 vs 255 us for 128x128 / 8 warps; 4,096 tokens
-    (384) 559 vs 596 and 314 vs 364 us. H=7168, I=2048, 32 experts, top-8: 1,024 tokens (256) gate_up
-    922 us, best; 2,048 tokens (512 rows/expert) 128x128 / 8 warps won, gate_up 1479 vs 1759 us and
-    down 845 vs 851 us, and at 4,096 tokens (1,024). So above 384 rows the dense prefill tile takes over.
-    """
-    amd = amd_grouped_config_here(num_pairs, num_experts)  # AMD tiles and options on ROCm
-    if amd is not None:
-        return amd
-    rows_per_expert = num_pairs / max(num_experts, 1)
-    if rows_per_expert <= 16:  # decode: each block is ~one expert's few rows; stream W with the smallest M tile
-        return GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
-    if rows_per_expert <= GROUPED_WIDE_TILE_MAX_ROWS:  # little padding per expert, one warpgroup per tile
-        return GemmConfig(block_m=64, block_n=128, block_k=128, group_m=4, num_warps=4, num_stages=4)
-    return GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
 
 
 # Up to this many (token, expert) pairs the routing is aligned by one single-program Triton

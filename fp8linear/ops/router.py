@@ -23,6 +23,9 @@ Every choice between kernels is made here and nowhere else:
 Where this GPU has a routes table entry for the shape and a nearby M (measured by
 ``fp8linear tune-routes``), its kernel and config win over these rules.
 
+Grouped MoE GEMMs (:mod:`fp8linear.ops.grouped_gemm`) take their tiles from
+:func:`grouped_config`, by the average number of rows per expert.
+
 Programmatic dependent launch (``FP8LINEAR_PDL=1``, :mod:`fp8linear.ops.pdl`) is decided here too.
 A :class:`Route` is a plain value: callers that run the same shape again (``Fp8BlockLinear``
 keeps one per input shape) decide once and reuse it, so no environment variable is read and no
@@ -37,7 +40,7 @@ import torch
 
 from ..backend import interpreting
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX, GemmConfig, select_config
+from .configs import SMALL_M_MAX, GemmConfig, amd_grouped_config_here, select_config
 from .cublas_gemm import cublas_accepts, cublas_device_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
 from .pdl import use_pdl
@@ -52,6 +55,8 @@ except ImportError:  # pragma: no cover - older Triton: the tiled kernel serves 
 __all__ = [
     "KERNELS",
     "EAGER_CUBLAS_MIN_MNK",
+    "GROUPED_WIDE_TILE_MAX_ROWS",
+    "grouped_config",
     "LONG_SPLITK_K",
     "ONE_LAUNCH_MAX_WEIGHT",
     "PERSISTENT_CONFIG",
@@ -253,3 +258,28 @@ def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, f
     cublas_ok = (allow_cublas and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
                  and cublas_device_ok(device))
     return _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m))
+
+
+# Average rows per expert up to which the grouped GEMM uses 64x128 tiles (see grouped_config).
+GROUPED_WIDE_TILE_MAX_ROWS = 384
+
+
+def grouped_config(num_pairs: int, num_experts: int, n: int, k: int) -> GemmConfig:
+    """Tile config from the average number of rows per expert (a static, host-known quantity).
+
+    H100 sweeps (`benchmarks/bench_moe.py --sweep`, CUDA graphs): 64x128 tiles, 4 warps, 4 stages
+    were best from 48 to 384 rows per expert. H=2048, I=1408, 64 experts, top-6: 2,048 tokens (192
+    rows/expert) gate_up 347 vs 395 us and down 206 vs 255 us for 128x128 / 8 warps; 4,096 tokens
+    (384) 559 vs 596 and 314 vs 364 us. H=7168, I=2048, 32 experts, top-8: 1,024 tokens (256) gate_up
+    922 us, best; 2,048 tokens (512 rows/expert) 128x128 / 8 warps won, gate_up 1479 vs 1759 us and
+    down 845 vs 851 us, and at 4,096 tokens (1,024). So above 384 rows the dense prefill tile takes over.
+    """
+    amd = amd_grouped_config_here(num_pairs, num_experts)  # AMD tiles and options on ROCm
+    if amd is not None:
+        return amd
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert <= 16:  # decode: each block is ~one expert's few rows; stream W with the smallest M tile
+        return GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= GROUPED_WIDE_TILE_MAX_ROWS:  # little padding per expert, one warpgroup per tile
+        return GemmConfig(block_m=64, block_n=128, block_k=128, group_m=4, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)

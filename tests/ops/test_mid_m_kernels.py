@@ -12,7 +12,7 @@ from fp8linear.ops import HAS_TRITON
 from fp8linear.reference import block_fp8_matmul_ref
 
 from _utils import GEMM_TOL, KERNEL_GEMM_TOL, rel_err
-from conftest import HAS_CUDA, KERNEL_DEVICE
+from conftest import KERNEL_DEVICE
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 

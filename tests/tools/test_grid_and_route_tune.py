@@ -1,0 +1,129 @@
+"""`fp8linear bench --grid` summaries and `fp8linear tune-routes` table building, without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from fp8linear.bench import BenchRow
+from fp8linear.ops import route_table
+from fp8linear.tools import grid, route_tune
+
+
+def _row(n, k, m, method, us, err=0.03):
+    return BenchRow(shape="s", n=n, k=k, m=m, method=method, status="ok", us=us, rel_err=err)
+
+
+def test_grid_covers_the_targets_m_and_models():
+    assert {77, 333, 1000, 1500, 3000, 8192} <= set(grid.GRID_MS)
+    assert len(grid.GRID_MS) == 29
+    shapes = {(s.n, s.k) for s in grid.grid_shapes()}
+    assert len(shapes) == len(grid.grid_shapes())  # distinct
+    for needed in (576, 1408, 2112, 18944, 28672):
+        assert any(needed in nk for nk in shapes), needed
+    assert all((s.n, s.k) in shapes for s in grid.quick_grid_shapes())
+
+
+@pytest.mark.parametrize("m,label", [(1, "1-64"), (64, "1-64"), (65, "65-512"), (512, "65-512"), (513, "513-2048"),
+                                     (2048, "513-2048"), (2049, ">2048"), (8192, ">2048")])
+def test_bucket_of(m, label):
+    assert grid.bucket_of(m) == label
+
+
+def test_bucket_of_rejects_zero():
+    with pytest.raises(ValueError, match="M must be >= 1"):
+        grid.bucket_of(0)
+
+
+def test_summary_geomeans_and_worst_case():
+    rows = []
+    # bucket 1-64: ours 1.2x and 0.5x BF16 time; per-tensor half of BF16
+    for m, bf, ours in ((1, 10.0, 12.0), (16, 10.0, 5.0)):
+        rows += [_row(576, 7168, m, "bf16", bf), _row(576, 7168, m, "cublas_tensor", bf / 2),
+                 _row(576, 7168, m, "ours_block", ours), _row(576, 7168, m, "triton_block", ours)]
+    rows.append(_row(576, 7168, 4096, "bf16", 100.0))
+    rows.append(_row(576, 7168, 4096, "ours_block", 50.0))
+    rows.append(_row(576, 7168, 4096, "triton_block", 80.0))
+    rows.append(_row(576, 7168, 4096, "ours_row", 999.0, err=5.0))  # a wrong result does not count
+    s = grid.summarize_grid(rows)
+    b = s["buckets"]["1-64"]
+    assert b["cases"] == 2
+    assert math.isclose(b["geomean_us"]["ours_block"], math.sqrt(12 * 5))
+    assert math.isclose(b["ours_block_over_per_tensor"], math.sqrt(12 / 5 * 5 / 5))
+    w = s["worst_ours_vs_bf16"]
+    assert math.isclose(w["ratio"], 1.2) and w["case"] == "M=1 N=576 K=7168"
+    assert (w["slower"], w["slower_3pct"], w["cases"]) == (1, 1, 3)
+    assert s["worst_row_vs_bf16"]["ratio"] is None
+    assert math.isclose(s["triton_speedup_vs_bf16_m_ge_2048"], 100 / 80)
+    text = grid.format_grid_summary(s)
+    assert "worst ours/BF16: 1.20 at M=1 N=576 K=7168" in text and ">2048" in text
+
+
+def _args(**kw):
+    base = dict(shapes=None, m=None, quick=True, methods=list(grid.GRID_METHODS), replays=1, backend=None,
+                no_bias=False, deadline_s=None, out="unused")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_grid_config_quick_and_narrowed():
+    cfg = grid.grid_config(_args(), "cpu", "wall")
+    assert cfg.ms == grid.QUICK_GRID_MS and len(cfg.shapes) == len(grid.quick_grid_shapes())
+    assert cfg.deadline_s == 540.0
+    cfg = grid.grid_config(_args(shapes=["64,256"], m=[3], methods=["bf16", "ours_block"]), "cpu", "wall")
+    assert [(s.n, s.k) for s in cfg.shapes] == [(64, 256)] and cfg.ms == (3,) and cfg.methods == ("bf16", "ours_block")
+    with pytest.raises(ValueError, match="N,K"):
+        grid.grid_config(_args(shapes=["64"]), "cpu", "wall")
+
+
+def test_grid_runs_on_cpu_and_writes_outputs(tmp_path):
+    cfg = grid.grid_config(_args(shapes=["64,256"], m=[1, 5], methods=["bf16", "ours_block", "ours_forward"], replays=1),
+                           "cpu", "wall")
+    result, paths = grid.run_grid(cfg, tmp_path, log=lambda s: None)
+    assert {r.method for r in result.rows} == {"bf16", "ours_block", "ours_forward"}
+    assert all(r.status == "ok" and r.rel_err < 0.2 for r in result.rows)
+    assert paths["csv"].is_file() and paths["json"].is_file()
+    doc = json.loads(paths["json"].read_text())
+    assert doc["summary"]["grid"]["buckets"]["1-64"]["cases"] == 2
+
+
+def test_entry_labels_round_trip_through_the_table():
+    rows = [{"n": 576, "k": 7168, "m": 1, "heuristic": "splitk:16x64x8w4s4",
+             "us": {"bf16": 8.0, "cublas": 9.0, "splitk:16x64x8w4s4": 6.0, "tiled:16x64x128w4s4g8": 7.0}},
+            {"n": 576, "k": 7168, "m": 96, "heuristic": "cublas",
+             "us": {"bf16": 10.0, "cublas": 9.0, "tiled:64x64x128w4s4g8": 9.5}},
+            {"n": 576, "k": 7168, "m": 128, "heuristic": "cublas",
+             "us": {"bf16": 10.0, "cublas": 12.0, "tiled:64x128x128w4s3g4": 9.5}}]
+    doc = route_tune.build_table(rows, "X", {"tool": "test"})
+    table = route_table.parse_routes(json.loads(json.dumps(doc)))[(576, 7168)]
+    assert table[1].kernel == "splitk" and (table[1].config.block_m, table[1].config.split_k) == (16, 8)
+    assert table[96].kernel == "cublas"
+    assert table[128].kernel == "tiled" and table[128].config.group_m == 4 and table[128].config.num_stages == 3
+    assert doc["routes"]["576,7168"]["1"]["us"] == 6.0 and doc["routes"]["576,7168"]["1"]["bf16_us"] == 8.0
+    report = route_tune.heuristic_report(rows)
+    assert f"geomean {(12 / 9.5) ** (1 / 3):.3f}, max 1.26" in report and "within 1.2x in 2 of 3" in report  # heuristic 1.0, 1.0, 12/9.5
+
+
+def test_write_table_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    route_tune.write_table({"a": 1}, path)
+    assert json.loads(path.read_text()) == {"a": 1}
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(route_tune.json, "dump", boom)
+    with pytest.raises(OSError, match="disk full"):
+        route_tune.write_table({"a": 2}, path)
+    assert json.loads(path.read_text()) == {"a": 1}  # the old table stays whole
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary left
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_tune_routes_needs_a_gpu(capsys):
+    assert route_tune.run(argparse.Namespace(shapes=None, m=None, quick=True, deadline_s=1.0, out="x")) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
