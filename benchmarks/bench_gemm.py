@@ -13,7 +13,7 @@ import argparse
 import sys
 
 try:
-    from fp8linear import bench
+    from fp8linear.tools import bench
 except ImportError as e:  # not installed and not run from the repo root
     sys.exit(f"cannot import fp8linear ({e}); run `pip install -e .` first, or `python -m fp8linear bench`")
 

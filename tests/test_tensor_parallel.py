@@ -402,7 +402,7 @@ def _deepseek_v3_params(c: dict) -> int:
 
 @pytest.fixture(scope="module")
 def dsv3(tmp_path_factory):
-    from fp8linear.plan_memory import _meta_fp8_model, load_config
+    from fp8linear.tools.plan_memory import _meta_fp8_model, load_config
 
     path = tmp_path_factory.mktemp("dsv3") / "config.json"
     path.write_text(json.dumps(DEEPSEEK_V3_CONFIG))
@@ -411,7 +411,7 @@ def dsv3(tmp_path_factory):
 
 
 def test_plan_memory_deepseek_v3_parameters_and_sharding(dsv3):
-    from fp8linear.plan_memory import plan_memory
+    from fp8linear.tools.plan_memory import plan_memory
 
     _, config, model = dsv3
     one = plan_memory(config, 1, "block", model=model)

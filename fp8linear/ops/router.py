@@ -32,7 +32,8 @@ import torch
 
 from ..backend import interpreting
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX, GemmConfig, select_config
+from .config_tables import select_config
+from .configs import SMALL_M_MAX, GemmConfig
 from .cublas_gemm import CUBLAS_ROW_ALIGN, cublas_device_ok, cublas_shape_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
 from .pdl import use_pdl

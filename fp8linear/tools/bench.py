@@ -46,6 +46,9 @@ from typing import Any
 
 import torch
 
+from .shapes import DSV3_SHAPES, QUICK_SHAPES, QUICK_MS, Shape, default_shapes, parse_shape, quick_shapes, shapes_from_hf_config
+from .timing import _ROTATE_L2_FACTOR, Round, l2_bytes, prepare_cuda, time_rounds, rotation_sets
+
 __all__ = [
     "METHODS",
     "DECODE_MS",
@@ -100,188 +103,13 @@ TARGET_ROW_DECODE = 1.05  # row-wise / block, M <= 64
 TARGET_FWD_PREFILL = 1.15  # forward / GEMM-only, M >= 1024
 TARGET_FWD_DECODE_US = 3.0  # forward - GEMM-only, µs, M <= 64
 
-# L2 size if the device does not report it (H100 and H200: 50 MB).
-_DEFAULT_L2_BYTES = 50 * 2**20
-# One pass over the rotated operand sets reads at least this many times the L2 size.
-_ROTATE_L2_FACTOR = 2
-# Cap on rotated copies (small weights): 64 sets of the smallest shape already exceed 2x L2.
-_MAX_SETS = 64
-# A captured graph runs about this long (µs), with between _MIN_CALLS and _MAX_CALLS calls:
-# long enough that event resolution (~0.5 µs) and replay launch (~5 µs) vanish, short
-# enough that capture stays cheap.
-_TARGET_GRAPH_US = 4000.0
-_MIN_CALLS = 8
-_MAX_CALLS = 400
 # Flag a method whose error is far above FP8's ~3-4 % on random data (e.g. a misread scale layout).
 _SUSPICIOUS_ERR = 0.2
 # Errors are measured on the first rows of the output only (rows are independent; a float64
 # reference of all 4096 rows of every shape would take minutes of FP64 GEMM).
 _ERR_ROWS = 128
-# Operands smaller than this are not cloned for rotation (they stay L2-resident in serving too).
-_CLONE_MIN_BYTES = 256 * 1024
 # Weight init scale (~ a trained LLM's linear weights); activations are unit normal.
 _WEIGHT_STD = 0.02
-
-
-# ----------------------------------------------------------------------------- shapes
-@dataclass(frozen=True)
-class Shape:
-    """A linear layer's weight shape: N = out_features, K = in_features."""
-
-    n: int
-    k: int
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        for attr in ("n", "k"):
-            v = getattr(self, attr)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"Shape.{attr} must be a positive int, got {v!r}")
-
-    @property
-    def label(self) -> str:
-        return f"{self.n}x{self.k}" + (f" {self.name}" if self.name else "")
-
-
-# DeepSeek-V3 (671B) linear shapes.
-_DSV3 = (
-    (1536, 7168, "dsv3 q_a_proj"),
-    (576, 7168, "dsv3 kv_a_proj_with_mqa"),
-    (24576, 1536, "dsv3 q_b_proj"),
-    (32768, 512, "dsv3 kv_b_proj"),
-    (7168, 16384, "dsv3 o_proj"),
-    (18432, 7168, "dsv3 mlp gate/up"),
-    (7168, 18432, "dsv3 mlp down"),
-    (2048, 7168, "dsv3 expert gate/up"),
-    (7168, 2048, "dsv3 expert down"),
-)
-# Other shapes: odd K (256, 2304: cuBLAS blockwise refuses), small N, other models.
-_EXTRA = (
-    (3072, 1536, "extra"),
-    (7168, 256, "extra K=256"),
-    (4608, 7168, "extra"),
-    (7168, 2304, "extra K=2304"),
-    (512, 7168, "extra"),
-    (4096, 512, "extra"),
-)
-# `--quick`: one shape per regime (tall-K, tiny-N, small-K, big-N, cuBLAS-refused K) x 5 Ms.
-_QUICK = ((576, 7168), (24576, 1536), (32768, 512), (18432, 7168), (7168, 2304))
-QUICK_MS: tuple[int, ...] = (1, 16, 64, 1024, 4096)
-
-
-def default_shapes() -> list[Shape]:
-    """The default shape list: the 9 DeepSeek-V3 linear shapes and 6 others."""
-    return [Shape(n, k, name) for n, k, name in _DSV3 + _EXTRA]
-
-
-def quick_shapes() -> list[Shape]:
-    by_nk = {(s.n, s.k): s for s in default_shapes()}
-    return [by_nk[nk] for nk in _QUICK]
-
-
-def parse_shape(text: str) -> Shape:
-    """'N,K' or 'NxK' -> Shape(N, K)."""
-    parts = text.replace("x", ",").replace("X", ",").split(",")
-    if len(parts) != 2:
-        raise ValueError(f"a shape is 'N,K' (out_features,in_features), got {text!r}")
-    try:
-        n, k = int(parts[0]), int(parts[1])
-    except ValueError:
-        raise ValueError(f"a shape is 'N,K' with integer N and K, got {text!r}") from None
-    if n < 1 or k < 1:
-        raise ValueError(f"N and K must be positive, got {text!r}")
-    return Shape(n, k, "user")
-
-
-def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
-    for name in names:
-        v = cfg.get(name)
-        if v is not None:
-            return v
-    return default
-
-
-def shapes_from_hf_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> list[Shape]:
-    """The distinct linear-layer weight shapes (N, K) of a Hugging Face decoder config.
-
-    Covers attention (q/k/v/o, or MLA's q_a/q_b/kv_a/kv_b/o with or without q_lora_rank),
-    the dense MLP (gate/up/down), routed experts (moe_intermediate_size, or
-    intermediate_size for Mixtral-style configs) and shared experts. Embeddings and lm_head
-    are left out (not FP8 in DeepSeek-V3-style checkpoints). Accepts a dict, a config.json
-    path or a model folder; a multimodal config's "text_config" is used when present.
-    """
-    if not isinstance(config, Mapping):
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    cfg: Mapping[str, Any] = config
-    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), Mapping):
-        cfg = cfg["text_config"]
-    h = _get(cfg, "hidden_size", "d_model", "n_embd")
-    if not h:
-        raise ValueError("config has no hidden_size: is it a decoder LLM's config.json?")
-    nh = _get(cfg, "num_attention_heads", "n_head")
-    if not nh:
-        raise ValueError("config has no num_attention_heads")
-    out: dict[tuple[int, int], list[str]] = {}
-
-    def add(n: int | None, k: int | None, name: str) -> None:
-        if n and k:
-            names = out.setdefault((int(n), int(k)), [])
-            if name not in names:
-                names.append(name)
-
-    kv_lora = cfg.get("kv_lora_rank")
-    if kv_lora:  # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, ...)
-        nope = _get(cfg, "qk_nope_head_dim", default=128)
-        rope = _get(cfg, "qk_rope_head_dim", default=64)
-        v_hd = _get(cfg, "v_head_dim", default=nope)
-        q_lora = cfg.get("q_lora_rank")
-        if q_lora:
-            add(q_lora, h, "q_a_proj")
-            add(nh * (nope + rope), q_lora, "q_b_proj")
-        else:
-            add(nh * (nope + rope), h, "q_proj")
-        add(kv_lora + rope, h, "kv_a_proj_with_mqa")
-        add(nh * (nope + v_hd), kv_lora, "kv_b_proj")
-        add(h, nh * v_hd, "o_proj")
-    else:
-        nkv = _get(cfg, "num_key_value_heads", default=nh)
-        hd = _get(cfg, "head_dim", default=h // nh)
-        add(nh * hd, h, "q_proj")
-        add(nkv * hd, h, "k_proj/v_proj")
-        add(h, nh * hd, "o_proj")
-
-    inter = _get(cfg, "intermediate_size", "ffn_dim", "n_inner")
-    n_experts = _get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
-    moe_inter = cfg.get("moe_intermediate_size")
-    if n_experts:
-        e_inter = moe_inter or inter
-        add(e_inter, h, "expert gate/up")
-        add(h, e_inter, "expert down")
-        shared = _get(cfg, "shared_expert_intermediate_size")
-        if not shared and cfg.get("n_shared_experts") and e_inter:
-            shared = cfg["n_shared_experts"] * e_inter
-        if shared:
-            add(shared, h, "shared expert gate/up")
-            add(h, shared, "shared expert down")
-        has_dense = bool(
-            moe_inter
-            and (
-                (cfg.get("first_k_dense_replace") or 0) > 0
-                or cfg.get("mlp_only_layers")
-                or (cfg.get("decoder_sparse_step") or 1) > 1
-                or (cfg.get("moe_layer_freq") or 1) > 1
-            )
-        )
-    else:
-        has_dense = True
-    if has_dense and inter:
-        add(inter, h, "mlp gate/up")
-        add(h, inter, "mlp down")
-    return [Shape(n, k, ", ".join(names)) for (n, k), names in out.items()]
 
 
 # ----------------------------------------------------------------------------- config and rows
@@ -348,27 +176,6 @@ class BenchResult:
 
 
 # ----------------------------------------------------------------------------- timing
-def _l2_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "L2_cache_size", 0) or _DEFAULT_L2_BYTES)
-
-
-def _n_sets(bytes_per_set: int, l2: int) -> int:
-    if l2 <= 0:
-        return 1
-    return max(1, min(_MAX_SETS, math.ceil(_ROTATE_L2_FACTOR * l2 / max(1, bytes_per_set))))
-
-
-# Each method is first prepared (warmed up and, for the 'graph' timer, captured in a CUDA graph);
-# then the methods of one (shape, M) are timed in interleaved rounds, one sample each per round,
-# starting each round one method further on. Timed one after another, later methods ran at
-# other clocks: on H100, ours (which hands these GEMMs to the same cuBLAS call) measured
-# 1.03-1.24x cuBLAS's time right after it, while the two alternating took 218.0/219.2 us.
-Round = Callable[[], float]  # one timed sample: µs per call
-
-
 def _prepare_wall(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:
     for i in range(cfg.warmup):
         fn(*sets[i % len(sets)])
@@ -383,121 +190,26 @@ def _prepare_wall(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfi
     return one_round, "wall"
 
 
-def _prepare_events(fn: Callable[..., Any], sets: Sequence[tuple], calls: int) -> Round:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def one_round() -> float:
-        start.record()
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / calls
-
-    return one_round
-
-
-def _prepare_cuda(fn: Callable[..., Any], sets: Sequence[tuple], warmup: int, graph_timer: bool) -> tuple[Round, str]:
-    """Warm `fn` up over `sets`, then capture a CUDA graph of whole passes over them (CUDA events
-    where `graph_timer` is False or capture fails); returns one timed round and the timer used."""
-    n = len(sets)
-    # Warm up on a side stream (compiles Triton kernels, creates cuBLAS handles/workspaces):
-    # what torch.cuda.graphs asks for before capture.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(max(warmup, n)):
-            fn(*sets[i % n])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    # Eager estimate (an upper bound: includes launch overhead) sizes the graph.
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(n):
-        fn(*sets[i])
-    end.record()
-    end.synchronize()
-    est_us = max(start.elapsed_time(end) * 1e3 / n, 0.5)
-    calls = min(_MAX_CALLS, max(_MIN_CALLS, n, math.ceil(_TARGET_GRAPH_US / est_us)))
-    calls = max(n, calls - calls % n)  # whole passes over the sets
-    if not graph_timer:
-        return _prepare_events(fn, sets, calls), "events"
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(*sets[i % n])
-    except RuntimeError as e:
-        print(f"    CUDA-graph capture failed ({str(e).splitlines()[0][:100]}); timing with events", file=sys.stderr)
-        del graph
-        torch.cuda.synchronize()
-        return _prepare_events(fn, sets, calls), "events"
-    graph.replay()
-    torch.cuda.synchronize()
-    return _GraphRound(graph, calls, (fn, sets)), "graph"
-
-
-class _GraphRound:
-    """One timed replay of a captured graph. It owns what the graph reads (the operand sets, fn's
-    workspace): capturing the next method's graph empties the allocator's cache, which would
-    otherwise hand their memory back to the driver under the graph."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, calls: int, keep_alive: tuple) -> None:
-        self.graph, self.calls, self.keep_alive = graph, calls, keep_alive
-        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def __call__(self) -> float:
-        self.start.record()
-        self.graph.replay()
-        self.end.record()
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) * 1e3 / self.calls
-
-
 def _prepare(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[Round, str]:
     if cfg.timer == "wall":
         return _prepare_wall(fn, sets, cfg)
-    return _prepare_cuda(fn, sets, cfg.warmup, cfg.timer == "graph")
+    return prepare_cuda(fn, sets, cfg.warmup, cfg.timer == "graph")
 
 
-def _time_rounds(rounds: Mapping[str, Round], replays: int) -> dict[str, float]:
-    """Median µs per call of each prepared method, sampled in `replays` interleaved rounds."""
-    names = list(rounds)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(replays):
-        first = r % max(1, len(names))
-        for name in names[first:] + names[:first]:
-            samples[name].append(rounds[name]())
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
-def _time_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[float, str]:
+def time_cuda(fn: Callable[..., Any], sets: Sequence[tuple], cfg: BenchConfig) -> tuple[float, str]:
     """Median µs per call of `fn` alone (the kernel sweeps in benchmarks/ use this)."""
     one_round, used = _prepare(fn, sets, cfg)
-    return _time_rounds({"fn": one_round}, cfg.replays)["fn"], used
-
-
-def time_graph(fn: Callable[..., Any], sets: Sequence[tuple], warmup: int = 3, replays: int = 5) -> float:
-    """Median µs per call of `fn` over rotated operand `sets`, from CUDA-graph replays (the
-    benchmark's timer, also used by `fp8linear tune`)."""
-    one_round, _ = _prepare_cuda(fn, sets, warmup, graph_timer=True)
-    return _time_rounds({"fn": one_round}, replays)["fn"]
-
-
-def rotation_sets(args: tuple, bytes_per_set: int, device: torch.device) -> list[tuple]:
-    """`args` plus enough copies at new addresses that one pass over them reads more than twice
-    the L2 cache (tensors below 256 KiB are shared, not copied)."""
-    return [args] + [_clone_set(args) for _ in range(_n_sets(bytes_per_set, _l2_bytes(device)) - 1)]
+    return time_rounds({"fn": one_round}, cfg.replays)["fn"], used
 
 
 # ----------------------------------------------------------------------------- methods
-def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     y64 = y.double()
     return ((y64 - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def _per_tensor_quant(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from .formats import fp8_max
+    from ..formats import fp8_max
 
     qmax = fp8_max(fp8_dtype)
     scale = (x.abs().amax().float() / qmax).clamp_min(1e-12)
@@ -522,7 +234,7 @@ def _describe_config(m: int, n: int, k: int, device: torch.device) -> str:
     if device.type != "cuda":
         return ""
     try:
-        from .ops.configs import select_config
+        from ..ops.config_tables import select_config
     except ImportError:
         return ""
     try:
@@ -542,7 +254,7 @@ class _ShapeOperands:
 
 def _make_shape_operands(shape: Shape, device: torch.device, gen: torch.Generator, fp8_dtype: torch.dtype,
                          methods: Sequence[str]) -> _ShapeOperands:
-    from .functional import quantize_weight
+    from ..functional import quantize_weight
 
     w32 = torch.randn(shape.n, shape.k, generator=gen, device=device, dtype=torch.float32).mul_(_WEIGHT_STD)
     w = w32.to(torch.bfloat16)
@@ -563,11 +275,11 @@ def _make_shape_operands(shape: Shape, device: torch.device, gen: torch.Generato
 
 def _ours_workspace(n: int, device: torch.device) -> torch.Tensor | None:
     """The split-K counters Fp8BlockLinear keeps per layer, so ours is timed as the layer runs it."""
-    from .ops import HAS_TRITON
+    from ..ops import HAS_TRITON
 
     if not HAS_TRITON:
         return None
-    from .ops.splitk_gemm import splitk_workspace
+    from ..ops.splitk_gemm import splitk_workspace
 
     return splitk_workspace(n, device)
 
@@ -577,9 +289,9 @@ def _method_setup(
     cublas_layout: str = "plain",
 ) -> tuple[Callable[..., torch.Tensor], tuple, int, int]:
     """(fn, args of one set, bytes one call moves (weight + scales + activation + output), output bytes)."""
-    from .backend import cublas_allowed
-    from .functional import block_fp8_matmul, fp8_linear, quantize_activation
-    from .ops.cublas_gemm import use_cublas_prequantized
+    from ..backend import cublas_allowed
+    from ..functional import block_fp8_matmul, fp8_linear, quantize_activation
+    from ..ops.cublas_gemm import use_cublas_prequantized
 
     m, k = x.shape
     n = ops.w.shape[0]
@@ -635,19 +347,6 @@ def _method_setup(
     raise ValueError(f"unknown method {method!r}")
 
 
-def _clone_set(args: tuple) -> tuple:
-    """A copy of one operand set at new addresses; tensors below _CLONE_MIN_BYTES (scales, decode
-    activations: L2-resident in serving too) are shared, and strides are kept as cuBLAS checks them."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= _CLONE_MIN_BYTES:
-            c = a.clone()  # preserve_format: dense tensors keep their strides
-            out.append(c if c.stride() == a.stride() else a)
-        else:
-            out.append(a)
-    return tuple(out)
-
-
 def _first_line(e: BaseException, limit: int = 160) -> str:
     text = str(e).strip().splitlines()
     return (f"{type(e).__name__}: " + (text[0] if text else ""))[:limit]
@@ -691,7 +390,7 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, fp8_dty
                 else:
                     row.status, row.note = "refused", " | ".join(refusals)
                     continue
-                row.rel_err = _rel_err(y[:rows_err], ref_bias if method == "ours_forward" else ref)
+                row.rel_err = rel_err(y[:rows_err], ref_bias if method == "ours_forward" else ref)
                 if not row.rel_err < _SUSPICIOUS_ERR:
                     row.note = (row.note + "; " if row.note else "") + "SUSPICIOUS ERROR"
                 del y
@@ -705,7 +404,7 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, fp8_dty
                     torch.cuda.empty_cache()
                 row.status, row.note = "error", _first_line(e)
         try:
-            medians = _time_rounds({meth: p[1] for meth, p in prepared.items()}, cfg.replays)
+            medians = time_rounds({meth: p[1] for meth, p in prepared.items()}, cfg.replays)
         except RuntimeError as e:  # a failure while replaying: no method of this M gets a time
             medians = {}
             for row, *_ in prepared.values():
@@ -757,7 +456,7 @@ def _versions(device: torch.device) -> dict[str, Any]:
         meta["triton"] = triton.__version__
     except ImportError:
         meta["triton"] = None
-    from . import __version__
+    from .. import __version__
 
     meta["fp8linear"] = __version__
     if device.type == "cuda":
@@ -767,7 +466,7 @@ def _versions(device: torch.device) -> dict[str, Any]:
             sm_count=props.multi_processor_count,
             capability=f"{props.major}.{props.minor}",
             memory_gib=round(props.total_memory / 2**30, 1),
-            l2_bytes=_l2_bytes(device),
+            l2_bytes=l2_bytes(device),
         )
         try:
             meta["cublas"] = torch._C._cuda_getCompiledVersion()
@@ -780,14 +479,14 @@ def _versions(device: torch.device) -> dict[str, Any]:
 
 def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> BenchResult:
     """Measure every (shape, M, method) of `cfg`; stops starting new shapes after cfg.deadline_s."""
-    from .formats import default_fp8_dtype
+    from ..formats import default_fp8_dtype
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     device = torch.device(cfg.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     fp8_dtype = default_fp8_dtype(device)
-    l2 = _l2_bytes(device)
+    l2 = l2_bytes(device)
     meta = _versions(device)
     meta.update(
         timer=cfg.timer, replays=cfg.replays, interleaved=True, fp8_dtype=str(fp8_dtype).removeprefix("torch."),
@@ -874,7 +573,7 @@ def summarize(rows: Sequence[BenchRow]) -> dict[str, Any]:
     s["decode_forward_minus_gemm_us_max"] = _item(max(d4) if d4 else None, TARGET_FWD_DECODE_US, False, len(d4),
                                                   mean=statistics.fmean(d4) if d4 else None)
     # Reference numbers: geomean µs per method over the DeepSeek-V3 shapes.
-    dsv3 = {(n, k) for n, k, _ in _DSV3}
+    dsv3 = {(n, k) for n, k, _ in DSV3_SHAPES}
     ref: dict[str, dict[str, float | None]] = {}
     for label, m_set in (("M=4096", {4096}), ("M in {1,16,64}", {1, 16, 64})):
         cases = [c for c in keys if (c[0], c[1]) in dsv3 and c[2] in m_set]
@@ -1060,7 +759,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--m", nargs="+", type=int, default=None, metavar="M",
                         help=f"batch sizes (default: decode {list(DECODE_MS)} and prefill {list(PREFILL_MS)})")
     parser.add_argument("--quick", action="store_true",
-                        help=f"a ~1 minute subset: {len(_QUICK)} shapes x M in {list(QUICK_MS)}")
+                        help=f"a ~1 minute subset: {len(QUICK_SHAPES)} shapes x M in {list(QUICK_MS)}")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to time")
     parser.add_argument("--out", metavar="DIR", default="bench_results", help="folder for CSV/JSON/PNG")
     parser.add_argument("--timer", choices=("graph", "events", "wall"), default=None,
