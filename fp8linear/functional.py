@@ -15,10 +15,9 @@ import torch
 
 from .backend import cpu_fast_path, cublas_allowed, resolve_backend
 from .cpu_linear import cpu_fp8_linear
-from .formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from .formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .ops import HAS_TRITON
 from .reference import (
-    GRANULARITIES,
     block_fp8_matmul_ref,
     dequantize_weight_ref,
     quantize_activation_ref,
@@ -189,8 +188,7 @@ def quantize_weight(
     'tensor' (...) (a 0-d tensor for a 2-D weight). Runs on the weight's device.
     """
     _check_tensor("w", w)
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     if w.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"w must be bfloat16, float16 or float32 (not already quantized), got {w.dtype}")
     if w.dim() < 2:

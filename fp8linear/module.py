@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from .backend import cublas_allowed, resolve_backend
-from .formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from .formats import SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight, validate_linear
 from .ops import HAS_TRITON
-from .reference import GRANULARITIES, weight_granularity, weight_scale_shape
+from .reference import weight_granularity, weight_scale_shape
 
 __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
 
@@ -98,8 +98,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_granularity(granularity)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

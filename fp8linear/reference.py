@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_max, fp8_min_exponent
+from .formats import GRANULARITIES, GROUP_SIZE, SCALE_DTYPE, activation_max, check_granularity, fp8_max, fp8_min_exponent
 
 __all__ = [
     "AMAX_FLOOR",
@@ -32,7 +32,6 @@ __all__ = [
     "block_fp8_matmul_ref",
 ]
 
-GRANULARITIES = ("block", "row", "tensor")
 # amax is floored here so an all-zero group gets a finite, non-zero scale and quantizes to 0;
 # 1e-12 is far below any real activation/weight magnitude and far above fp32's tiny (1.2e-38).
 AMAX_FLOOR = 1e-12
@@ -91,14 +90,13 @@ def dequantize_activation_ref(x_q: torch.Tensor, x_s: torch.Tensor, group_size: 
 
 def weight_scale_shape(shape: tuple[int, ...] | torch.Size, granularity: str) -> tuple[int, ...]:
     """Scale shape for a weight of shape (..., N, K) at the given granularity."""
+    check_granularity(granularity)
     *batch, n, k = shape
     if granularity == "block":
         return (*batch, _cdiv(n, GROUP_SIZE), _cdiv(k, GROUP_SIZE))
     if granularity == "row":
         return (*batch, n, _cdiv(k, GROUP_SIZE))
-    if granularity == "tensor":
-        return tuple(batch)
-    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    return tuple(batch)  # tensor
 
 
 def weight_granularity(weight_shape: tuple[int, ...] | torch.Size, scale_shape: tuple[int, ...] | torch.Size) -> str:
@@ -120,6 +118,7 @@ def weight_granularity(weight_shape: tuple[int, ...] | torch.Size, scale_shape: 
 
 def quantize_weight_ref(w: torch.Tensor, granularity: str, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight (..., N, K) -> (w_q (..., N, K), w_s) at 'block' (128x128), 'row' (1x128) or 'tensor'."""
+    check_granularity(granularity)
     *batch, n, k = w.shape
     qmax = fp8_max(fp8_dtype)
     wf = w.float()
@@ -133,14 +132,12 @@ def quantize_weight_ref(w: torch.Tensor, granularity: str, fp8_dtype: torch.dtyp
         q, scale = _quantize_groups(wp.reshape(*batch, n, kb, GROUP_SIZE), (-1,), qmax, fp8_dtype)
         q = q.reshape(*batch, n, kb * GROUP_SIZE)[..., :k]
         return q.contiguous(), scale.squeeze(-1).to(SCALE_DTYPE)
-    if granularity == "block":
-        nb = _cdiv(n, GROUP_SIZE)
-        wp = _pad_last(wp.transpose(-1, -2), GROUP_SIZE).transpose(-1, -2)  # pad N too
-        blocks = wp.reshape(*batch, nb, GROUP_SIZE, kb, GROUP_SIZE)
-        q, scale = _quantize_groups(blocks, (-3, -1), qmax, fp8_dtype)
-        q = q.reshape(*batch, nb * GROUP_SIZE, kb * GROUP_SIZE)[..., :n, :k]
-        return q.contiguous(), scale.reshape(*batch, nb, kb).to(SCALE_DTYPE)
-    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    nb = _cdiv(n, GROUP_SIZE)  # block
+    wp = _pad_last(wp.transpose(-1, -2), GROUP_SIZE).transpose(-1, -2)  # pad N too
+    blocks = wp.reshape(*batch, nb, GROUP_SIZE, kb, GROUP_SIZE)
+    q, scale = _quantize_groups(blocks, (-3, -1), qmax, fp8_dtype)
+    q = q.reshape(*batch, nb * GROUP_SIZE, kb * GROUP_SIZE)[..., :n, :k]
+    return q.contiguous(), scale.reshape(*batch, nb, kb).to(SCALE_DTYPE)
 
 
 def expand_weight_scale(w_s: torch.Tensor, weight_shape: tuple[int, ...] | torch.Size) -> torch.Tensor:

@@ -31,12 +31,11 @@ import torch
 from torch import nn
 
 from ..backend import resolve_backend
-from ..formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import dequantize_weight, eager_or_traced, quantize_activation, quantize_weight
 from ..module import QuantizedDtypesMixin
 from ..ops import HAS_TRITON
 from ..reference import (
-    GRANULARITIES,
     dequantize_activation_ref,
     dequantize_weight_ref,
     weight_granularity,
@@ -376,8 +375,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_granularity(granularity)
         for name, v in (("num_experts", num_experts), ("hidden_dim", hidden_dim), ("intermediate_dim", intermediate_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -432,8 +430,7 @@ class Fp8Experts(QuantizedDtypesMixin):
                 "from_experts expects a fused experts module with 3-D gate_up_proj/up_proj and down_proj "
                 f"parameters and forward(hidden_states, top_k_index, top_k_weights), got {type(module).__name__}"
             )
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_granularity(granularity)
         up_src = getattr(module, layout.up_name)
         device = up_src.device
         fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)

@@ -34,7 +34,7 @@ from ..formats import GROUP_SIZE, SCALE_DTYPE, e4m3fn_to_e4m3fnuz, is_fp8_dtype,
 from ..functional import dequantize_weight, quantize_weight
 from ..module import Fp8BlockLinear
 from ..reference import weight_granularity, weight_scale_shape
-from ..quantize.naming import SCALE_SUFFIX, torch_dtype_from_safetensors
+from ..checkpoint_format import SCALE_SUFFIX, path_in_checkpoint, torch_dtype_from_safetensors
 from .replace import attach_save_hook_if_transformers, experts_api
 
 __all__ = [
@@ -79,16 +79,6 @@ class CheckpointIndex:
         return self.tensors.get(name)
 
 
-def _inside(root: Path, rel: str, what: str) -> Path:
-    """Resolve `rel` under `root`; refuse anything that leaves the folder (.., absolute, symlinks out)."""
-    if not isinstance(rel, str) or not rel:
-        raise ValueError(f"{what}: expected a file name inside {root}, got {rel!r}")
-    p = (root / rel).resolve()
-    if not p.is_relative_to(root):
-        raise ValueError(f"{what}: {rel!r} points outside the checkpoint folder {root}; refusing to read it")
-    return p
-
-
 def index_checkpoint(path: str | os.PathLike) -> CheckpointIndex:
     """Read the headers of a safetensors checkpoint folder (single file or sharded with an index)."""
     from safetensors import safe_open
@@ -102,10 +92,10 @@ def index_checkpoint(path: str | os.PathLike) -> CheckpointIndex:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_file}: expected a non-empty 'weight_map' object")
-        files = sorted({_inside(root, v, f"{index_file.name} weight_map") for v in weight_map.values()})
+        files = sorted({path_in_checkpoint(root, v, f"{index_file.name} weight_map", resolve_links=True) for v in weight_map.values()})
     else:
         files = sorted(p.resolve() for p in root.glob("*.safetensors"))
-        files = [_inside(root, p.name, "shard") for p in files]
+        files = [path_in_checkpoint(root, p.name, "shard", resolve_links=True) for p in files]
     if not files:
         bins = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         hint = f" (found {', '.join(bins[:3])}: pickle checkpoints are not supported)" if bins else ""

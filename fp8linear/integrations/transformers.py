@@ -28,10 +28,9 @@ from .hf_quantizer import (
     register,
 )
 from .loading import from_pretrained, index_checkpoint
+from ..checkpoint_format import DEFAULT_SKIP_PATTERNS, checkpoint_quantization_config
 from .replace import (
-    DEFAULT_SKIP_PATTERNS,
     QuantizeReport,
-    checkpoint_quantization_config,
     quantize_model_,
 )
 

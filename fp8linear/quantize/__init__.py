@@ -20,7 +20,7 @@ from .convert import (
     quantize_checkpoint,
 )
 from .inspection import CheckpointReport, LayerError, inspect_checkpoint, quantization_error
-from .naming import (
+from ..checkpoint_format import (
     DEFAULT_SKIP_PATTERNS,
     FP8_QUANTIZATION_CONFIG,
     SCALE_SUFFIX,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..module import Fp8BlockLinear
-from ..reference import GRANULARITIES
+from ..formats import GRANULARITIES
 
 __all__ = ["add_arguments", "run"]
 

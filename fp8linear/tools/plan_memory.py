@@ -118,12 +118,11 @@ def plan_memory(config: Any, tp: int, granularity: str = "block", model: nn.Modu
     """
     from ..formats import is_fp8_dtype
     from ..integrations.tensor_parallel import check_shardable, module_param_shards, resolve_tp_plan
-    from ..reference import GRANULARITIES
+    from ..formats import check_granularity
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     if model is None:
         model = _meta_fp8_model(config, granularity)
     kinds = resolve_tp_plan(model, "auto") if tp > 1 else {}
