@@ -30,6 +30,7 @@ __all__ = [
     "weight_granularity",
     "expand_weight_scale",
     "block_fp8_matmul_ref",
+    "grouped_fp8_matmul_ref",
 ]
 
 # amax is floored here so an all-zero group gets a finite, non-zero scale and quantizes to 0;
@@ -170,3 +171,33 @@ def block_fp8_matmul_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def grouped_fp8_matmul_ref(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    pair_expert: torch.Tensor,
+    a_row_div: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Grouped FP8 matmul per (token, expert) pair, in the order of the kernel: fp32 GEMM, + bias,
+    * routing weight, cast (see :func:`fp8linear.functional.grouped_fp8_matmul`)."""
+    num_experts, n, _ = w_q.shape
+    num_pairs = pair_expert.shape[0]
+    a = dequantize_activation_ref(a_q, a_s)
+    out = torch.zeros((num_pairs, n), dtype=torch.float32, device=a_q.device)
+    for e in range(num_experts):  # reference path only: the Triton path is one launch
+        pairs = (pair_expert == e).nonzero().squeeze(1)
+        if pairs.numel() == 0:
+            continue
+        y = a[pairs // a_row_div] @ dequantize_weight_ref(w_q[e], w_s[e]).transpose(0, 1)
+        if bias is not None:
+            y = y + bias[e].float()
+        out[pairs] = y
+    if topk_weights is not None:
+        out = out * topk_weights.float()[:, None]
+    return out.to(out_dtype)
