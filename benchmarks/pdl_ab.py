@@ -72,10 +72,10 @@ def main() -> None:
             for v in VARIANTS:
                 with variant(v):
                     rounds[f"fwd_{v}"], _ = prepare_cuda(
-                        lambda a, b, c, d: fp8_linear(a, b, c, d, workspace=ws), fwd_sets, 3, True)
+                        lambda a, b, c, d: fp8_linear(a, b, c, d, counters=ws), fwd_sets, 3, True)
                     if v in ("off", "wait"):
                         rounds[f"gemm_{v}"], _ = prepare_cuda(
-                            lambda a, b, c, d: block_fp8_matmul(a, b, c, d, workspace=ws), gemm_sets, 3, True)
+                            lambda a, b, c, d: block_fp8_matmul(a, b, c, d, counters=ws), gemm_sets, 3, True)
             t = time_rounds(rounds, 9)
             row = {"n": n, "k": k, "m": m, "split_k": splitk_gemm.splitk_config(m, n, k, dev) is not None, **t}
             rows.append(row)

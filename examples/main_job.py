@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fp8linear.integrations.evaluation import compare_generation
-from fp8linear.integrations.smollm2 import default_cache_dir, smollm2_checkpoint
+from fp8linear.tools.evaluation import compare_generation
+from fp8linear.tools.smollm2 import default_cache_dir, smollm2_checkpoint
 from fp8linear.integrations.transformers import from_pretrained
 from fp8linear.quantize import quantize_checkpoint
 

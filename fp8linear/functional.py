@@ -8,6 +8,7 @@ traces them and CUDA graphs capture them (no host synchronisation on the forward
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -72,7 +73,7 @@ if HAS_TRITON:
         m, k = x.shape
         return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, -(-k // GROUP_SIZE)), dtype=SCALE_DTYPE)
 
-    # `workspace` (split-K tile counters, below) is written during a kernel but left all zeros, as it
+    # `counters` (split-K tile counters, below) are written during a kernel but left all zeros, as they
     # came: no mutation is visible outside the op, so none is declared.
     @torch.library.custom_op("fp8linear::block_fp8_gemm", mutates_args=())
     def _gemm_op(
@@ -84,37 +85,37 @@ if HAS_TRITON:
         out_dtype: torch.dtype,
         bias: torch.Tensor | None,
         allow_cublas: bool,
-        workspace: torch.Tensor | None,
+        counters: torch.Tensor | None,
     ) -> torch.Tensor:
         from .ops.gemm import block_fp8_gemm
 
         return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
-                              counters=workspace)
+                              counters=counters)
 
     @_gemm_op.register_fake
-    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, workspace):
+    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, counters):
         return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
 
     @torch.library.custom_op("fp8linear::fp8_linear_tokens", mutates_args=())
     def _linear_op(
         x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
-        allow_cublas: bool, workspace: torch.Tensor | None,
+        allow_cublas: bool, counters: torch.Tensor | None,
     ) -> torch.Tensor:
         from .ops.linear import fp8_linear_tokens
 
-        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas, workspace)
+        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas, counters)
 
     @_linear_op.register_fake
-    def _(x, w_q, w_s, granularity, bias, allow_cublas, workspace):
+    def _(x, w_q, w_s, granularity, bias, allow_cublas, counters):
         return x.new_empty((x.shape[0], w_q.shape[0]))
 
     from .ops.gemm import block_fp8_gemm as _gemm_launcher
     from .ops.linear import fp8_linear_tokens as _linear_launcher
     from .ops.quant import act_quant as _act_quant_launcher
 
-    def _gemm_launch(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, workspace):
+    def _gemm_launch(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, counters):
         return _gemm_launcher(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
-                              counters=workspace)
+                              counters=counters)
 
     _act_quant_call = eager_or_traced(_act_quant_op, _act_quant_launcher)
     _gemm_call = eager_or_traced(_gemm_op, _gemm_launch)
@@ -202,15 +203,26 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
 
-def _check_workspace(workspace: torch.Tensor | None, device: torch.device) -> None:
+def _renamed_counters(counters: torch.Tensor | None, workspace: torch.Tensor | None) -> torch.Tensor | None:
+    """`counters`, or the same tensor passed under its deprecated keyword `workspace`."""
     if workspace is None:
+        return counters
+    warnings.warn("the keyword 'workspace' is deprecated; pass the split-K tile counters as 'counters='",
+                  DeprecationWarning, stacklevel=3)
+    if counters is not None:
+        raise TypeError("pass the split-K counters once, as 'counters=' (not also as 'workspace=')")
+    return workspace
+
+
+def _check_counters(counters: torch.Tensor | None, device: torch.device) -> None:
+    if counters is None:
         return
-    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.dim() != 1:
-        got = (f"{workspace.dtype} of shape {tuple(workspace.shape)}" if isinstance(workspace, torch.Tensor)
-               else type(workspace).__name__)
-        raise TypeError(f"workspace must be a 1-D int32 tensor (ops.splitk_gemm.splitk_workspace), got {got}")
-    if workspace.device != device:
-        raise ValueError(f"workspace is on {workspace.device} but the activations are on {device}")
+    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1:
+        got = (f"{counters.dtype} of shape {tuple(counters.shape)}" if isinstance(counters, torch.Tensor)
+               else type(counters).__name__)
+        raise TypeError(f"counters must be a 1-D int32 tensor (ops.splitk_gemm.splitk_workspace), got {got}")
+    if counters.device != device:
+        raise ValueError(f"counters are on {counters.device} but the activations are on {device}")
 
 
 def _check_group_size(group_size: int) -> None:
@@ -320,6 +332,7 @@ def block_fp8_matmul(
     bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    counters: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias), fp32 accumulation, shape (M, N).
@@ -328,20 +341,21 @@ def block_fp8_matmul(
     FP8 takes run there (:mod:`fp8linear.ops.cublas_gemm`); "triton" always runs our kernel.
     x_s may be row-major (M, K/128), as `quantize_activation` returns it, or M-major (strides
     (1, M)), the layout cuBLAS reads: each path copies the other layout into its own (cuBLAS
-    reads M-major scales, our kernels row-major ones). w_s may have any strides. `workspace`: as
-    for :func:`fp8_linear`.
+    reads M-major scales, our kernels row-major ones). w_s may have any strides. `counters`: as
+    for :func:`fp8_linear` (``workspace=`` is its deprecated name).
     """
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
-    _check_workspace(workspace, x_q.device)
+    counters = _renamed_counters(counters, workspace)
+    _check_counters(counters, x_q.device)
     if resolve_backend(backend, x_q.device) == "reference":
         return block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype, bias)
     w_s = w_s.reshape(()) if granularity == "tensor" else w_s  # the kernels take any scale strides
     return _gemm_call(_k_contiguous(x_q), x_s, _k_contiguous(w_q), w_s, granularity, out_dtype, bias,
-                      cublas_allowed(backend), workspace)
+                      cublas_allowed(backend), counters)
 
 
 def validate_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                    bias: torch.Tensor | None, workspace: torch.Tensor | None = None) -> str:
+                    bias: torch.Tensor | None, counters: torch.Tensor | None = None) -> str:
     """The checks of :func:`fp8_linear` (clear TypeError/ValueError); returns the weight's granularity."""
     _check_tensor("x", x)
     if x.dtype not in _FLOAT_INPUTS:
@@ -359,7 +373,7 @@ def validate_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: tor
         raise ValueError(f"bias must have shape (N,) = {(n,)}, got {tuple(bias.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but the weight is on {weight.device}")
-    _check_workspace(workspace, x.device)
+    _check_counters(counters, x.device)
     return granularity
 
 
@@ -370,6 +384,7 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    counters: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N).
@@ -383,12 +398,14 @@ def fp8_linear(
     :func:`fp8linear.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
     tile by tile, fp32 GEMMs); backend "reference" runs the reference itself.
 
-    `workspace`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
-    for this weight's N, on x's device; decode GEMMs then count their split-K tiles there instead
-    of zeroing fresh counters each call (one launch less). The kernels leave it zeroed; calls that
+    `counters`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
+    for this weight's N, on x's device (``workspace=`` is the deprecated name of this keyword);
+    decode GEMMs then count their split-K tiles there instead of zeroing fresh counters each call
+    (one launch less). The kernels leave it zeroed; calls that
     run concurrently on different streams must not share one. `Fp8BlockLinear` keeps its own.
     """
-    granularity = validate_linear(x, weight, weight_scale_inv, bias, workspace)
+    counters = _renamed_counters(counters, workspace)
+    granularity = validate_linear(x, weight, weight_scale_inv, bias, counters)
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -401,7 +418,7 @@ def fp8_linear(
     else:
         w_s = weight_scale_inv.reshape(()) if granularity == "tensor" else weight_scale_inv
         y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend),
-                         workspace)
+                         counters)
     return y.reshape(*lead, n)
 
 

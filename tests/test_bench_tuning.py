@@ -11,6 +11,7 @@ import json
 import math
 import os
 import statistics
+import warnings
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,18 @@ def test_lookup_ignores_corrupt_cache(isolated):
 
 
 # ----------------------------------------------------------------------------- atomic writes
+def test_cache_dir_reads_the_deprecated_variable(tmp_path, monkeypatch):
+    """$FP8LINEAR_CACHE_DIR names the cache; the older $FP8LINEAR_CACHE still works, with a warning."""
+    monkeypatch.delenv(tables.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv(tables.DEPRECATED_CACHE_ENV, str(tmp_path / "old"))
+    with pytest.warns(DeprecationWarning, match="FP8LINEAR_CACHE_DIR"):
+        assert tables.cache_dir() == tmp_path / "old"
+    monkeypatch.setenv(tables.CACHE_DIR_ENV, str(tmp_path / "new"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tables.cache_dir() == tmp_path / "new"
+
+
 def test_save_table_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     good = tables.ConfigTable(device=DEVICE)

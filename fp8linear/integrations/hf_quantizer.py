@@ -230,7 +230,7 @@ class Fp8LinearHfQuantizer(HfQuantizer):
         self._model_ref = weakref.ref(model)
         for module in model.modules():
             if isinstance(module, Fp8BlockLinear):
-                module.init_workspace()  # on the device its weight was loaded to
+                module.init_split_k_counters()  # on the device its weight was loaded to
         return model
 
     def update_parallel_plan(self, model: Any, plan: dict[str, str]) -> None:

@@ -599,7 +599,7 @@ def from_pretrained(
         tp_load.finish(model)
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
-            module.init_workspace()  # on the device its weight was placed on
+            module.init_split_k_counters()  # on the device its weight was placed on
     attach_save_hook_if_transformers(model)  # model.save_pretrained writes the checkpoint format
     model.eval()
     return model

@@ -524,7 +524,7 @@ def parallelize(model: nn.Module, mesh: Any = None, tp_plan: Any = "auto") -> nn
 def _after_shard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
-            module.init_workspace()
+            module.init_split_k_counters()
 
 
 # ----------------------------------------------------------------------------- transformers' own styles

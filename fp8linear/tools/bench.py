@@ -21,7 +21,7 @@ more than twice the L2 cache; a CUDA graph of R calls cycling over the sets is c
 method (falls back to CUDA events if capture fails); then the graphs of one (shape, M) are
 replayed in interleaved rounds, one replay of each method per round, so clock drift during the
 run reaches every method alike; the median replay time divided by R is the time per call.
-``ours_*`` count split-K tiles in a per-layer workspace, as ``Fp8BlockLinear`` does. Every
+``ours_*`` count split-K tiles in per-layer counters, as ``Fp8BlockLinear`` does. Every
 method's output (its first 128 rows) is also compared with a float64 product of the BF16 inputs.
 Output: a table on stdout, per-target summaries (the speed targets), CSV + JSON with versions, a PNG.
 """
@@ -273,7 +273,7 @@ def _make_shape_operands(shape: Shape, device: torch.device, gen: torch.Generato
     return _ShapeOperands(w=w, w64=w.double(), bias=bias, quant=quant)
 
 
-def _ours_workspace(n: int, device: torch.device) -> torch.Tensor | None:
+def _ours_counters(n: int, device: torch.device) -> torch.Tensor | None:
     """The split-K counters Fp8BlockLinear keeps per layer, so ours is timed as the layer runs it."""
     from ..ops import HAS_TRITON
 
@@ -326,10 +326,10 @@ def _method_setup(
         # takes: M-major where it goes to cuBLAS (as cuBLAS-blk gets them), row-major for our kernels.
         on_cublas = use_cublas_prequantized(x_q, w_q, granularity, torch.bfloat16, None, cublas_allowed(backend))
 
-        workspace = _ours_workspace(n, x.device)
+        counters = _ours_counters(n, x.device)
 
         def ours(a, sa, b, sb):
-            return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend, workspace=workspace)
+            return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend, counters=counters)
 
         args = (x_q, scale_a if on_cublas else x_s, w_q, w_s)
         return ours, args, n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
@@ -337,10 +337,10 @@ def _method_setup(
         w_q, w_s = ops.quant["block"]
         bias = ops.bias if cfg.bias else None
 
-        workspace = _ours_workspace(n, x.device)
+        counters = _ours_counters(n, x.device)
 
         def forward(a, b, sb, bb):
-            return fp8_linear(a, b, sb, bb, backend=cfg.backend, workspace=workspace)
+            return fp8_linear(a, b, sb, bb, backend=cfg.backend, counters=counters)
 
         extra = n * 2 if bias is not None else 0
         return forward, (x, w_q, w_s, bias), n * k + w_s.numel() * 4 + m * k * 2 + extra + out_bytes, out_bytes
