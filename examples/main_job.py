@@ -8,7 +8,7 @@
 
     python examples/main_job.py [--granularity block|row|tensor] [--max-new-tokens N] [--device cpu|cuda]
 
-On a GPU the FP8 GEMMs run in Triton; without one, on fp8linear's CPU path (fp8linear/cpu_linear.py).
+On a GPU the FP8 GEMMs run in Triton; without one, on fp8linear's CPU path (fp8linear/ops/cpu_linear.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .backend import cpu_fast_path, cublas_allowed, resolve_backend
-from .cpu_linear import cpu_fp8_linear
+from .ops.cpu_linear import cpu_fp8_linear
 from .formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .ops import HAS_TRITON
 from .reference import (
@@ -395,7 +395,7 @@ def fp8_linear(
     order); everything else quantizes x, then runs the GEMM (cuBLAS blockwise FP8 for
     prefill-sized GEMMs on Hopper under backend "auto", else ours). `Fp8BlockLinear` runs the same
     work through a plan it keeps per input shape. CPU tensors under backend "auto" run
-    :func:`fp8linear.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
+    :func:`fp8linear.ops.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
     tile by tile, fp32 GEMMs); backend "reference" runs the reference itself.
 
     `counters`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
