@@ -15,9 +15,14 @@ import os
 
 import torch
 
-from .ops import HAS_TRITON
+try:
+    import triton  # noqa: F401
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "cpu_fast_path", "cublas_allowed", "interpreting", "resolve_backend"]
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs without Triton fall back to the reference path
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "BACKENDS", "BACKEND_ENV", "cpu_fast_path", "cublas_allowed", "interpreting", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "reference")
 BACKEND_ENV = "FP8LINEAR_BACKEND"

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from ..backend import resolve_backend
-from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..checkpoint_format import SCALE_SUFFIX
+from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import (
     OUT_DTYPES,
     _check_tensor,

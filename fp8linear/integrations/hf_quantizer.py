@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint_format import SCALE_SUFFIX, checkpoint_quantization_config
 from ..formats import check_granularity, is_fp8_dtype, parse_fp8_dtype, resolve_fp8_dtype
 from ..functional import quantize_weight
 from ..module import Fp8BlockLinear
 from .replace import experts_api, keep_experts_fused_on_save, quantize_model_
-from ..checkpoint_format import SCALE_SUFFIX, checkpoint_quantization_config
 
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer

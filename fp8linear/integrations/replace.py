@@ -36,7 +36,6 @@ __all__ = [
     "module_state_bytes",
     "experts_api",
     "keep_experts_fused_on_save",
-    "attach_save_hook_if_transformers",
 ]
 
 def experts_api() -> tuple[type[nn.Module], Callable[[nn.Module], bool]]:
@@ -151,9 +150,10 @@ def quantize_model_(
         skip_defaults: also keep the output head, MoE routers/gates and linear layers named like
             embeddings or norms (:data:`fp8linear.checkpoint_format.DEFAULT_SKIP_PATTERNS`).
         experts: also replace fused MoE experts modules.
-        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict and
-            give a transformers model the quantizer whose save hook ``model.save_pretrained``
-            calls, so it writes a complete checkpoint that :func:`from_pretrained` reloads.
+        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict; the
+            public :func:`fp8linear.integrations.transformers.quantize_model_` then also gives a
+            transformers model the quantizer whose save hook ``model.save_pretrained`` calls, so
+            it writes a complete checkpoint that :func:`from_pretrained` reloads.
         calibration_data: a list of batches (LongTensor input_ids ``[B, T]`` or dicts of model
             keyword arguments). Given, the linear layers are rounded with GPTQ, block by block
             (:mod:`fp8linear.integrations.calibration`): same format and kernels, lower output
@@ -247,21 +247,7 @@ def quantize_model_(
     config = getattr(model, "config", None)
     if set_config and config is not None and plan:
         config.quantization_config = checkpoint_quantization_config(granularity, kept, chosen_dtype)
-        attach_save_hook_if_transformers(model)
     return report
-
-
-def attach_save_hook_if_transformers(model: nn.Module) -> None:
-    """Give a transformers model holding fp8linear modules the quantizer whose hooks its
-    ``save_pretrained`` calls to write the checkpoint format (:mod:`.hf_quantizer`); other
-    modules are left alone."""
-    if not callable(getattr(model, "save_pretrained", None)):
-        return
-    try:
-        from .hf_quantizer import attach_save_hook
-    except ImportError:  # transformers missing or < 5: nothing to hook
-        return
-    attach_save_hook(model)
 
 
 def keep_experts_fused_on_save(model: nn.Module) -> None:

@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..formats import GROUP_SIZE, parse_fp8_dtype
+from ..formats import GRANULARITIES, GROUP_SIZE, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
-from ..formats import GRANULARITIES
 from ..reference import weight_granularity, weight_scale_shape
 from .checkpoint import DTYPE_SIZES, Checkpoint, CheckpointError, ShardReader, TensorInfo, iter_row_ranges, open_checkpoint
 from .convert import CHUNK_ELEMENTS
