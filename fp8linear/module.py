@@ -31,7 +31,7 @@ def _mark_static_address(t: torch.Tensor) -> None:
     so CUDA-graph trees would copy it into a static buffer before every replay: one copy launch
     per layer per decode step. Marked static, the graph reads it where it is. (Dynamo reads the
     mark when it traces; mark_static_address itself only sets this attribute, tested against
-    the installed torch in tests/test_module.py.)
+    the installed torch in tests/core/test_module.py.)
     """
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:

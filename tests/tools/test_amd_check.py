@@ -30,7 +30,7 @@ from fp8linear.ops.configs import (
     launch_options,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GFX942_TABLE = REPO / "fp8linear" / "ops" / "tuned_configs" / "gfx942.json"
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 1024, 2048, 4096)
 

@@ -44,7 +44,7 @@ from fp8linear.quantize import (
 from fp8linear.quantize.convert import STATE_FILE
 from fp8linear.quantize.inspection import _measure
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GRANULARITIES = ("block", "row", "tensor")
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 BLOCK_SIZE = {"block": [128, 128], "row": [1, 128], "tensor": None}

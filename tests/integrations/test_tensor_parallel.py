@@ -287,7 +287,7 @@ def _torchrun(cases: list[dict], tmp: Path, nproc: int = 2) -> list[dict]:
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            __file__, str(spec), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
