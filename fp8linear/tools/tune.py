@@ -436,7 +436,7 @@ def autotune_config(
 # ----------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", metavar="N,K", default=None,
-                        help="weight shapes (N=out_features, K=in_features); default: the issue-3 set "
+                        help="weight shapes (N=out_features, K=in_features); default: the benchmark's set "
                              "(DeepSeek-V3 + extra shapes)")
     parser.add_argument("--hf-config", metavar="PATH", default=None,
                         help="a Hugging Face config.json (or its folder): tune the shapes of its linear layers")
