@@ -23,7 +23,7 @@ else
     if [ "$(uname -s)" = "Darwin" ]; then
         pip_install "torch==2.13.0"  # macOS wheels on PyPI are CPU/MPS builds
     else
-        pip_install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu \
+        pip_install --retries 1 "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu \
             --extra-index-url https://pypi.org/simple
     fi
 fi
