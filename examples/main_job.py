@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
 
     print(f"[4/4] greedy generation, {max_new} new tokens per prompt ({'Triton' if on_gpu else 'fp8linear CPU path'})")
-    report = compare_generation(bf16, fp8, tokenizer, prompts, max_new, labels=PROMPTS, warmup=on_gpu)
+    report = compare_generation(bf16, fp8, tokenizer, prompts, max_new, labels=PROMPTS, warmup=True)
     where = torch.cuda.get_device_name(args.device) if on_gpu else f"CPU, {torch.get_num_threads()} threads"
     print(f"\nSmolLM2-135M-Instruct, FP8 {args.granularity} vs BF16 on {where} (torch {torch.__version__}), "
           f"{time.perf_counter() - t0:.0f} s:")
