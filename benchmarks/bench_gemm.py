@@ -13,15 +13,15 @@ import argparse
 import sys
 
 try:
-    from fp8linear import bench
+    from fp8linear.tools import bench_cli
 except ImportError as e:  # not installed and not run from the repo root
     sys.exit(f"cannot import fp8linear ({e}); run `pip install -e .` first, or `python -m fp8linear bench`")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_gemm.py", description=__doc__.splitlines()[0])
-    bench.add_arguments(parser)
-    return bench.run(parser.parse_args(argv))
+    bench_cli.add_arguments(parser)
+    return bench_cli.run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

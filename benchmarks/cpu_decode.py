@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fp8linear.cpu_linear import cpu_fp8_linear, prepare_cpu_weight
+from fp8linear.ops.cpu_linear import cpu_fp8_linear, prepare_cpu_weight
 from fp8linear.reference import block_fp8_matmul_ref, quantize_activation_ref, quantize_weight_ref
 
 HIDDEN, INTER, KV = 576, 1536, 192

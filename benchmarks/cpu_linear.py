@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from fp8linear import cpu_linear
-from fp8linear.cpu_linear import cpu_fp8_linear, prepare_cpu_weight
+from fp8linear.ops import cpu_linear
+from fp8linear.ops.cpu_linear import cpu_fp8_linear, prepare_cpu_weight
 from fp8linear.reference import block_fp8_matmul_ref, quantize_activation_ref, quantize_weight_ref
 
 # N:K of two large DeepSeek-V3-sized shapes and of SmolLM2-135M's linears (q/o 576x576, gate/up 1536x576,

@@ -14,8 +14,9 @@ import statistics
 import torch
 
 from fp8linear import Fp8BlockLinear, quantize_weight
-from fp8linear.bench import _DSV3, rotation_sets, time_graph
-from fp8linear.bench_eager import interleaved_wall_us
+from fp8linear.tools.shapes import DSV3_SHAPES
+from fp8linear.tools.timing import rotation_sets, time_graph
+from fp8linear.tools.bench_eager import interleaved_wall_us
 from fp8linear.ops import router
 from fp8linear.ops.linear import run_linear_route
 from fp8linear.ops.splitk_gemm import splitk_workspace
@@ -31,7 +32,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; us per call; one = fused decode kernel, two = act_quant + GEMM")
     print(f"{'shape':>12s} {'M':>3s} {'graph one':>9s} {'graph two':>9s} {'ratio':>6s} {'eager one':>9s} {'eager two':>9s} {'ratio':>6s}")
     ratios_g, ratios_e = [], []
-    for n, k, _ in _DSV3:
+    for n, k, _ in DSV3_SHAPES:
         w_q, w_s = quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, "block")
         ws = splitk_workspace(n, dev)
         for m in args.m:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fp8linear import Fp8BlockLinear
-from fp8linear.bench_eager import _gpu_us, interleaved_wall_us
+from fp8linear.tools.bench_eager import _gpu_us, interleaved_wall_us
 from fp8linear.ops import router
 
 SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048), (7168, 18432), (1536, 7168))

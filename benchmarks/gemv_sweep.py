@@ -18,7 +18,8 @@ import types
 import torch
 
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.bench import _clone_set, _l2_bytes, _n_sets, _time_cuda
+from fp8linear.tools.bench import time_cuda
+from fp8linear.tools.timing import clone_set, l2_bytes, n_sets
 from fp8linear.ops.fused_gemv import GemvConfig, fused_fp8_gemv
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.quant import act_quant
@@ -30,7 +31,7 @@ cfg = types.SimpleNamespace(warmup=3, replays=5, timer="graph")
 
 def main() -> None:
     dev = torch.device("cuda")
-    l2 = _l2_bytes(dev)
+    l2 = l2_bytes(dev)
     ms = [int(a) for a in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 4]
     shapes = [tuple(int(v) for v in s.split(":")) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else SHAPES
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -46,14 +47,14 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             x_q, x_s = quantize_activation(x)
             base = (x, x_q, x_s, w_q, w_s, w_s_row)
-            sets = [base] + [_clone_set(base) for _ in range(_n_sets(n * k, l2) - 1)]
+            sets = [base] + [clone_set(base) for _ in range(n_sets(n * k, l2) - 1)]
             ref = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.float32)
             res = {}
 
             def t(name, fn):
                 y = fn(*sets[0])
                 e = ((y.float() - ref).norm() / ref.norm()).item()
-                us, _ = _time_cuda(fn, sets, cfg)
+                us, _ = time_cuda(fn, sets, cfg)
                 res[name] = (us, e)
                 geo.setdefault((m, name), []).append(us)
 

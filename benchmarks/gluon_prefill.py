@@ -34,7 +34,9 @@ import torch
 import triton
 
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.bench import _rel_err as rel, default_shapes, rotation_sets, time_graph
+from fp8linear.tools.bench import rel_err as rel
+from fp8linear.tools.shapes import default_shapes
+from fp8linear.tools.timing import rotation_sets, time_graph
 from fp8linear.formats import GROUP_SIZE
 from fp8linear.ops.cublas_gemm import cublas_accepts, cublas_fp8_gemm
 from fp8linear.ops.gemm import block_fp8_gemm

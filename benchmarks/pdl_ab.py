@@ -24,7 +24,8 @@ import statistics
 import torch
 
 from fp8linear import block_fp8_matmul, fp8_linear, quantize_activation, quantize_weight
-from fp8linear.bench import _prepare_cuda, _time_rounds, default_shapes, rotation_sets
+from fp8linear.tools.shapes import default_shapes
+from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 from fp8linear.ops import gemm, linear, splitk_gemm
 from fp8linear.ops.pdl import use_pdl
 from fp8linear.ops.splitk_gemm import splitk_workspace
@@ -70,12 +71,12 @@ def main() -> None:
             rounds = {}
             for v in VARIANTS:
                 with variant(v):
-                    rounds[f"fwd_{v}"], _ = _prepare_cuda(
-                        lambda a, b, c, d: fp8_linear(a, b, c, d, workspace=ws), fwd_sets, 3, True)
+                    rounds[f"fwd_{v}"], _ = prepare_cuda(
+                        lambda a, b, c, d: fp8_linear(a, b, c, d, counters=ws), fwd_sets, 3, True)
                     if v in ("off", "wait"):
-                        rounds[f"gemm_{v}"], _ = _prepare_cuda(
-                            lambda a, b, c, d: block_fp8_matmul(a, b, c, d, workspace=ws), gemm_sets, 3, True)
-            t = _time_rounds(rounds, 9)
+                        rounds[f"gemm_{v}"], _ = prepare_cuda(
+                            lambda a, b, c, d: block_fp8_matmul(a, b, c, d, counters=ws), gemm_sets, 3, True)
+            t = time_rounds(rounds, 9)
             row = {"n": n, "k": k, "m": m, "split_k": splitk_gemm.splitk_config(m, n, k, dev) is not None, **t}
             rows.append(row)
             print(f"{n:6}x{k:<6} M={m:3} " + " ".join(f"{kk}={vv:6.2f}" for kk, vv in t.items()), flush=True)

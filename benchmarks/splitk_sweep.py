@@ -22,10 +22,11 @@ import torch
 import triton
 
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.bench import _time_cuda, rotation_sets
+from fp8linear.tools.bench import time_cuda
+from fp8linear.tools.timing import rotation_sets
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.quant import act_quant
-from fp8linear.ops.configs import select_config
+from fp8linear.ops.config_tables import select_config
 from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_config, splitk_fp8_gemm
 
 SHAPES = [(1536, 7168), (576, 7168), (24576, 1536), (32768, 512), (7168, 16384), (18432, 7168), (7168, 18432), (2048, 7168), (7168, 2048)]
@@ -56,7 +57,7 @@ def main() -> None:
             def t(name, fn):
                 y = fn(*sets[0])
                 e = ((y.float() - ref).norm() / ref.norm()).item()
-                us, _ = _time_cuda(fn, sets, cfg)
+                us, _ = time_cuda(fn, sets, cfg)
                 res[name] = (us, e)
                 geo.setdefault((m, name), []).append(us)
             t("pertensor", lambda x, xq, xs, wq, ws, wr: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))

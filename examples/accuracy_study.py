@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--bs", type=int, default=2)
     a = ap.parse_args()
     configs = a.configs.split(";")
-    from fp8linear.integrations.smollm2 import smollm2_checkpoint
+    from fp8linear.tools.smollm2 import smollm2_checkpoint
     p = smollm2_checkpoint()
     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
     grans = sorted({parse(c)["w"] for c in configs if parse(c)["w"]})

@@ -27,7 +27,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-from fp8linear.integrations.evaluation import weight_bytes
+from fp8linear.tools.evaluation import weight_bytes
 from fp8linear.integrations.experts import Fp8Experts
 from fp8linear.integrations.transformers import from_pretrained, quantize_model_, save_pretrained
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fp8linear.integrations.evaluation import compare_generation
-from fp8linear.integrations.smollm2 import smollm2_checkpoint
+from fp8linear.tools.evaluation import compare_generation
+from fp8linear.tools.smollm2 import smollm2_checkpoint
 from fp8linear.integrations.transformers import Fp8LinearConfig, from_pretrained
 
 DEFAULT_PROMPTS = (

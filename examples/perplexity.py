@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fp8linear.integrations.evaluation import window_metrics
-from fp8linear.integrations.smollm2 import smollm2_checkpoint
+from fp8linear.tools.evaluation import window_metrics
+from fp8linear.tools.smollm2 import smollm2_checkpoint
 from fp8linear.integrations.transformers import quantize_model_
 
 # Where Debian's jargon-text package installs the Jargon File (gzip-compressed).

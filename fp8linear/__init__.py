@@ -10,6 +10,7 @@ from .functional import (
     block_fp8_matmul,
     dequantize_weight,
     fp8_linear,
+    grouped_fp8_matmul,
     quantize_activation,
     quantize_weight,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "dequantize_weight",
     "block_fp8_matmul",
     "fp8_linear",
+    "grouped_fp8_matmul",
     "default_fp8_dtype",
     "fp8_max",
     "activation_max",

@@ -2,7 +2,7 @@
 
 Choose per call with ``backend=`` or for the process with ``FP8LINEAR_BACKEND`` =
 ``auto`` (default: our Triton kernels for CUDA/ROCm tensors, the reference elsewhere, except the
-whole FP8 linear on CPU tensors, which runs :mod:`fp8linear.cpu_linear`; on Hopper,
+whole FP8 linear on CPU tensors, which runs :mod:`fp8linear.ops.cpu_linear`; on Hopper,
 prefill-sized GEMMs that cuBLAS blockwise FP8 takes run there, see :mod:`fp8linear.ops.cublas_gemm`),
 ``triton`` (our Triton kernels only) or ``reference``. Forcing Triton on CPU tensors needs
 ``TRITON_INTERPRET=1`` (set before the kernels are first used); ``auto`` never picks the slow
@@ -15,9 +15,14 @@ import os
 
 import torch
 
-from .ops import HAS_TRITON
+try:
+    import triton  # noqa: F401
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "cpu_fast_path", "cublas_allowed", "interpreting", "resolve_backend"]
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs without Triton fall back to the reference path
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "BACKENDS", "BACKEND_ENV", "cpu_fast_path", "cublas_allowed", "interpreting", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "reference")
 BACKEND_ENV = "FP8LINEAR_BACKEND"
@@ -33,7 +38,7 @@ def _requested(backend: str | None) -> str:
 
 
 def cpu_fast_path(backend: str | None, device: torch.device) -> bool:
-    """Whether an FP8 linear on `device` runs :func:`fp8linear.cpu_linear.cpu_fp8_linear` (CPU tensors
+    """Whether an FP8 linear on `device` runs :func:`fp8linear.ops.cpu_linear.cpu_fp8_linear` (CPU tensors
     under 'auto': the same quantized values as the reference, tile-wise weight decode, fp32 GEMMs)
     rather than the reference (forced with backend 'reference')."""
     return device.type == "cpu" and _requested(backend) == "auto"

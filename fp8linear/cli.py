@@ -14,16 +14,16 @@ __all__ = ["main", "SUBCOMMANDS"]
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("fp8linear.demo", "quantize one linear layer, run it, print error (and speed vs BF16 on a GPU)"),
+    "demo": ("fp8linear.tools.demo", "quantize one linear layer, run it, print error (and speed vs BF16 on a GPU)"),
     "quantize": ("fp8linear.quantize.cli_quantize", "convert a BF16/FP16 safetensors checkpoint to FP8"),
     "dequantize": ("fp8linear.quantize.cli_dequantize", "convert an FP8 checkpoint back to BF16"),
     "inspect": ("fp8linear.quantize.cli_inspect", "summarise a checkpoint's tensors and quantization error"),
-    "bench": ("fp8linear.bench", "time the FP8 GEMM against BF16 and cuBLAS FP8 on this GPU"),
-    "tune": ("fp8linear.tuning", "tune GEMM launch configs for a model's shapes and write a table"),
+    "bench": ("fp8linear.tools.bench_cli", "time the FP8 GEMM against BF16 and cuBLAS FP8 on this GPU"),
+    "tune": ("fp8linear.tools.tune", "tune GEMM launch configs for a model's shapes and write a table"),
     "tune-routes": ("fp8linear.tools.route_tune", "time every kernel the router could pick per shape and M; "
                     "write this GPU's routes table"),
-    "plan-memory": ("fp8linear.plan_memory", "per-GPU memory of a model's config in FP8 under tensor parallelism"),
-    "amd-check": ("fp8linear.amd_check", "compile every kernel and AMD config for MI300X (gfx942) without a GPU; "
+    "plan-memory": ("fp8linear.tools.plan_memory", "per-GPU memory of a model's config in FP8 under tensor parallelism"),
+    "amd-check": ("fp8linear.tools.amd_check", "compile every kernel and AMD config for MI300X (gfx942) without a GPU; "
                   "report registers, spills, LDS, occupancy, MFMAs"),
 }
 

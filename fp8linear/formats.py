@@ -20,12 +20,23 @@ __all__ = [
     "is_fp8_dtype",
     "e4m3fn_to_e4m3fnuz",
     "parse_fp8_dtype",
+    "GRANULARITIES",
+    "check_granularity",
 ]
 
 # Width of one quantization group along K (DeepSeek-V3 / HF `quant_method: "fp8"`).
 GROUP_SIZE = 128
 # Scales (dequant multipliers) are always stored in float32.
 SCALE_DTYPE = torch.float32
+# Weight scale granularities: one scale per 128x128 block, per 1x128 row group, or per tensor.
+GRANULARITIES: tuple[str, ...] = ("block", "row", "tensor")
+
+
+def check_granularity(granularity: object) -> str:
+    """`granularity` if it is one of :data:`GRANULARITIES`, else a ValueError naming the choices."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}: granularity must be one of {GRANULARITIES}")
+    return granularity
 
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 

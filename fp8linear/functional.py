@@ -8,19 +8,20 @@ traces them and CUDA graphs capture them (no host synchronisation on the forward
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .backend import cpu_fast_path, cublas_allowed, resolve_backend
-from .cpu_linear import cpu_fp8_linear
-from .formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from .formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .ops import HAS_TRITON
+from .ops.cpu_linear import cpu_fp8_linear
 from .reference import (
-    GRANULARITIES,
     block_fp8_matmul_ref,
     dequantize_weight_ref,
+    grouped_fp8_matmul_ref,
     quantize_activation_ref,
     quantize_weight_ref,
     weight_granularity,
@@ -34,6 +35,8 @@ __all__ = [
     "block_fp8_matmul",
     "fp8_linear",
     "validate_linear",
+    "grouped_fp8_matmul",
+    "moe_routing",
 ]
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,7 +73,7 @@ if HAS_TRITON:
         m, k = x.shape
         return x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, -(-k // GROUP_SIZE)), dtype=SCALE_DTYPE)
 
-    # `workspace` (split-K tile counters, below) is written during a kernel but left all zeros, as it
+    # `counters` (split-K tile counters, below) are written during a kernel but left all zeros, as they
     # came: no mutation is visible outside the op, so none is declared.
     @torch.library.custom_op("fp8linear::block_fp8_gemm", mutates_args=())
     def _gemm_op(
@@ -82,41 +85,105 @@ if HAS_TRITON:
         out_dtype: torch.dtype,
         bias: torch.Tensor | None,
         allow_cublas: bool,
-        workspace: torch.Tensor | None,
+        counters: torch.Tensor | None,
     ) -> torch.Tensor:
         from .ops.gemm import block_fp8_gemm
 
         return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
-                              counters=workspace)
+                              counters=counters)
 
     @_gemm_op.register_fake
-    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, workspace):
+    def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, counters):
         return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
 
     @torch.library.custom_op("fp8linear::fp8_linear_tokens", mutates_args=())
     def _linear_op(
         x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
-        allow_cublas: bool, workspace: torch.Tensor | None,
+        allow_cublas: bool, counters: torch.Tensor | None,
     ) -> torch.Tensor:
         from .ops.linear import fp8_linear_tokens
 
-        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas, workspace)
+        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas, counters)
 
     @_linear_op.register_fake
-    def _(x, w_q, w_s, granularity, bias, allow_cublas, workspace):
+    def _(x, w_q, w_s, granularity, bias, allow_cublas, counters):
         return x.new_empty((x.shape[0], w_q.shape[0]))
 
     from .ops.gemm import block_fp8_gemm as _gemm_launcher
     from .ops.linear import fp8_linear_tokens as _linear_launcher
     from .ops.quant import act_quant as _act_quant_launcher
 
-    def _gemm_launch(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, workspace):
+    def _gemm_launch(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, counters):
         return _gemm_launcher(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
-                              counters=workspace)
+                              counters=counters)
 
     _act_quant_call = eager_or_traced(_act_quant_op, _act_quant_launcher)
     _gemm_call = eager_or_traced(_gemm_op, _gemm_launch)
     _linear_call = eager_or_traced(_linear_op, _linear_launcher)
+
+
+# ----------------------------------------------------------------------------- grouped (MoE) custom ops
+if HAS_TRITON:
+    from .ops.grouped_gemm import align_num_blocks, grouped_fp8_gemm, moe_align_block_size
+
+    def _moe_align_launcher(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+        r = moe_align_block_size(top_k_index, num_experts, block_m, method="kernel")
+        return r.sorted_pair_ids, r.block_expert
+
+    @torch.library.custom_op("fp8linear::grouped_fp8_gemm", mutates_args=())
+    def _grouped_gemm_op(
+        a_q: torch.Tensor,
+        a_s: torch.Tensor,
+        w_q: torch.Tensor,
+        w_s: torch.Tensor,
+        sorted_pair_ids: torch.Tensor,
+        block_expert: torch.Tensor,
+        num_pairs: int,
+        a_row_div: int,
+        granularity: str,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return grouped_fp8_gemm(
+            a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div,
+            granularity, out_dtype, bias, topk_weights,
+        )
+
+    @_grouped_gemm_op.register_fake
+    def _(a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div, granularity, out_dtype,
+          bias, topk_weights):
+        return a_q.new_empty((num_pairs, w_q.shape[1]), dtype=out_dtype)
+
+    @torch.library.custom_op("fp8linear::moe_align", mutates_args=())
+    def _moe_align_op(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _moe_align_launcher(top_k_index, num_experts, block_m)
+
+    @_moe_align_op.register_fake
+    def _(top_k_index, num_experts, block_m):
+        num_blocks = align_num_blocks(top_k_index.numel(), num_experts, block_m)
+        return (
+            top_k_index.new_empty((num_blocks * block_m,), dtype=torch.int32),
+            top_k_index.new_empty((num_blocks,), dtype=torch.int32),
+        )
+
+    # Eager calls go straight to the launchers; torch.compile traces the ops (see eager_or_traced).
+    _moe_align_call = eager_or_traced(_moe_align_op, _moe_align_launcher)
+    _grouped_gemm_call = eager_or_traced(_grouped_gemm_op, grouped_fp8_gemm)
+
+
+def moe_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    """Routing of (token, expert) pairs for the grouped GEMM on the Triton path: the one-launch kernel (an opaque custom op) for decode-sized
+    batches, the traceable torch-ops path above ALIGN_KERNEL_MAX_PAIRS pairs."""
+    from .ops.grouped_gemm import ALIGN_KERNEL_MAX_PAIRS, MoeRouting, moe_align_block_size
+
+    if top_k_index.numel() > ALIGN_KERNEL_MAX_PAIRS or top_k_index.numel() == 0:
+        return moe_align_block_size(top_k_index, num_experts, block_m, method="torch")
+    sorted_pair_ids, block_expert = _moe_align_call(top_k_index, num_experts, block_m)
+    return MoeRouting(sorted_pair_ids, block_expert, block_m, top_k_index.numel(), top_k_index.shape[1])
+
+
+# ----------------------------------------------------------------------------- grouped matmul
 
 
 # ----------------------------------------------------------------------------- validation
@@ -136,15 +203,26 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
 
-def _check_workspace(workspace: torch.Tensor | None, device: torch.device) -> None:
+def _renamed_counters(counters: torch.Tensor | None, workspace: torch.Tensor | None) -> torch.Tensor | None:
+    """`counters`, or the same tensor passed under its deprecated keyword `workspace`."""
     if workspace is None:
+        return counters
+    warnings.warn("the keyword 'workspace' is deprecated; pass the split-K tile counters as 'counters='",
+                  DeprecationWarning, stacklevel=3)
+    if counters is not None:
+        raise TypeError("pass the split-K counters once, as 'counters=' (not also as 'workspace=')")
+    return workspace
+
+
+def _check_counters(counters: torch.Tensor | None, device: torch.device) -> None:
+    if counters is None:
         return
-    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.dim() != 1:
-        got = (f"{workspace.dtype} of shape {tuple(workspace.shape)}" if isinstance(workspace, torch.Tensor)
-               else type(workspace).__name__)
-        raise TypeError(f"workspace must be a 1-D int32 tensor (ops.splitk_gemm.splitk_workspace), got {got}")
-    if workspace.device != device:
-        raise ValueError(f"workspace is on {workspace.device} but the activations are on {device}")
+    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1:
+        got = (f"{counters.dtype} of shape {tuple(counters.shape)}" if isinstance(counters, torch.Tensor)
+               else type(counters).__name__)
+        raise TypeError(f"counters must be a 1-D int32 tensor (ops.splitk_gemm.splitk_workspace), got {got}")
+    if counters.device != device:
+        raise ValueError(f"counters are on {counters.device} but the activations are on {device}")
 
 
 def _check_group_size(group_size: int) -> None:
@@ -189,8 +267,7 @@ def quantize_weight(
     'tensor' (...) (a 0-d tensor for a 2-D weight). Runs on the weight's device.
     """
     _check_tensor("w", w)
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     if w.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"w must be bfloat16, float16 or float32 (not already quantized), got {w.dtype}")
     if w.dim() < 2:
@@ -255,6 +332,7 @@ def block_fp8_matmul(
     bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    counters: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias), fp32 accumulation, shape (M, N).
@@ -263,20 +341,21 @@ def block_fp8_matmul(
     FP8 takes run there (:mod:`fp8linear.ops.cublas_gemm`); "triton" always runs our kernel.
     x_s may be row-major (M, K/128), as `quantize_activation` returns it, or M-major (strides
     (1, M)), the layout cuBLAS reads: each path copies the other layout into its own (cuBLAS
-    reads M-major scales, our kernels row-major ones). w_s may have any strides. `workspace`: as
-    for :func:`fp8_linear`.
+    reads M-major scales, our kernels row-major ones). w_s may have any strides. `counters`: as
+    for :func:`fp8_linear` (``workspace=`` is its deprecated name).
     """
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
-    _check_workspace(workspace, x_q.device)
+    counters = _renamed_counters(counters, workspace)
+    _check_counters(counters, x_q.device)
     if resolve_backend(backend, x_q.device) == "reference":
         return block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype, bias)
     w_s = w_s.reshape(()) if granularity == "tensor" else w_s  # the kernels take any scale strides
     return _gemm_call(_k_contiguous(x_q), x_s, _k_contiguous(w_q), w_s, granularity, out_dtype, bias,
-                      cublas_allowed(backend), workspace)
+                      cublas_allowed(backend), counters)
 
 
 def validate_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                    bias: torch.Tensor | None, workspace: torch.Tensor | None = None) -> str:
+                    bias: torch.Tensor | None, counters: torch.Tensor | None = None) -> str:
     """The checks of :func:`fp8_linear` (clear TypeError/ValueError); returns the weight's granularity."""
     _check_tensor("x", x)
     if x.dtype not in _FLOAT_INPUTS:
@@ -294,7 +373,7 @@ def validate_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: tor
         raise ValueError(f"bias must have shape (N,) = {(n,)}, got {tuple(bias.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but the weight is on {weight.device}")
-    _check_workspace(workspace, x.device)
+    _check_counters(counters, x.device)
     return granularity
 
 
@@ -305,6 +384,7 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    counters: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole FP8 linear: quantize `x` (..., K) per token, FP8 GEMM, bias; returns x.dtype (..., N).
@@ -315,15 +395,17 @@ def fp8_linear(
     order); everything else quantizes x, then runs the GEMM (cuBLAS blockwise FP8 for
     prefill-sized GEMMs on Hopper under backend "auto", else ours). `Fp8BlockLinear` runs the same
     work through a plan it keeps per input shape. CPU tensors under backend "auto" run
-    :func:`fp8linear.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
+    :func:`fp8linear.ops.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
     tile by tile, fp32 GEMMs); backend "reference" runs the reference itself.
 
-    `workspace`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
-    for this weight's N, on x's device; decode GEMMs then count their split-K tiles there instead
-    of zeroing fresh counters each call (one launch less). The kernels leave it zeroed; calls that
+    `counters`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
+    for this weight's N, on x's device (``workspace=`` is the deprecated name of this keyword);
+    decode GEMMs then count their split-K tiles there instead of zeroing fresh counters each call
+    (one launch less). The kernels leave it zeroed; calls that
     run concurrently on different streams must not share one. `Fp8BlockLinear` keeps its own.
     """
-    granularity = validate_linear(x, weight, weight_scale_inv, bias, workspace)
+    counters = _renamed_counters(counters, workspace)
+    granularity = validate_linear(x, weight, weight_scale_inv, bias, counters)
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -336,5 +418,93 @@ def fp8_linear(
     else:
         w_s = weight_scale_inv.reshape(()) if granularity == "tensor" else weight_scale_inv
         y = _linear_call(_k_contiguous(x2), _k_contiguous(weight), w_s, granularity, bias, cublas_allowed(backend),
-                         workspace)
+                         counters)
     return y.reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------- grouped matmul
+def grouped_fp8_matmul(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    top_k_index: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    per_token_rows: bool = True,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    backend: str | None = None,
+    _routing: object | None = None,
+) -> torch.Tensor:
+    """Per (token, expert) pair: y[p] = (dequant(a[row]) @ dequant(w[e]).T + bias[e]) * topk_weights[p].
+
+    Pairs are numbered ``p = token * top_k + slot`` with e = top_k_index[token, slot]; ids
+    outside [0, E) give zero rows. ``per_token_rows=True``: `a_q` is (T, K), one row per token
+    (row = p // top_k); False: `a_q` is (T * top_k, K), one row per pair. `w_q` (E, N, K) FP8
+    with scales (E, ...) of any granularity; `bias` (E, N); `topk_weights` (T, top_k) or (S,).
+    Returns (T * top_k, N) in `out_dtype`.
+    """
+    for name, t in (("a_q", a_q), ("a_s", a_s), ("w_q", w_q), ("w_s", w_s), ("top_k_index", top_k_index)):
+        _check_tensor(name, t)
+    for name, t in (("a_q", a_q), ("w_q", w_q)):
+        if not is_fp8_dtype(t.dtype):
+            raise TypeError(f"{name} must be float8_e4m3fn or float8_e4m3fnuz, got {t.dtype}")
+    if a_q.dtype != w_q.dtype:
+        raise TypeError(f"a_q and w_q must have the same FP8 dtype, got {a_q.dtype} and {w_q.dtype}")
+    if w_q.dim() != 3:
+        raise ValueError(f"w_q must be 3-D (E, N, K), got shape {tuple(w_q.shape)}")
+    if a_q.dim() != 2:
+        raise ValueError(f"a_q must be 2-D (rows, K), got shape {tuple(a_q.shape)}")
+    if top_k_index.dim() != 2 or top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"top_k_index must be a 2-D (T, top_k) int32/int64 tensor, got {top_k_index.dtype} {tuple(top_k_index.shape)}"
+        )
+    num_experts, n, k = w_q.shape
+    t, top_k = top_k_index.shape
+    num_pairs = t * top_k
+    rows = t if per_token_rows else num_pairs
+    if tuple(a_q.shape) != (rows, k):
+        what = "(T, K)" if per_token_rows else "(T * top_k, K)"
+        raise ValueError(f"a_q must have shape {what} = {(rows, k)}, got {tuple(a_q.shape)}")
+    groups = -(-k // GROUP_SIZE)  # 1x128 activation groups
+    if tuple(a_s.shape) != (rows, groups):
+        raise ValueError(f"a_s must have shape (rows, ceil(K/128)) = {(rows, groups)}, got {tuple(a_s.shape)}")
+    for name, s in (("a_s", a_s), ("w_s", w_s)):
+        if s.dtype != SCALE_DTYPE:
+            raise TypeError(f"{name} must be float32, got {s.dtype}")
+    granularity = weight_granularity(w_q.shape, w_s.shape)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if bias is not None and tuple(_check_tensor("bias", bias).shape) != (num_experts, n):
+        raise ValueError(f"bias must have shape (E, N) = {(num_experts, n)}, got {tuple(bias.shape)}")
+    if topk_weights is not None:
+        _check_tensor("topk_weights", topk_weights)
+        if topk_weights.numel() != num_pairs:
+            raise ValueError(
+                f"topk_weights must have T * top_k = {num_pairs} elements (shape of top_k_index "
+                f"{tuple(top_k_index.shape)}), got shape {tuple(topk_weights.shape)}"
+            )
+        topk_weights = topk_weights.reshape(num_pairs)
+    a_row_div = top_k if per_token_rows else 1
+
+    if resolve_backend(backend, a_q.device) == "reference":
+        return grouped_fp8_matmul_ref(
+            a_q, a_s, w_q, w_s, top_k_index.reshape(-1), a_row_div, out_dtype, bias, topk_weights
+        )
+    from .ops.router import grouped_config
+
+    routing = _routing
+    if routing is None:
+        routing = moe_routing(top_k_index, num_experts, grouped_config(num_pairs, num_experts, n, k).block_m)
+    w_s = w_s.reshape(num_experts) if granularity == "tensor" else w_s.contiguous()
+    if a_q.shape[-1] > 1 and a_q.stride(-1) != 1:
+        a_q = a_q.contiguous()
+    if w_q.stride(-1) != 1:
+        w_q = w_q.contiguous()
+    return _grouped_gemm_call(
+        a_q, a_s.contiguous(), w_q, w_s, routing.sorted_pair_ids, routing.block_expert, num_pairs, a_row_div,
+        granularity, out_dtype,
+        bias.contiguous() if bias is not None else None,
+        topk_weights.float().contiguous() if topk_weights is not None else None,
+    )

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import SCALE_DTYPE, fp8_max, is_fp8_dtype
-from .reference import GRANULARITIES, expand_weight_scale, quantize_weight_ref, round_to_fp8_grid
+from .formats import SCALE_DTYPE, check_granularity, fp8_max, is_fp8_dtype
+from .reference import expand_weight_scale, quantize_weight_ref, round_to_fp8_grid
 
 __all__ = ["GPTQConfig", "gptq_quantize_weight", "hessian_from_inputs"]
 
@@ -77,8 +77,7 @@ def _check(w: torch.Tensor, hessian: torch.Tensor, granularity: str, fp8_dtype: 
     k = w.shape[1]
     if hessian.shape != (k, k):
         raise ValueError(f"{name}: hessian must be ({k}, {k}) for a weight of shape {tuple(w.shape)}, got {tuple(hessian.shape)}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     if not is_fp8_dtype(fp8_dtype):
         raise TypeError(f"fp8_dtype must be an FP8 dtype, got {fp8_dtype}")
     for what, t in (("weight", w), ("hessian", hessian)):

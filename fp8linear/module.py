@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from .backend import cublas_allowed, resolve_backend
-from .formats import SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
+from .formats import SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight, validate_linear
 from .ops import HAS_TRITON
-from .reference import GRANULARITIES, weight_granularity, weight_scale_shape
+from .reference import weight_granularity, weight_scale_shape
 
 __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
 
@@ -31,7 +31,7 @@ def _mark_static_address(t: torch.Tensor) -> None:
     so CUDA-graph trees would copy it into a static buffer before every replay: one copy launch
     per layer per decode step. Marked static, the graph reads it where it is. (Dynamo reads the
     mark when it traces; mark_static_address itself only sets this attribute, tested against
-    the installed torch in tests/test_module.py.)
+    the installed torch in tests/core/test_module.py.)
     """
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
@@ -74,7 +74,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
 
     Activations are quantized on the fly per token in 1x128 groups. The granularity is
     read from the scale's shape, so loading a state dict of another granularity just works.
-    Decode-sized GEMMs count their split-K tiles in a small workspace the layer keeps (which
+    Decode-sized GEMMs count their split-K tiles in small counters the layer keeps (which
     spares a memset launch per call), so one layer must not run on two streams at the same time.
 
     In eager mode on a GPU, the first call with an input of a new shape and dtype validates it,
@@ -98,8 +98,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_granularity(granularity)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -120,10 +119,10 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             self.register_parameter("bias", None)
         # Split-K tile counters for decode GEMMs (fp8linear.ops.splitk_gemm.splitk_workspace): a
         # plain attribute, not a buffer (never saved, never filled from a checkpoint or by
-        # `to_empty`), made zeroed on the weight's device (see init_workspace).
-        self._workspace: torch.Tensor | None = None
+        # `to_empty`), made zeroed on the weight's device (see init_split_k_counters).
+        self._split_k_counters: torch.Tensor | None = None
         self._plans: dict = {}
-        self.init_workspace()
+        self.init_split_k_counters()
 
     @property
     def granularity(self) -> str:
@@ -175,7 +174,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         mod.weight_scale_inv = nn.Parameter(weight_scale_inv.detach().to(weight.device), requires_grad=False)
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone().to(weight.device), requires_grad=False)
-        mod.init_workspace()
+        mod.init_split_k_counters()
         return mod
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -223,24 +222,24 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._plans.clear()
-        self.init_workspace()  # made again, zeroed, where the weight now lives
+        self.init_split_k_counters()  # made again, zeroed, where the weight now lives
         return out
 
-    def init_workspace(self) -> None:
+    def init_split_k_counters(self) -> None:
         """(Re)make this layer's split-K counters, zeroed, on the weight's device.
 
         Done on construction, `from_linear`, device moves and by the loaders in
         :mod:`fp8linear.integrations`; otherwise the first eager forward makes them. A layer that
         torch.compile traces before it has them zeroes fresh counters in every call instead.
         """
-        self._workspace = None
-        self._split_k_workspace()
+        self._split_k_counters = None
+        self._counters()
 
-    def _split_k_workspace(self) -> torch.Tensor | None:
+    def _counters(self) -> torch.Tensor | None:
         """This layer's split-K counters, made (zeroed) if missing; None where none can be made
         here (no Triton, a meta weight, while torch.compile traces or a CUDA graph is captured:
         those calls zero fresh counters as plain `fp8_linear` does)."""
-        ws = self._workspace
+        ws = self._split_k_counters
         device = self.weight.device
         if ws is not None and ws.device == device:
             return ws
@@ -250,7 +249,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             return None
         from .ops.splitk_gemm import splitk_workspace
 
-        self._workspace = ws = splitk_workspace(self.out_features, device)
+        self._split_k_counters = ws = splitk_workspace(self.out_features, device)
         _mark_static_address(ws)
         return ws
 
@@ -266,7 +265,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         if not is_fp8_dtype(self.weight.dtype):
             raise TypeError(f"Fp8BlockLinear.weight must be FP8, got {self.weight.dtype}")
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, backend=self.backend,
-                          workspace=self._split_k_workspace())
+                          counters=self._counters())
 
     def _forward_and_plan(self, x: torch.Tensor) -> torch.Tensor:
         """The validated forward; where our Triton kernels run it, through a plan it keeps for x's
@@ -276,14 +275,14 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
                 and weight.is_contiguous() and is_fp8_dtype(weight.dtype)
                 and resolve_backend(self.backend, x.device) == "triton"):
             return self._forward_validated(x)
-        workspace = self._split_k_workspace()
-        validate_linear(x, weight, self.weight_scale_inv, self.bias, workspace)
+        counters = self._counters()
+        validate_linear(x, weight, self.weight_scale_inv, self.bias, counters)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
-        plan = self._plans[(x.shape, x.dtype, x.device)] = self._make_plan(x, workspace)
+        plan = self._plans[(x.shape, x.dtype, x.device)] = self._make_plan(x, counters)
         return plan(x)
 
-    def _make_plan(self, x: torch.Tensor, workspace: torch.Tensor | None):
+    def _make_plan(self, x: torch.Tensor, counters: torch.Tensor | None):
         from .ops.linear import LinearPlan
         from .ops.router import route_linear, tma_ok
 
@@ -293,7 +292,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         args = (x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype, self.bias,
                 cublas_allowed(self.backend), tma_ok(weight))
         # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
-        return LinearPlan(route_linear(*args, eager=True), x, weight, w_s, granularity, self.bias, workspace,
+        return LinearPlan(route_linear(*args, eager=True), x, weight, w_s, granularity, self.bias, counters,
                           capture_route=route_linear(*args))
 
     def extra_repr(self) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_max, fp8_min_exponent
+from .formats import GRANULARITIES, GROUP_SIZE, SCALE_DTYPE, activation_max, check_granularity, fp8_max, fp8_min_exponent
 
 __all__ = [
     "AMAX_FLOOR",
@@ -30,9 +30,9 @@ __all__ = [
     "weight_granularity",
     "expand_weight_scale",
     "block_fp8_matmul_ref",
+    "grouped_fp8_matmul_ref",
 ]
 
-GRANULARITIES = ("block", "row", "tensor")
 # amax is floored here so an all-zero group gets a finite, non-zero scale and quantizes to 0;
 # 1e-12 is far below any real activation/weight magnitude and far above fp32's tiny (1.2e-38).
 AMAX_FLOOR = 1e-12
@@ -91,14 +91,13 @@ def dequantize_activation_ref(x_q: torch.Tensor, x_s: torch.Tensor, group_size: 
 
 def weight_scale_shape(shape: tuple[int, ...] | torch.Size, granularity: str) -> tuple[int, ...]:
     """Scale shape for a weight of shape (..., N, K) at the given granularity."""
+    check_granularity(granularity)
     *batch, n, k = shape
     if granularity == "block":
         return (*batch, _cdiv(n, GROUP_SIZE), _cdiv(k, GROUP_SIZE))
     if granularity == "row":
         return (*batch, n, _cdiv(k, GROUP_SIZE))
-    if granularity == "tensor":
-        return tuple(batch)
-    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    return tuple(batch)  # tensor
 
 
 def weight_granularity(weight_shape: tuple[int, ...] | torch.Size, scale_shape: tuple[int, ...] | torch.Size) -> str:
@@ -120,6 +119,7 @@ def weight_granularity(weight_shape: tuple[int, ...] | torch.Size, scale_shape: 
 
 def quantize_weight_ref(w: torch.Tensor, granularity: str, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight (..., N, K) -> (w_q (..., N, K), w_s) at 'block' (128x128), 'row' (1x128) or 'tensor'."""
+    check_granularity(granularity)
     *batch, n, k = w.shape
     qmax = fp8_max(fp8_dtype)
     wf = w.float()
@@ -133,14 +133,12 @@ def quantize_weight_ref(w: torch.Tensor, granularity: str, fp8_dtype: torch.dtyp
         q, scale = _quantize_groups(wp.reshape(*batch, n, kb, GROUP_SIZE), (-1,), qmax, fp8_dtype)
         q = q.reshape(*batch, n, kb * GROUP_SIZE)[..., :k]
         return q.contiguous(), scale.squeeze(-1).to(SCALE_DTYPE)
-    if granularity == "block":
-        nb = _cdiv(n, GROUP_SIZE)
-        wp = _pad_last(wp.transpose(-1, -2), GROUP_SIZE).transpose(-1, -2)  # pad N too
-        blocks = wp.reshape(*batch, nb, GROUP_SIZE, kb, GROUP_SIZE)
-        q, scale = _quantize_groups(blocks, (-3, -1), qmax, fp8_dtype)
-        q = q.reshape(*batch, nb * GROUP_SIZE, kb * GROUP_SIZE)[..., :n, :k]
-        return q.contiguous(), scale.reshape(*batch, nb, kb).to(SCALE_DTYPE)
-    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    nb = _cdiv(n, GROUP_SIZE)  # block
+    wp = _pad_last(wp.transpose(-1, -2), GROUP_SIZE).transpose(-1, -2)  # pad N too
+    blocks = wp.reshape(*batch, nb, GROUP_SIZE, kb, GROUP_SIZE)
+    q, scale = _quantize_groups(blocks, (-3, -1), qmax, fp8_dtype)
+    q = q.reshape(*batch, nb * GROUP_SIZE, kb * GROUP_SIZE)[..., :n, :k]
+    return q.contiguous(), scale.reshape(*batch, nb, kb).to(SCALE_DTYPE)
 
 
 def expand_weight_scale(w_s: torch.Tensor, weight_shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
@@ -173,3 +171,33 @@ def block_fp8_matmul_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def grouped_fp8_matmul_ref(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    pair_expert: torch.Tensor,
+    a_row_div: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Grouped FP8 matmul per (token, expert) pair, in the order of the kernel: fp32 GEMM, + bias,
+    * routing weight, cast (see :func:`fp8linear.functional.grouped_fp8_matmul`)."""
+    num_experts, n, _ = w_q.shape
+    num_pairs = pair_expert.shape[0]
+    a = dequantize_activation_ref(a_q, a_s)
+    out = torch.zeros((num_pairs, n), dtype=torch.float32, device=a_q.device)
+    for e in range(num_experts):  # reference path only: the Triton path is one launch
+        pairs = (pair_expert == e).nonzero().squeeze(1)
+        if pairs.numel() == 0:
+            continue
+        y = a[pairs // a_row_div] @ dequantize_weight_ref(w_q[e], w_s[e]).transpose(0, 1)
+        if bias is not None:
+            y = y + bias[e].float()
+        out[pairs] = y
+    if topk_weights is not None:
+        out = out * topk_weights.float()[:, None]
+    return out.to(out_dtype)

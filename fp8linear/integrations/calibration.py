@@ -25,9 +25,8 @@ from torch import nn
 from ..gptq import GPTQConfig, gptq_quantize_weight, hessian_from_inputs
 from ..module import Fp8BlockLinear
 from ..reference import dequantize_activation_ref, quantize_activation_ref
-from .replace import _set_submodule
 
-__all__ = ["gptq_replace_linears_", "calibration_groups", "check_calibration_data"]
+__all__ = ["gptq_replace_linears_", "calibration_groups", "check_calibration_data", "set_submodule"]
 
 
 class _StopCalibration(Exception):
@@ -66,6 +65,13 @@ class _SeenInput:
     product: torch.Tensor
     rows: int
     acc: _Accumulator | None = None
+
+
+def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` at the dotted path `name` of `model` (``layers.0.mlp.up_proj``), replacing what is there."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
 
 
 def calibration_groups(names: Sequence[str]) -> dict[str, list[str]]:
@@ -201,7 +207,7 @@ def gptq_replace_linears_(
                 w_q, w_s = gptq_quantize_weight(w, h, granularity, t.fp8_dtype, config, name=t.name)
                 new = Fp8BlockLinear.from_quantized(w_q, w_s, t.module.bias, backend=backend)
                 new.train(t.module.training)
-                _set_submodule(model, t.name, new)
+                set_submodule(model, t.name, new)
             del accs
         return calibrated
     finally:

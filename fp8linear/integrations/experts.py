@@ -31,17 +31,19 @@ import torch
 from torch import nn
 
 from ..backend import resolve_backend
-from ..formats import GROUP_SIZE, SCALE_DTYPE, is_fp8_dtype, resolve_fp8_dtype
-from ..functional import dequantize_weight, eager_or_traced, quantize_activation, quantize_weight
-from ..module import QuantizedDtypesMixin
-from ..ops import HAS_TRITON
-from ..reference import (
-    GRANULARITIES,
-    dequantize_activation_ref,
-    dequantize_weight_ref,
-    weight_granularity,
-    weight_scale_shape,
+from ..checkpoint_format import SCALE_SUFFIX
+from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
+from ..functional import (
+    OUT_DTYPES,
+    _check_tensor,
+    dequantize_weight,
+    grouped_fp8_matmul,
+    moe_routing,
+    quantize_activation,
+    quantize_weight,
 )
+from ..module import QuantizedDtypesMixin
+from ..reference import weight_granularity, weight_scale_shape
 
 __all__ = [
     "Fp8Experts",
@@ -51,194 +53,8 @@ __all__ = [
     "grouped_fp8_matmul",
 ]
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Experts quantized per chunk in from_experts: bounds the fp32 temporaries to a few experts.
 _QUANT_CHUNK = 8
-_SCALE_SUFFIX = "_scale_inv"
-
-
-# ----------------------------------------------------------------------------- custom op
-if HAS_TRITON:
-    from ..ops.grouped_gemm import align_num_blocks, grouped_fp8_gemm, moe_align_block_size
-
-    def _moe_align_launcher(top_k_index: torch.Tensor, num_experts: int, block_m: int):
-        r = moe_align_block_size(top_k_index, num_experts, block_m, method="kernel")
-        return r.sorted_pair_ids, r.block_expert
-
-    @torch.library.custom_op("fp8linear::grouped_fp8_gemm", mutates_args=())
-    def _grouped_gemm_op(
-        a_q: torch.Tensor,
-        a_s: torch.Tensor,
-        w_q: torch.Tensor,
-        w_s: torch.Tensor,
-        sorted_pair_ids: torch.Tensor,
-        block_expert: torch.Tensor,
-        num_pairs: int,
-        a_row_div: int,
-        granularity: str,
-        out_dtype: torch.dtype,
-        bias: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return grouped_fp8_gemm(
-            a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div,
-            granularity, out_dtype, bias, topk_weights,
-        )
-
-    @_grouped_gemm_op.register_fake
-    def _(a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div, granularity, out_dtype,
-          bias, topk_weights):
-        return a_q.new_empty((num_pairs, w_q.shape[1]), dtype=out_dtype)
-
-    @torch.library.custom_op("fp8linear::moe_align", mutates_args=())
-    def _moe_align_op(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _moe_align_launcher(top_k_index, num_experts, block_m)
-
-    @_moe_align_op.register_fake
-    def _(top_k_index, num_experts, block_m):
-        num_blocks = align_num_blocks(top_k_index.numel(), num_experts, block_m)
-        return (
-            top_k_index.new_empty((num_blocks * block_m,), dtype=torch.int32),
-            top_k_index.new_empty((num_blocks,), dtype=torch.int32),
-        )
-
-    # Eager calls go straight to the launchers; torch.compile traces the ops (see eager_or_traced).
-    _moe_align_call = eager_or_traced(_moe_align_op, _moe_align_launcher)
-    _grouped_gemm_call = eager_or_traced(_grouped_gemm_op, grouped_fp8_gemm)
-
-
-def _align(top_k_index: torch.Tensor, num_experts: int, block_m: int):
-    """Routing for the Triton path: the one-launch kernel (an opaque custom op) for decode-sized
-    batches, the traceable torch-ops path above ALIGN_KERNEL_MAX_PAIRS pairs."""
-    from ..ops.grouped_gemm import ALIGN_KERNEL_MAX_PAIRS, MoeRouting, moe_align_block_size
-
-    if top_k_index.numel() > ALIGN_KERNEL_MAX_PAIRS or top_k_index.numel() == 0:
-        return moe_align_block_size(top_k_index, num_experts, block_m, method="torch")
-    sorted_pair_ids, block_expert = _moe_align_call(top_k_index, num_experts, block_m)
-    return MoeRouting(sorted_pair_ids, block_expert, block_m, top_k_index.numel(), top_k_index.shape[1])
-
-
-# ----------------------------------------------------------------------------- grouped matmul
-def _grouped_ref(
-    a_q: torch.Tensor,
-    a_s: torch.Tensor,
-    w_q: torch.Tensor,
-    w_s: torch.Tensor,
-    pair_expert: torch.Tensor,
-    a_row_div: int,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    topk_weights: torch.Tensor | None,
-) -> torch.Tensor:
-    """Reference: same order as the kernel (fp32 GEMM, + bias, * routing weight, cast)."""
-    num_experts, n, _ = w_q.shape
-    num_pairs = pair_expert.shape[0]
-    a = dequantize_activation_ref(a_q, a_s)
-    out = torch.zeros((num_pairs, n), dtype=torch.float32, device=a_q.device)
-    for e in range(num_experts):  # reference path only: the Triton path is one launch
-        pairs = (pair_expert == e).nonzero().squeeze(1)
-        if pairs.numel() == 0:
-            continue
-        y = a[pairs // a_row_div] @ dequantize_weight_ref(w_q[e], w_s[e]).transpose(0, 1)
-        if bias is not None:
-            y = y + bias[e].float()
-        out[pairs] = y
-    if topk_weights is not None:
-        out = out * topk_weights.float()[:, None]
-    return out.to(out_dtype)
-
-
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def grouped_fp8_matmul(
-    a_q: torch.Tensor,
-    a_s: torch.Tensor,
-    w_q: torch.Tensor,
-    w_s: torch.Tensor,
-    top_k_index: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    per_token_rows: bool = True,
-    bias: torch.Tensor | None = None,
-    topk_weights: torch.Tensor | None = None,
-    backend: str | None = None,
-    _routing: object | None = None,
-) -> torch.Tensor:
-    """Per (token, expert) pair: y[p] = (dequant(a[row]) @ dequant(w[e]).T + bias[e]) * topk_weights[p].
-
-    Pairs are numbered ``p = token * top_k + slot`` with e = top_k_index[token, slot]; ids
-    outside [0, E) give zero rows. ``per_token_rows=True``: `a_q` is (T, K), one row per token
-    (row = p // top_k); False: `a_q` is (T * top_k, K), one row per pair. `w_q` (E, N, K) FP8
-    with scales (E, ...) of any granularity; `bias` (E, N); `topk_weights` (T, top_k) or (S,).
-    Returns (T * top_k, N) in `out_dtype`.
-    """
-    for name, t in (("a_q", a_q), ("a_s", a_s), ("w_q", w_q), ("w_s", w_s), ("top_k_index", top_k_index)):
-        _check_tensor(name, t)
-    for name, t in (("a_q", a_q), ("w_q", w_q)):
-        if not is_fp8_dtype(t.dtype):
-            raise TypeError(f"{name} must be float8_e4m3fn or float8_e4m3fnuz, got {t.dtype}")
-    if a_q.dtype != w_q.dtype:
-        raise TypeError(f"a_q and w_q must have the same FP8 dtype, got {a_q.dtype} and {w_q.dtype}")
-    if w_q.dim() != 3:
-        raise ValueError(f"w_q must be 3-D (E, N, K), got shape {tuple(w_q.shape)}")
-    if a_q.dim() != 2:
-        raise ValueError(f"a_q must be 2-D (rows, K), got shape {tuple(a_q.shape)}")
-    if top_k_index.dim() != 2 or top_k_index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"top_k_index must be a 2-D (T, top_k) int32/int64 tensor, got {top_k_index.dtype} {tuple(top_k_index.shape)}"
-        )
-    num_experts, n, k = w_q.shape
-    t, top_k = top_k_index.shape
-    num_pairs = t * top_k
-    rows = t if per_token_rows else num_pairs
-    if tuple(a_q.shape) != (rows, k):
-        what = "(T, K)" if per_token_rows else "(T * top_k, K)"
-        raise ValueError(f"a_q must have shape {what} = {(rows, k)}, got {tuple(a_q.shape)}")
-    groups = -(-k // GROUP_SIZE)  # 1x128 activation groups
-    if tuple(a_s.shape) != (rows, groups):
-        raise ValueError(f"a_s must have shape (rows, ceil(K/128)) = {(rows, groups)}, got {tuple(a_s.shape)}")
-    for name, s in (("a_s", a_s), ("w_s", w_s)):
-        if s.dtype != SCALE_DTYPE:
-            raise TypeError(f"{name} must be float32, got {s.dtype}")
-    granularity = weight_granularity(w_q.shape, w_s.shape)
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    if bias is not None and tuple(_check_tensor("bias", bias).shape) != (num_experts, n):
-        raise ValueError(f"bias must have shape (E, N) = {(num_experts, n)}, got {tuple(bias.shape)}")
-    if topk_weights is not None:
-        _check_tensor("topk_weights", topk_weights)
-        if topk_weights.numel() != num_pairs:
-            raise ValueError(
-                f"topk_weights must have T * top_k = {num_pairs} elements (shape of top_k_index "
-                f"{tuple(top_k_index.shape)}), got shape {tuple(topk_weights.shape)}"
-            )
-        topk_weights = topk_weights.reshape(num_pairs)
-    a_row_div = top_k if per_token_rows else 1
-
-    if resolve_backend(backend, a_q.device) == "reference":
-        return _grouped_ref(
-            a_q, a_s, w_q, w_s, top_k_index.reshape(-1), a_row_div, out_dtype, bias, topk_weights
-        )
-    from ..ops.router import grouped_config
-
-    routing = _routing
-    if routing is None:
-        routing = _align(top_k_index, num_experts, grouped_config(num_pairs, num_experts, n, k).block_m)
-    w_s = w_s.reshape(num_experts) if granularity == "tensor" else w_s.contiguous()
-    if a_q.shape[-1] > 1 and a_q.stride(-1) != 1:
-        a_q = a_q.contiguous()
-    if w_q.stride(-1) != 1:
-        w_q = w_q.contiguous()
-    return _grouped_gemm_call(
-        a_q, a_s.contiguous(), w_q, w_s, routing.sorted_pair_ids, routing.block_expert, num_pairs, a_row_div,
-        granularity, out_dtype,
-        bias.contiguous() if bias is not None else None,
-        topk_weights.float().contiguous() if topk_weights is not None else None,
-    )
 
 
 # ----------------------------------------------------------------------------- detection
@@ -376,8 +192,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_granularity(granularity)
         for name, v in (("num_experts", num_experts), ("hidden_dim", hidden_dim), ("intermediate_dim", intermediate_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -432,8 +247,7 @@ class Fp8Experts(QuantizedDtypesMixin):
                 "from_experts expects a fused experts module with 3-D gate_up_proj/up_proj and down_proj "
                 f"parameters and forward(hidden_states, top_k_index, top_k_weights), got {type(module).__name__}"
             )
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_granularity(granularity)
         up_src = getattr(module, layout.up_name)
         device = up_src.device
         fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
@@ -523,7 +337,7 @@ class Fp8Experts(QuantizedDtypesMixin):
                 (gate_n, gu_w[j, :inter], gate_s), (up_n, gu_w[j, inter:], up_s), (down_n, dn_w[j], dn_s[j]),
             ):
                 out[f"{j}.{proj}.weight"] = w
-                out[f"{j}.{proj}.weight{_SCALE_SUFFIX}"] = s.clone()  # small; distinct storage per name
+                out[f"{j}.{proj}.weight{SCALE_SUFFIX}"] = s.clone()  # small; distinct storage per name
         return out
 
     def dequantized_weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -567,7 +381,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         _check_tensor("hidden_states", hidden_states)
         _check_tensor("top_k_index", top_k_index)
         _check_tensor("top_k_weights", top_k_weights)
-        if hidden_states.dtype not in _OUT_DTYPES:
+        if hidden_states.dtype not in OUT_DTYPES:
             raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {hidden_states.dtype}")
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_dim:
             raise ValueError(f"hidden_states must have shape (..., H={self.hidden_dim}), got {tuple(hidden_states.shape)}")
@@ -592,7 +406,7 @@ class Fp8Experts(QuantizedDtypesMixin):
 
             # block_m depends only on pairs per expert, so one routing serves both GEMMs.
             block_m = grouped_config(t * top_k, self.num_experts, w_up.shape[1], self.hidden_dim).block_m
-            routing = _align(top_k_index, self.num_experts, block_m)
+            routing = moe_routing(top_k_index, self.num_experts, block_m)
 
         x_q, x_s = quantize_activation(x, fp8_dtype=self.fp8_dtype, backend=backend)
         h = grouped_fp8_matmul(

@@ -30,12 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..formats import is_fp8_dtype, parse_fp8_dtype, resolve_fp8_dtype
+from ..checkpoint_format import SCALE_SUFFIX, checkpoint_quantization_config
+from ..formats import check_granularity, is_fp8_dtype, parse_fp8_dtype, resolve_fp8_dtype
 from ..functional import quantize_weight
 from ..module import Fp8BlockLinear
-from ..reference import GRANULARITIES
-from .replace import checkpoint_quantization_config, experts_api, keep_experts_fused_on_save, quantize_model_
-from ..quantize.naming import SCALE_SUFFIX
+from .replace import experts_api, keep_experts_fused_on_save, quantize_model_
 
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
@@ -86,8 +85,7 @@ class Fp8LinearConfig(QuantizationConfigMixin):
     quant_method: str = QUANT_METHOD
 
     def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        check_granularity(self.granularity)
         if isinstance(self.fp8_dtype, torch.dtype):
             self.fp8_dtype = str(self.fp8_dtype).removeprefix("torch.float8_")
         if self.fp8_dtype is not None:
@@ -232,7 +230,7 @@ class Fp8LinearHfQuantizer(HfQuantizer):
         self._model_ref = weakref.ref(model)
         for module in model.modules():
             if isinstance(module, Fp8BlockLinear):
-                module.init_workspace()  # on the device its weight was loaded to
+                module.init_split_k_counters()  # on the device its weight was loaded to
         return model
 
     def update_parallel_plan(self, model: Any, plan: dict[str, str]) -> None:

@@ -19,23 +19,23 @@ change by at most FP8 rounding of the requantization.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from ..checkpoint_format import SCALE_SUFFIX, torch_dtype_from_safetensors
 from ..formats import GROUP_SIZE, SCALE_DTYPE, e4m3fn_to_e4m3fnuz, is_fp8_dtype, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
 from ..module import Fp8BlockLinear
 from ..reference import weight_granularity, weight_scale_shape
-from ..quantize.naming import SCALE_SUFFIX, torch_dtype_from_safetensors
-from .replace import attach_save_hook_if_transformers, experts_api
+from .checkpoint_index import EXPERT_NAME_SETS, CheckpointIndex, TensorInfo, index_checkpoint
+from .replace import experts_api
+from .save_hook import attach_save_hook_if_transformers
 
 __all__ = [
     "SCALE_SUFFIX",
@@ -46,82 +46,6 @@ __all__ = [
     "from_pretrained",
     "load_fp8_state_",
 ]
-
-# Per-expert projection names on disk: (gate, up, down) for Qwen/DeepSeek and for Mixtral.
-_EXPERT_NAME_SETS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where a checkpoint tensor lives and what it is (read from the safetensors header)."""
-
-    name: str
-    file: Path
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype string, e.g. "F8_E4M3", "BF16"
-
-
-@dataclass
-class CheckpointIndex:
-    """All tensors of a safetensors checkpoint folder, by (possibly renamed) name."""
-
-    root: Path
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.root, Path):
-            raise TypeError(f"root must be a pathlib.Path, got {type(self.root).__name__}")
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def get(self, name: str) -> TensorInfo | None:
-        return self.tensors.get(name)
-
-
-def _inside(root: Path, rel: str, what: str) -> Path:
-    """Resolve `rel` under `root`; refuse anything that leaves the folder (.., absolute, symlinks out)."""
-    if not isinstance(rel, str) or not rel:
-        raise ValueError(f"{what}: expected a file name inside {root}, got {rel!r}")
-    p = (root / rel).resolve()
-    if not p.is_relative_to(root):
-        raise ValueError(f"{what}: {rel!r} points outside the checkpoint folder {root}; refusing to read it")
-    return p
-
-
-def index_checkpoint(path: str | os.PathLike) -> CheckpointIndex:
-    """Read the headers of a safetensors checkpoint folder (single file or sharded with an index)."""
-    from safetensors import safe_open
-
-    root = Path(path).resolve()
-    if not root.is_dir():
-        raise ValueError(f"expected a checkpoint folder, got {str(path)!r} (not a directory)")
-    index_file = root / "model.safetensors.index.json"
-    if index_file.is_file():
-        with open(index_file, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index_file}: expected a non-empty 'weight_map' object")
-        files = sorted({_inside(root, v, f"{index_file.name} weight_map") for v in weight_map.values()})
-    else:
-        files = sorted(p.resolve() for p in root.glob("*.safetensors"))
-        files = [_inside(root, p.name, "shard") for p in files]
-    if not files:
-        bins = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-        hint = f" (found {', '.join(bins[:3])}: pickle checkpoints are not supported)" if bins else ""
-        raise ValueError(f"no *.safetensors files in {root}{hint}")
-    index = CheckpointIndex(root)
-    for file in files:
-        if not file.is_file():
-            raise ValueError(f"checkpoint shard {file.name} is listed but missing in {root}")
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                if name in index.tensors:
-                    raise ValueError(f"tensor {name!r} appears in both {index.tensors[name].file.name} and {file.name}")
-                index.tensors[name] = TensorInfo(name, file, tuple(sl.get_shape()), sl.get_dtype())
-    return index
-
 
 # ----------------------------------------------------------------------------- renaming
 def _transformers_renamings(model: nn.Module) -> list[Any]:
@@ -177,7 +101,7 @@ def _expected_shape(model_name: str, info: TensorInfo, expected: tuple[int, ...]
 
 
 def _per_expert_names(index: CheckpointIndex, prefix: str) -> tuple[str, str, str] | None:
-    for names in _EXPERT_NAME_SETS:
+    for names in EXPERT_NAME_SETS:
         if f"{prefix}.0.{names[0]}.weight" in index:
             return names
     return None
@@ -609,7 +533,7 @@ def from_pretrained(
         tp_load.finish(model)
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
-            module.init_workspace()  # on the device its weight was placed on
+            module.init_split_k_counters()  # on the device its weight was placed on
     attach_save_hook_if_transformers(model)  # model.save_pretrained writes the checkpoint format
     model.eval()
     return model

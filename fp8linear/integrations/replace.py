@@ -4,8 +4,9 @@ One walk over ``model.named_modules()``; no per-architecture code. What is repla
 
 - every ``nn.Linear`` -> :class:`fp8linear.Fp8BlockLinear`, except the output head
   (``lm_head`` / ``model.get_output_embeddings()``), MoE routers and gates (a module named
-  ``gate`` or ``router``, anything inside one, ``shared_expert_gate``) and names matching
-  an ``ignore`` regex;
+  ``gate`` or ``router``, anything inside one, ``shared_expert_gate``), modules named like
+  embeddings or norms (the skip list the checkpoint converter uses,
+  :data:`fp8linear.checkpoint_format.DEFAULT_SKIP_PATTERNS`) and names matching an ``ignore`` regex;
 - every fused experts module (3-D ``gate_up_proj`` / ``down_proj`` parameters, as transformers
   5.x stores MoE experts) -> :class:`fp8linear.integrations.experts.Fp8Experts`.
 
@@ -16,7 +17,6 @@ by a loader).
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -24,57 +24,25 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ..formats import is_fp8_dtype, resolve_fp8_dtype
+from ..checkpoint_format import DEFAULT_SKIP_PATTERNS, checkpoint_quantization_config, compile_patterns
+from ..formats import check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..gptq import GPTQConfig
 from ..module import Fp8BlockLinear
-from ..reference import GRANULARITIES
+from .calibration import check_calibration_data, gptq_replace_linears_, set_submodule
 
 __all__ = [
-    "DEFAULT_SKIP_PATTERNS",
     "QuantizeReport",
     "quantize_model_",
-    "checkpoint_quantization_config",
     "module_state_bytes",
-    "compile_patterns",
     "experts_api",
     "keep_experts_fused_on_save",
-    "attach_save_hook_if_transformers",
 ]
-
-# Linear layers kept in high precision by default: the output head, MoE routers/gates
-# (`mlp.gate`, `router`, anything inside one) and Qwen-MoE's 1-wide `shared_expert_gate`.
-DEFAULT_SKIP_PATTERNS: tuple[str, ...] = (
-    r"(^|\.)lm_head$",
-    r"(^|\.)(gate|router)(\.|$)",
-    r"(^|\.)shared_expert_gate$",
-)
-
-# `weight_block_size` written to `quantization_config` for each granularity (HF "fp8" format).
-_BLOCK_SIZE: dict[str, list[int] | None] = {"block": [128, 128], "row": [1, 128], "tensor": None}
-
 
 def experts_api() -> tuple[type[nn.Module], Callable[[nn.Module], bool]]:
     """(Fp8Experts, is_fused_experts_module) from the experts module (imported lazily)."""
     from .experts import Fp8Experts, is_fused_experts_module
 
     return Fp8Experts, is_fused_experts_module
-
-
-def compile_patterns(patterns: Iterable[str] | str | None, what: str = "ignore") -> list[re.Pattern[str]]:
-    """Compile regexes; a single string counts as one pattern. TypeError/ValueError on bad input."""
-    if patterns is None:
-        return []
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    out = []
-    for p in patterns:
-        if not isinstance(p, str):
-            raise TypeError(f"{what} patterns must be strings (regexes), got {type(p).__name__}: {p!r}")
-        try:
-            out.append(re.compile(p))
-        except re.error as e:
-            raise ValueError(f"{what} pattern {p!r} is not a valid regex: {e}") from None
-    return out
 
 
 def module_state_bytes(module: nn.Module) -> int:
@@ -117,8 +85,7 @@ class QuantizeReport:
     gptq_layers: int = 0  # linear layers rounded with GPTQ (calibration_data given)
 
     def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        check_granularity(self.granularity)
         if not is_fp8_dtype(self.fp8_dtype):
             raise TypeError(f"fp8_dtype must be an FP8 dtype, got {self.fp8_dtype}")
 
@@ -143,30 +110,6 @@ class QuantizeReport:
             f" ({self.ratio:.3f}x)",
         ]
         return "\n".join(lines)
-
-
-def checkpoint_quantization_config(
-    granularity: str, modules_to_not_convert: Iterable[str] = (), fp8_dtype: torch.dtype = torch.float8_e4m3fn
-) -> dict:
-    """The config.json ``quantization_config`` of the shared checkpoint format (HF ``quant_method: "fp8"``)."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    cfg = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": _BLOCK_SIZE[granularity],
-        "modules_to_not_convert": sorted(modules_to_not_convert),
-    }
-    if fp8_dtype == torch.float8_e4m3fnuz:
-        cfg["fp8_dtype"] = "e4m3fnuz"
-    return cfg
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
 
 
 def _empty_fp8_linear(linear: nn.Linear, granularity: str, fp8_dtype: torch.dtype, backend: str | None) -> Fp8BlockLinear:
@@ -204,11 +147,13 @@ def quantize_model_(
         ignore: regexes (``re.search`` on the module's qualified name) of modules to keep.
         fp8_dtype: FP8 dtype; default: the one of each module's device (e4m3fnuz on MI300).
         backend: forced backend for the new modules (``"triton"``/``"reference"``), default auto.
-        skip_defaults: also keep the output head and MoE routers/gates (:data:`DEFAULT_SKIP_PATTERNS`).
+        skip_defaults: also keep the output head, MoE routers/gates and linear layers named like
+            embeddings or norms (:data:`fp8linear.checkpoint_format.DEFAULT_SKIP_PATTERNS`).
         experts: also replace fused MoE experts modules.
-        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict and
-            give a transformers model the quantizer whose save hook ``model.save_pretrained``
-            calls, so it writes a complete checkpoint that :func:`from_pretrained` reloads.
+        set_config: set ``model.config.quantization_config`` to the checkpoint format's dict; the
+            public :func:`fp8linear.integrations.transformers.quantize_model_` then also gives a
+            transformers model the quantizer whose save hook ``model.save_pretrained`` calls, so
+            it writes a complete checkpoint that :func:`from_pretrained` reloads.
         calibration_data: a list of batches (LongTensor input_ids ``[B, T]`` or dicts of model
             keyword arguments). Given, the linear layers are rounded with GPTQ, block by block
             (:mod:`fp8linear.integrations.calibration`): same format and kernels, lower output
@@ -217,18 +162,15 @@ def quantize_model_(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     if gptq is not None and not isinstance(gptq, GPTQConfig):
         raise TypeError(f"gptq must be a fp8linear.gptq.GPTQConfig, got {type(gptq).__name__}")
     if gptq is not None and calibration_data is None:
         raise ValueError("gptq settings were given without calibration_data; GPTQ needs calibration batches")
     if calibration_data is not None:
-        from .calibration import check_calibration_data
-
         check_calibration_data(calibration_data)  # before anything is replaced
-    patterns = compile_patterns(ignore)
-    skip = compile_patterns(DEFAULT_SKIP_PATTERNS) if skip_defaults else []
+    patterns = compile_patterns(ignore, "ignore")
+    skip = compile_patterns(DEFAULT_SKIP_PATTERNS) if skip_defaults else ()
     head_ids = _output_head_ids(model) if skip_defaults else set()
     is_experts: Callable[[nn.Module], bool] = lambda m: False  # noqa: E731
     fp8_experts_cls = None
@@ -280,12 +222,10 @@ def quantize_model_(
                 new.train(module.training)
         else:
             new = fp8_experts_cls.from_experts(module, granularity=granularity, fp8_dtype=dtypes[i], backend=backend)
-        _set_submodule(model, name, new)
+        set_submodule(model, name, new)
         replaced[type(module).__name__] += 1
     gptq_layers = 0
     if calibrate:
-        from .calibration import gptq_replace_linears_
-
         targets = [(name, module, dtypes[i]) for i, (name, module, kind) in enumerate(plan) if kind == "linear"]
         gptq_layers = gptq_replace_linears_(model, targets, calibration_data, granularity, backend, gptq)
         for _, module, _ in targets:
@@ -307,21 +247,7 @@ def quantize_model_(
     config = getattr(model, "config", None)
     if set_config and config is not None and plan:
         config.quantization_config = checkpoint_quantization_config(granularity, kept, chosen_dtype)
-        attach_save_hook_if_transformers(model)
     return report
-
-
-def attach_save_hook_if_transformers(model: nn.Module) -> None:
-    """Give a transformers model holding fp8linear modules the quantizer whose hooks its
-    ``save_pretrained`` calls to write the checkpoint format (:mod:`.hf_quantizer`); other
-    modules are left alone."""
-    if not callable(getattr(model, "save_pretrained", None)):
-        return
-    try:
-        from .hf_quantizer import attach_save_hook
-    except ImportError:  # transformers missing or < 5: nothing to hook
-        return
-    attach_save_hook(model)
 
 
 def keep_experts_fused_on_save(model: nn.Module) -> None:

@@ -43,6 +43,7 @@ from torch import nn
 
 from ..formats import GROUP_SIZE
 from ..module import Fp8BlockLinear
+from .checkpoint_index import EXPERT_NAME_SETS, CheckpointIndex, TensorInfo
 
 __all__ = [
     "ParamShard",
@@ -524,7 +525,7 @@ def parallelize(model: nn.Module, mesh: Any = None, tp_plan: Any = "auto") -> nn
 def _after_shard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
-            module.init_workspace()
+            module.init_split_k_counters()
 
 
 # ----------------------------------------------------------------------------- transformers' own styles
@@ -605,8 +606,6 @@ class TpLoad:
 
     def localize(self, model: nn.Module, index: Any) -> Any:
         """Local-shaped meta parameters in the sharded modules; a CheckpointIndex with local shapes."""
-        from .loading import CheckpointIndex, TensorInfo
-
         for name, kind in self.kinds.items():
             module = model.get_submodule(name)
             shards = module_param_shards(module, "experts" if kind == "experts" else kind.split("_")[0])
@@ -634,9 +633,7 @@ class TpLoad:
     def _per_expert_specs(self, name: str, module: nn.Module, index: Any) -> None:
         """Experts stored one tensor per expert (gate/up (I, H), down (H, I)): gate and up split
         along their rows, down along its columns; per-tensor scales replicated."""
-        from .loading import _EXPERT_NAME_SETS
-
-        for gate, up, down in _EXPERT_NAME_SETS:
+        for gate, up, down in EXPERT_NAME_SETS:
             for j in range(module.num_experts):
                 for proj, dim in ((gate, 0), (up, 0), (down, 1)):
                     for suffix in ("weight", "weight" + SCALE_SUFFIX):

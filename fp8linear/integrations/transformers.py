@@ -13,6 +13,7 @@ See docs/transformers.md.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -27,13 +28,11 @@ from .hf_quantizer import (
     fp8_state_dict,
     register,
 )
+from ..checkpoint_format import DEFAULT_SKIP_PATTERNS, checkpoint_quantization_config
 from .loading import from_pretrained, index_checkpoint
-from .replace import (
-    DEFAULT_SKIP_PATTERNS,
-    QuantizeReport,
-    checkpoint_quantization_config,
-    quantize_model_,
-)
+from .replace import QuantizeReport
+from .replace import quantize_model_ as _replace_modules_
+from .save_hook import attach_save_hook_if_transformers
 
 __all__ = [
     "DEFAULT_SKIP_PATTERNS",
@@ -51,6 +50,14 @@ __all__ = [
     "register",
     "save_pretrained",
 ]
+
+
+@functools.wraps(_replace_modules_)
+def quantize_model_(model: nn.Module, *args: Any, **kwargs: Any) -> QuantizeReport:
+    report = _replace_modules_(model, *args, **kwargs)
+    if kwargs.get("set_config", True) and report.num_replaced and getattr(model, "config", None) is not None:
+        attach_save_hook_if_transformers(model)  # model.save_pretrained writes the checkpoint format
+    return report
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *, experts_layout: str = "auto", **kwargs: Any) -> None:

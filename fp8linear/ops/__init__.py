@@ -1,4 +1,13 @@
-"""Triton kernels, one module per op. Each `@triton.jit` kernel is followed by a thin launcher.
+"""The kernels and what picks them.
+
+- one module per Triton kernel, each `@triton.jit` kernel followed by its thin launcher:
+  :mod:`.quant`, :mod:`.gemm`, :mod:`.splitk_gemm`, :mod:`.fused_gemv`, :mod:`.fused_decode`,
+  :mod:`.grouped_gemm` (shared building blocks in :mod:`.gemm_common`), and cuBLAS blockwise FP8
+  in :mod:`.cublas_gemm`;
+- the FP8 linear on CPU tensors: :mod:`.cpu_linear`;
+- the one router (:mod:`.router`) and the plans that run its routes (:mod:`.linear`, :mod:`.launch`);
+- launch configs: heuristics in :mod:`.configs`, tuned per-device tables read from the data
+  folder ``tuned_configs/`` by :mod:`.config_tables`.
 
 Launchers assume validated inputs (see :mod:`fp8linear.functional`) and are importable only
 where Triton is installed; :data:`HAS_TRITON` says whether it is.
@@ -6,11 +15,6 @@ where Triton is installed; :data:`HAS_TRITON` says whether it is.
 
 from __future__ import annotations
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs without Triton fall back to the reference path
-    HAS_TRITON = False
+from ..backend import HAS_TRITON
 
 __all__ = ["HAS_TRITON"]

@@ -34,8 +34,6 @@ __all__ = [
     "device_arch",
     "amd_launch_options",
     "launch_options",
-    "config_for_arch",
-    "select_config",
 ]
 
 # GEMMs with at most this many rows may take the split-K kernel (ops/splitk_gemm.py), where its
@@ -259,26 +257,3 @@ def moe_align_num_warps() -> int:
     """Warps of the one-program MoE alignment kernel: 8 on AMD (with 4 it spills 23 SGPRs on
     gfx942), 4 elsewhere."""
     return 4 if device_arch() is None else 8
-
-
-def config_for_arch(arch: str, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
-    """The config the dispatch picks for a GPU whose tables are keyed `arch` (a device name on
-    NVIDIA, an arch such as 'gfx942' on AMD): its table entry, else the matching heuristic."""
-    from ..tuning import lookup_config
-
-    cfg = lookup_config(arch, m, n, k, granularity)
-    if cfg is not None:
-        return cfg
-    return amd_heuristic_config(m, n, k, arch) if is_amd_arch(arch) else heuristic_config(m, n, k)
-
-
-def select_config(device: torch.device, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
-    """Tuned table entry for this GPU and shape if there is one, else the heuristic (never tunes here).
-
-    On ROCm the table is the arch's (``fp8linear/configs/gfx942.json``) and the heuristic
-    :func:`amd_heuristic_config`."""
-    if device.type == "cuda":
-        from ..tuning import device_name
-
-        return config_for_arch(device_name(device), m, n, k, granularity)
-    return heuristic_config(m, n, k)

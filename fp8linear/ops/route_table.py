@@ -1,7 +1,7 @@
 """Measured kernel choices: which kernel ran fastest for a weight shape (N, K) at a given M, per GPU.
 
 The router (:mod:`fp8linear.ops.router`) consults these tables before its heuristic. One JSON file
-per GPU model in ``fp8linear/configs/routes/``, written by ``fp8linear tune-routes``
+per GPU model in ``fp8linear/ops/tuned_configs/routes/``, written by ``fp8linear tune-routes``
 (:mod:`fp8linear.tools.route_tune`), which times every candidate kernel (cuBLAS blockwise, our
 tiled kernel at several tiles, our split-K kernel at several tiles and splits) per (N, K, M) under
 CUDA graphs and keeps the fastest. Format::
@@ -39,7 +39,7 @@ ROUTES_VERSION = 1
 # An entry serves M within this factor of the M it was measured at (entries sit at most 1.5x apart).
 MAX_M_RATIO = 1.5
 ROUTE_KERNELS = ("cublas", "tiled", "splitk")
-_DIR = Path(__file__).resolve().parent.parent / "configs" / "routes"
+_DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
 
 
 @dataclass(frozen=True)

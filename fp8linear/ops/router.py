@@ -18,7 +18,7 @@ Every choice between kernels is made here and nowhere else:
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
-  (:func:`fp8linear.ops.configs.select_config`; MID_M_CONFIG where 128x128 tiles leave SMs idle).
+  (:func:`fp8linear.ops.config_tables.select_config`; MID_M_CONFIG where 128x128 tiles leave SMs idle).
 
 Where this GPU has a routes table entry for the shape and a nearby M (measured by
 ``fp8linear tune-routes``), its kernel and config win over these rules.
@@ -40,7 +40,8 @@ import torch
 
 from ..backend import interpreting
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX, GemmConfig, amd_grouped_config_here, select_config
+from .config_tables import select_config
+from .configs import SMALL_M_MAX, GemmConfig, amd_grouped_config_here
 from .cublas_gemm import cublas_accepts, cublas_device_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
 from .pdl import use_pdl

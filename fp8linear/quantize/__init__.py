@@ -6,9 +6,10 @@ for ``quantize``). Python API::
     from fp8linear.quantize import quantize_checkpoint, dequantize_checkpoint, inspect_checkpoint
     quantize_checkpoint("Llama-3-8B", "Llama-3-8B-FP8", granularity="block")
 
-The output is the DeepSeek-V3 / Hugging Face ``quant_method: "fp8"`` format; the naming rules
-and the ``quantization_config`` writer are exported for reuse (:func:`default_should_quantize`,
-:func:`scale_name`, :func:`fp8_quantization_config`). This package never imports transformers.
+The output is the DeepSeek-V3 / Hugging Face ``quant_method: "fp8"`` format, defined in
+:mod:`fp8linear.checkpoint_format`; its naming rules and ``quantization_config`` writer are
+re-exported here (:func:`default_should_quantize`, :func:`scale_name`,
+:func:`fp8_quantization_config`). This package never imports transformers (lint-imports checks it).
 """
 
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, open_checkpoint
@@ -20,7 +21,7 @@ from .convert import (
     quantize_checkpoint,
 )
 from .inspection import CheckpointReport, LayerError, inspect_checkpoint, quantization_error
-from .naming import (
+from ..checkpoint_format import (
     DEFAULT_SKIP_PATTERNS,
     FP8_QUANTIZATION_CONFIG,
     SCALE_SUFFIX,

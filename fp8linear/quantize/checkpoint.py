@@ -17,12 +17,14 @@ import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
 import torch
 from safetensors import safe_open
+
+from ..checkpoint_format import path_in_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -135,13 +137,12 @@ class Checkpoint:
 
 
 def safe_join(root: Path, rel: str, what: str = "path") -> Path:
-    """`root / rel`, refusing absolute paths and any `..` component (the result stays inside root)."""
-    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
-        raise CheckpointError(f"{what} {rel!r} is not a valid relative path")
-    p = PurePosixPath(rel)
-    if p.is_absolute() or ".." in p.parts or rel.startswith("~"):
-        raise CheckpointError(f"{what} {rel!r} leaves the checkpoint folder {root}; refusing to use it")
-    return root.joinpath(*p.parts)
+    """`root / rel` by :func:`fp8linear.checkpoint_format.path_in_checkpoint` (links unresolved),
+    its refusal raised as a CheckpointError."""
+    try:
+        return path_in_checkpoint(root, rel, what)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _read_header(path: Path, shard: str) -> list[TensorInfo]:

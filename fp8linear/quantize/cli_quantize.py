@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..reference import GRANULARITIES
+from ..formats import GRANULARITIES
 from ._cli_common import add_runtime_arguments, run_guarded, user_options
 from .convert import QuantizeOptions, quantize_checkpoint
 

@@ -23,9 +23,9 @@ from types import MappingProxyType
 import torch
 from tqdm.auto import tqdm
 
-from ..formats import GROUP_SIZE, e4m3fn_to_e4m3fnuz, parse_fp8_dtype
+from ..formats import GROUP_SIZE, check_granularity, e4m3fn_to_e4m3fnuz, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
-from ..reference import GRANULARITIES, weight_granularity, weight_scale_shape
+from ..reference import weight_granularity, weight_scale_shape
 from .checkpoint import (
     TMP_SUFFIX,
     Checkpoint,
@@ -43,7 +43,7 @@ from .checkpoint import (
     open_checkpoint,
     walk_regular_files,
 )
-from .naming import (
+from ..checkpoint_format import (
     FP8_SAFETENSORS_DTYPES,
     HIGH_PRECISION_DTYPES,
     compile_patterns,
@@ -123,8 +123,8 @@ class QuantizeOptions:
     chunk_elements: int = CHUNK_ELEMENTS
 
     def __post_init__(self) -> None:
-        if self.granularity is not None and self.granularity not in GRANULARITIES:
-            raise ValueError(f"unknown granularity {self.granularity!r}; expected one of {', '.join(GRANULARITIES)}")
+        if self.granularity is not None:
+            check_granularity(self.granularity)
         dtype = parse_fp8_dtype(self.fp8_dtype)  # ValueError for unknown names
         object.__setattr__(self, "fp8_dtype", "e4m3fnuz" if dtype == torch.float8_e4m3fnuz else "e4m3fn")
         for key in ("ignore", "only"):

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..formats import GROUP_SIZE, parse_fp8_dtype
+from ..formats import GRANULARITIES, GROUP_SIZE, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
-from ..reference import GRANULARITIES, weight_granularity, weight_scale_shape
+from ..reference import weight_granularity, weight_scale_shape
 from .checkpoint import DTYPE_SIZES, Checkpoint, CheckpointError, ShardReader, TensorInfo, iter_row_ranges, open_checkpoint
 from .convert import CHUNK_ELEMENTS
-from .naming import (
+from ..checkpoint_format import (
     compile_patterns,
     default_should_quantize,
     granularity_from_config,

@@ -1,2 +1,2 @@
-"""Tools kept apart from the forward path: benchmarks, tuning, checks. Nothing under
-``fp8linear`` that a forward call runs imports this package."""
+"""Tools around the package: `fp8linear bench`, `tune`, `amd-check`, `plan-memory`, `demo`, and their
+shape lists and timers. Nothing on the forward path imports this package."""

@@ -2,7 +2,7 @@
 
 The grid is every M of GRID_MS (decode, continuous-batching decode, chunked prefill, prefill; many
 not multiples of 4) times the linear shapes of DeepSeek-V3, DeepSeek-V2-Lite, Llama-3 8B/70B,
-Qwen2.5 7B/72B, Mixtral-8x7B and SmolLM2-135M. Each case is timed by :mod:`fp8linear.bench`
+Qwen2.5 7B/72B, Mixtral-8x7B and SmolLM2-135M. Each case is timed by :mod:`fp8linear.tools.bench`
 (CUDA-graph replays over operand sets rotated past L2, methods interleaved, medians). The summary
 gives, per M bucket, the geometric-mean time of each method, ours over per-tensor cuBLAS FP8 (the
 FP8 ceiling), the worst ours/BF16 with its case, and the same for our Triton kernels alone
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench import (
+from .bench import (
     BenchConfig,
     BenchResult,
     BenchRow,

@@ -7,7 +7,7 @@ our split-K kernel at several tiles and splits, the heuristic's own choice, and 
 The fastest of ours or cuBLAS becomes the table entry (:mod:`fp8linear.ops.route_table`), so
 GEMMs of these shapes run what measured fastest on this GPU model. Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
-the table into ``fp8linear/configs/routes/`` to ship it.
+the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .. import bench
-from ..bench import BenchConfig, _prepare, _time_rounds, parse_shape, rotation_sets
 from .grid import grid_shapes
+from .shapes import parse_shape
+from .timing import prepare_cuda, rotation_sets, time_rounds
 
 __all__ = ["TABLE_MS", "candidates", "sweep", "build_table", "write_table", "add_arguments", "run"]
 
@@ -40,6 +40,7 @@ _QUICK_MS: tuple[int, ...] = (16, 96, 384, 1024)
 _SPLIT_TILES = ((16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
+_REPLAYS = 5
 
 
 def _tiled_candidates() -> list:
@@ -114,49 +115,43 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
     from ..ops.quant import act_quant
     from ..ops.splitk_gemm import splitk_workspace
 
-    cfg = BenchConfig(shapes=(bench.Shape(1, 1),), ms=(1,), replays=5)
-    saved = bench._TARGET_GRAPH_US
-    bench._TARGET_GRAPH_US = _GRAPH_US
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device=device).manual_seed(0)
     t0 = time.monotonic()
-    try:
-        for n, k in shapes:
-            if time.monotonic() - t0 > deadline_s:
-                log(f"deadline of {deadline_s:.0f}s reached: not measured from {n}x{k} on")
-                break
-            w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-            w_q, w_s = quantize_weight(w, "block", torch.float8_e4m3fn)
-            counters = splitk_workspace(n, device)
-            for m in ms:
-                x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-                x_q, x_s = act_quant(x, torch.float8_e4m3fn)
-                xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
-                fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
-                for label, (kernel, c) in candidates(m, n, k, device).items():
-                    if kernel == "cublas":
-                        fns[label] = (lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, "block", None), (xp_q, xp_s, w_q, w_s))
-                    else:
-                        fns[label] = ((lambda c_: lambda a, sa, b, sb: block_fp8_gemm(
-                            a, sa, b, sb, "block", torch.bfloat16, None, config=c_, counters=counters))(c),
-                            (x_q, x_s, w_q, w_s))
-                rounds = {}
-                for label, (fn, args) in fns.items():
-                    try:
-                        nbytes = sum(t.numel() * t.element_size() for t in args)
-                        rounds[label], _ = _prepare(fn, rotation_sets(args, nbytes, device), cfg)
-                    except (RuntimeError, ValueError) as e:
-                        log(f"  {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
-                us = _time_rounds(rounds, cfg.replays)
-                del rounds
-                heur = router._heuristic(device, m, n, k, "block", "cublas" in us, True, False)
-                rows.append({"n": n, "k": k, "m": m, "us": us, "heuristic": _label(heur.kernel, heur.config)})
-                best = min((v, lab) for lab, v in us.items() if lab != "bf16")
-                log(f"[{time.monotonic() - t0:5.0f}s] {n}x{k} M={m}: BF16 {us['bf16']:.1f} best {best[1]} {best[0]:.1f}")
-            del w, w_q, w_s
-            torch.cuda.empty_cache()
-    finally:
-        bench._TARGET_GRAPH_US = saved
+    for n, k in shapes:
+        if time.monotonic() - t0 > deadline_s:
+            log(f"deadline of {deadline_s:.0f}s reached: not measured from {n}x{k} on")
+            break
+        w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+        w_q, w_s = quantize_weight(w, "block", torch.float8_e4m3fn)
+        counters = splitk_workspace(n, device)
+        for m in ms:
+            x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+            x_q, x_s = act_quant(x, torch.float8_e4m3fn)
+            xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+            fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
+            for label, (kernel, c) in candidates(m, n, k, device).items():
+                if kernel == "cublas":
+                    fns[label] = (lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, "block", None), (xp_q, xp_s, w_q, w_s))
+                else:
+                    fns[label] = ((lambda c_: lambda a, sa, b, sb: block_fp8_gemm(
+                        a, sa, b, sb, "block", torch.bfloat16, None, config=c_, counters=counters))(c),
+                        (x_q, x_s, w_q, w_s))
+            rounds = {}
+            for label, (fn, args) in fns.items():
+                try:
+                    nbytes = sum(t.numel() * t.element_size() for t in args)
+                    rounds[label], _ = prepare_cuda(fn, rotation_sets(args, nbytes, device), 3, True, _GRAPH_US)
+                except (RuntimeError, ValueError) as e:
+                    log(f"  {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
+            us = time_rounds(rounds, _REPLAYS)
+            del rounds
+            heur = router._heuristic(device, m, n, k, "block", "cublas" in us, True, False)
+            rows.append({"n": n, "k": k, "m": m, "us": us, "heuristic": _label(heur.kernel, heur.config)})
+            best = min((v, lab) for lab, v in us.items() if lab != "bf16")
+            log(f"[{time.monotonic() - t0:5.0f}s] {n}x{k} M={m}: BF16 {us['bf16']:.1f} best {best[1]} {best[0]:.1f}")
+        del w, w_q, w_s
+        torch.cuda.empty_cache()
     return rows
 
 

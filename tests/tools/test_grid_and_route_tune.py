@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fp8linear.bench import BenchRow
+from fp8linear.tools.bench import BenchRow
 from fp8linear.ops import route_table
 from fp8linear.tools import grid, route_tune
 

@@ -1,4 +1,4 @@
-"""The CPU fast path (fp8linear/cpu_linear.py) against the reference numerics (CPU, fast)."""
+"""The CPU fast path (fp8linear/ops/cpu_linear.py) against the reference numerics (CPU, fast)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fp8linear import cpu_linear
-from fp8linear.cpu_linear import cpu_fp8_linear, prepare_cpu_weight, quantize_activation_grid
+from fp8linear.ops import cpu_linear
+from fp8linear.ops.cpu_linear import cpu_fp8_linear, prepare_cpu_weight, quantize_activation_grid
 from fp8linear.formats import activation_max
 from fp8linear.reference import (
     block_fp8_matmul_ref,

@@ -1,9 +1,13 @@
-"""Naming rules of the FP8 checkpoint format (DeepSeek-V3 / Hugging Face ``quant_method: "fp8"``).
+"""The FP8 checkpoint format (DeepSeek-V3 / Hugging Face ``quant_method: "fp8"``): the one definition.
 
 * a 2-D linear weight ``X.weight`` becomes ``X.weight`` (FP8) + ``X.weight_scale_inv`` (fp32);
 * a fused 3-D expert parameter ``P`` ([E, out, in], e.g. ``mlp.experts.gate_up_proj``) becomes
   ``P`` (FP8, same shape) + ``P_scale_inv`` (fp32, one scale grid per expert);
-* ``config.json`` gets ``quantization_config`` (see :func:`fp8_quantization_config`).
+* ``config.json`` gets ``quantization_config`` (see :func:`fp8_quantization_config`);
+* what stays in high precision by default (:data:`DEFAULT_SKIP_PATTERNS`), for the offline
+  converter (:mod:`fp8linear.quantize`) and for in-memory replacement
+  (:func:`fp8linear.integrations.transformers.quantize_model_`) alike;
+* file names inside a checkpoint folder never leave it (:func:`path_in_checkpoint`).
 
 These functions work on names, shapes and dtypes only (no tensor data), so they can plan a
 conversion from safetensors headers alone.
@@ -13,15 +17,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 
 import torch
 
-from ..formats import parse_fp8_dtype
-from ..reference import GRANULARITIES
+from .formats import check_granularity, parse_fp8_dtype
 
 __all__ = [
     "SCALE_SUFFIX",
+    "LINEAR_SKIP_PATTERNS",
+    "NOT_LINEAR_PATTERNS",
     "DEFAULT_SKIP_PATTERNS",
     "HIGH_PRECISION_DTYPES",
     "FP8_SAFETENSORS_DTYPES",
@@ -34,6 +40,8 @@ __all__ = [
     "default_should_quantize",
     "compile_patterns",
     "fp8_quantization_config",
+    "checkpoint_quantization_config",
+    "path_in_checkpoint",
     "granularity_from_config",
     "safetensors_dtype",
     "torch_dtype_from_safetensors",
@@ -48,18 +56,25 @@ IN_OUT_EXPERT_MODEL_TYPES: tuple[str, ...] = ("aria", "gpt_oss", "llama4", "llam
 # Suffix of the dequant-scale tensor that sits next to each quantized weight (DeepSeek-V3 naming).
 SCALE_SUFFIX = "_scale_inv"
 
-# Modules kept in high precision by default, matched (re.search) against the module name
-# (the tensor name without ``.weight``): embeddings, the output head, MoE routers / gates
-# (``mlp.gate``, ``router``, anything inside one, e.g. ``e_score_correction_bias``), Qwen-MoE's
-# 1-wide ``shared_expert_gate`` and any norm. Same choices as fp8linear.integrations.
-DEFAULT_SKIP_PATTERNS: tuple[str, ...] = (
-    r"(^|\.)[^.]*embed[^.]*($|\.)",
-    r"(^|\.)(wte|wpe)$",
+# Linear layers kept in high precision by default, matched (re.search) against the module name
+# (the tensor name without ``.weight``): the output head, MoE routers / gates (``mlp.gate``,
+# ``router``, anything inside one, e.g. ``e_score_correction_bias``) and Qwen-MoE's 1-wide
+# ``shared_expert_gate``.
+LINEAR_SKIP_PATTERNS: tuple[str, ...] = (
     r"(^|\.)lm_head$",
     r"(^|\.)(gate|router)(\.|$)",
     r"(^|\.)shared_expert_gate$",
+)
+# Modules that are not linear layers, told apart by name where only tensor names are known (a
+# checkpoint's headers): embeddings (``embed_tokens``, GPT-2's ``wte`` / ``wpe``) and norms.
+NOT_LINEAR_PATTERNS: tuple[str, ...] = (
+    r"(^|\.)[^.]*embed[^.]*($|\.)",
+    r"(^|\.)(wte|wpe)$",
     r"(^|\.)[^.]*norm[^.]*$",
 )
+# Everything kept in high precision by default, by the checkpoint converter and by in-memory
+# replacement alike.
+DEFAULT_SKIP_PATTERNS: tuple[str, ...] = LINEAR_SKIP_PATTERNS + NOT_LINEAR_PATTERNS
 
 # safetensors dtype strings of the floating formats that get quantized.
 HIGH_PRECISION_DTYPES: tuple[str, ...] = ("BF16", "F16", "F32")
@@ -124,13 +139,16 @@ def module_name(name: str) -> str:
 
 
 def compile_patterns(patterns: Iterable[str] | str | None, what: str = "pattern") -> tuple[re.Pattern[str], ...]:
-    """Compile regexes (a bad one raises ValueError naming it)."""
+    """Compile regexes; a single string counts as one pattern. TypeError for a non-string, ValueError
+    (naming it) for a bad regex."""
     if patterns is None:
         return ()
     if isinstance(patterns, str):
         patterns = (patterns,)
     compiled = []
     for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"{what} patterns must be strings (regexes), got {type(p).__name__}: {p!r}")
         try:
             compiled.append(re.compile(p))
         except re.error as exc:
@@ -204,8 +222,7 @@ def fp8_quantization_config(
     [128, 128] | [1, 128] | None, "modules_to_not_convert": [...]}``, plus ``"fp8_dtype": "e4m3fnuz"``
     when the weights are fnuz (``fmt`` stays ``e4m3``).
     """
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     cfg: dict[str, object] = dict(FP8_QUANTIZATION_CONFIG)
     block = WEIGHT_BLOCK_SIZE[granularity]
     cfg["weight_block_size"] = list(block) if block is not None else None
@@ -213,6 +230,13 @@ def fp8_quantization_config(
     if parse_fp8_dtype(fp8_dtype) == torch.float8_e4m3fnuz:
         cfg["fp8_dtype"] = "e4m3fnuz"
     return cfg
+
+
+def checkpoint_quantization_config(
+    granularity: str, modules_to_not_convert: Iterable[str] = (), fp8_dtype: torch.dtype | str = torch.float8_e4m3fn
+) -> dict[str, object]:
+    """:func:`fp8_quantization_config` with the argument order of :mod:`fp8linear.integrations.transformers`."""
+    return fp8_quantization_config(granularity, fp8_dtype, modules_to_not_convert)
 
 
 def granularity_from_config(qcfg: dict) -> str:
@@ -235,3 +259,25 @@ def fused_experts_are_in_out(config: dict | None) -> bool:
     if isinstance(text, dict):
         types.add(text.get("model_type"))
     return any(t in IN_OUT_EXPERT_MODEL_TYPES for t in types)
+
+
+def path_in_checkpoint(root: Path, rel: str, what: str = "path", *, resolve_links: bool = False) -> Path:
+    """``root / rel`` for a file name read from a checkpoint (an index's shard name, an output name).
+
+    Refuses (ValueError) anything that could leave the folder: an empty or non-string name, a
+    backslash or NUL, an absolute path, ``~`` or a ``..`` component. With `resolve_links` (the
+    loader, which opens what it finds), the resolved path must also stay under the resolved
+    `root`, so a symlink pointing out of the folder is refused too; the converter leaves links
+    unresolved (Hugging Face's cache links snapshot files to its blob store).
+    """
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
+        raise ValueError(f"{what}: {rel!r} is not a valid relative path")
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or rel.startswith("~"):
+        raise ValueError(f"{what}: {rel!r} points outside the checkpoint folder {root}; refusing to use it")
+    path = root.joinpath(*p.parts)
+    if resolve_links:
+        path = path.resolve()
+        if not path.is_relative_to(root.resolve()):
+            raise ValueError(f"{what}: {rel!r} points outside the checkpoint folder {root}; refusing to read it")
+    return path

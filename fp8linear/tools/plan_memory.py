@@ -83,7 +83,7 @@ def _meta_fp8_model(config: Any, granularity: str) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from .integrations.transformers import quantize_model_
+    from ..integrations.transformers import quantize_model_
 
     with init_empty_weights(include_buffers=True):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -116,14 +116,13 @@ def plan_memory(config: Any, tp: int, granularity: str = "block", model: nn.Modu
     ValueError naming the layer when a sharded dimension does not split on 128 boundaries.
     `model`: a meta FP8 model of this config built before (saves rebuilding it for several tp).
     """
-    from .formats import is_fp8_dtype
-    from .integrations.tensor_parallel import check_shardable, module_param_shards, resolve_tp_plan
-    from .reference import GRANULARITIES
+    from ..formats import is_fp8_dtype
+    from ..integrations.tensor_parallel import check_shardable, module_param_shards, resolve_tp_plan
+    from ..formats import check_granularity
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     if model is None:
         model = _meta_fp8_model(config, granularity)
     kinds = resolve_tp_plan(model, "auto") if tp > 1 else {}

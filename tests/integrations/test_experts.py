@@ -11,7 +11,7 @@ Tolerances (relative Frobenius error, random weights at the models' init std, fp
   - Triton kernel path vs reference path: < 2e-3 (same reasons as the emulation).
 
 Kernel tests (``test_kernel_*``) run on CUDA or under ``TRITON_INTERPRET=1`` (see
-``tests/test_grouped_gemm.py`` for how the interpreter is switched on; the same subprocess
+``tests/ops/test_grouped_gemm.py`` for how the interpreter is switched on; the same subprocess
 fallback is used here).
 """
 
@@ -41,7 +41,7 @@ from fp8linear.integrations.experts import (  # noqa: E402
 )
 from fp8linear.reference import dequantize_activation_ref, quantize_activation_ref  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 FP8_EXPERTS_TOL = 0.08  # vs the original module (see the module docstring)
 ACT_QUANT_TOL = 0.06  # vs the dequantized-weights module

@@ -170,8 +170,9 @@ def record_launches(arch: str) -> Iterator[_LaunchList]:
     Triton kernel launch is recorded (into the yielded list) instead of run."""
     from triton.runtime.jit import JITFunction
 
-    from .ops import configs as cfg_mod
-    from .ops import gemm, router, splitk_gemm
+    from ..ops import config_tables
+    from ..ops import configs as cfg_mod
+    from ..ops import gemm, router, splitk_gemm
 
     launches = _LaunchList()
     launches.where = {"label": ""}
@@ -181,7 +182,7 @@ def record_launches(arch: str) -> Iterator[_LaunchList]:
 
     cus = cfg_mod.AMD_CU_COUNT.get(arch, 304)
     patches: list[tuple[Any, str, Any]] = [
-        (router, "select_config", lambda device, m, n, k, granularity="block": cfg_mod.config_for_arch(
+        (router, "select_config", lambda device, m, n, k, granularity="block": config_tables.config_for_arch(
             arch, m, n, k, granularity)),
         (cfg_mod, "device_arch", lambda device=None: arch),  # launch options, split-K, MoE configs
         (splitk_gemm, "sm_count", lambda device: cus),
@@ -202,9 +203,9 @@ def record_launches(arch: str) -> Iterator[_LaunchList]:
 def _dense_launches(arch: str, shapes: Sequence[tuple[int, int]], ms: Sequence[int],
                     granularities: Sequence[str], fp8: torch.dtype) -> list[Launch]:
     """The dense forward: the router's choice (fused GEMV, or act-quant then split-K or tiled GEMM)."""
-    from .formats import GROUP_SIZE
-    from .ops.linear import run_linear_route
-    from .ops.router import route_linear, tma_ok
+    from ..formats import GROUP_SIZE
+    from ..ops.linear import run_linear_route
+    from ..ops.router import route_linear, tma_ok
 
     with record_launches(arch) as launches:
         for n, k in shapes:
@@ -226,15 +227,15 @@ def _dense_launches(arch: str, shapes: Sequence[tuple[int, int]], ms: Sequence[i
 
 def _table_launches(arch: str, fp8: torch.dtype, shapes: Sequence[tuple[int, int]] | None = None) -> list[Launch]:
     """Every entry of the arch's shipped table (of `shapes` only, if given), at its shape and M bucket."""
-    from .formats import GROUP_SIZE
-    from .ops.gemm import block_fp8_gemm
-    from .tuning import load_table, shipped_table_path
+    from ..formats import GROUP_SIZE
+    from ..ops.gemm import block_fp8_gemm
+    from ..ops.config_tables import load_table, shipped_table_path
 
     path = shipped_table_path(arch)
     if not path.is_file():
         return []
     table = load_table(path)
-    from .tuning import _parse_shape_key
+    from ..ops.config_tables import _parse_shape_key
 
     with record_launches(arch) as launches:
         for key, buckets in table.shapes.items():
@@ -255,10 +256,10 @@ def _table_launches(arch: str, fp8: torch.dtype, shapes: Sequence[tuple[int, int
 
 def _moe_launches(arch: str, tokens: Sequence[int], granularities: Sequence[str], fp8: torch.dtype,
                   experts: Sequence[int] = (MOE_EXPERTS,)) -> list[Launch]:
-    from .formats import GROUP_SIZE
-    from .ops.grouped_gemm import grouped_fp8_gemm, moe_align_block_size
-    from .ops.router import grouped_config
-    from .ops.quant import act_quant
+    from ..formats import GROUP_SIZE
+    from ..ops.grouped_gemm import grouped_fp8_gemm, moe_align_block_size
+    from ..ops.quant import act_quant
+    from ..ops.router import grouped_config
 
     top_k = MOE_TOP_K
     with record_launches(arch) as launches:
@@ -467,8 +468,8 @@ def check_report(rep: KernelReport) -> KernelReport:
 # ----------------------------------------------------------------------------- driver
 def collect(arch: str, quick: bool = False) -> list[tuple[Launch, list[str]]]:
     """Distinct launches of the AMD dispatch on `arch` over the grid, each with where it is used."""
-    from .bench import default_shapes, quick_shapes
-    from .formats import default_fp8_dtype
+    from .shapes import default_shapes, quick_shapes
+    from ..formats import default_fp8_dtype
 
     fp8 = torch.float8_e4m3fnuz if arch.startswith("gfx94") else default_fp8_dtype("cpu")
     shapes = [(s.n, s.k) for s in (quick_shapes() if quick else default_shapes())]

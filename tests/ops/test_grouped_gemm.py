@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.integrations.experts import grouped_fp8_matmul
+from fp8linear.functional import grouped_fp8_matmul
 from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 FP8 = torch.float8_e4m3fn
 FNUZ = torch.float8_e4m3fnuz

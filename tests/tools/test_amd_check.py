@@ -16,26 +16,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8linear import tuning
+from fp8linear.ops import config_tables as tables
 from fp8linear.ops import configs
+from fp8linear.ops.config_tables import config_for_arch
+from fp8linear.tools import tune
 from fp8linear.ops.configs import (
     AMD_TILE_OPTIONS,
     GemmConfig,
     amd_heuristic_config,
     amd_launch_options,
-    config_for_arch,
     heuristic_config,
     is_amd_arch,
     launch_options,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-GFX942_TABLE = REPO / "fp8linear" / "configs" / "gfx942.json"
+REPO = Path(__file__).resolve().parents[2]
+GFX942_TABLE = REPO / "fp8linear" / "ops" / "tuned_configs" / "gfx942.json"
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 1024, 2048, 4096)
 
 
 def _bench_shapes() -> list[tuple[int, int]]:
-    from fp8linear.bench import default_shapes
+    from fp8linear.tools.shapes import default_shapes
 
     return [(s.n, s.k) for s in default_shapes()]
 
@@ -102,27 +103,27 @@ def test_amd_heuristic_uses_amd_options(m, n, k):
 
 
 def test_config_for_arch_routes_by_arch(monkeypatch, tmp_path):
-    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.delenv(tuning.TABLE_ENV, raising=False)
-    tuning.clear_lookup_cache()
+    monkeypatch.setenv(tables.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(tables.TABLE_ENV, raising=False)
+    tables.clear_lookup_cache()
     try:
         # an NVIDIA name with no table: the NVIDIA heuristic, no AMD options
         nv = config_for_arch("NVIDIA Nonexistent GPU", 4096, 7168, 7168)
         assert nv == heuristic_config(4096, 7168, 7168) and nv.amd_options() == {
             "waves_per_eu": 0, "matrix_instr_nonkdim": 0, "kpack": 1}
         # gfx942 with a table entry: the entry; without one: the AMD heuristic
-        assert config_for_arch("gfx942", 1, 7168, 18432) == tuning.load_table(GFX942_TABLE).get(7168, 18432, 1)
+        assert config_for_arch("gfx942", 1, 7168, 18432) == tables.load_table(GFX942_TABLE).get(7168, 18432, 1)
         assert config_for_arch("gfx942", 4096, 7168, 2304) == amd_heuristic_config(4096, 7168, 2304)
         assert config_for_arch("gfx950", 4096, 7168, 2304) == amd_heuristic_config(4096, 7168, 2304, "gfx950")
     finally:
-        tuning.clear_lookup_cache()
+        tables.clear_lookup_cache()
 
 
 def test_select_config_on_rocm_uses_the_arch(monkeypatch):
     """The one entry point: on a ROCm device select_config keys tables by arch and takes AMD configs."""
-    from fp8linear.ops.configs import select_config
+    from fp8linear.ops.config_tables import select_config
 
-    monkeypatch.setattr(tuning, "device_name", lambda device=None: "gfx942")
+    monkeypatch.setattr(tables, "device_name", lambda device=None: "gfx942")
     for m in BENCH_MS:
         for n, k in _bench_shapes():
             cfg = select_config(torch.device("cuda"), m, n, k)
@@ -164,32 +165,32 @@ def test_amd_grouped_configs_fit_lds():
 
 # ----------------------------------------------------------------------------- tables
 def test_gfx942_table_loads_and_carries_amd_options():
-    table = tuning.load_table(GFX942_TABLE)
-    assert table.device == "gfx942" and tuning.table_filename("gfx942") == GFX942_TABLE.name
+    table = tables.load_table(GFX942_TABLE)
+    assert table.device == "gfx942" and tables.table_filename("gfx942") == GFX942_TABLE.name
     assert table.meta["measured"] is False
     for key, buckets in table.shapes.items():
         for bucket in buckets:
-            n, k, gran = tuning._parse_shape_key(key)
+            n, k, gran = tables._parse_shape_key(key)
             cfg = table.get(n, k, bucket, gran)
             assert cfg.matrix_instr_nonkdim == 16 and cfg.num_stages == 2 and (cfg.block_m, cfg.block_n) in AMD_TILE_OPTIONS
 
 
 def test_amd_fields_round_trip_and_nvidia_entries_stay_unchanged(tmp_path):
-    t = tuning.ConfigTable(device="gfx942")
+    t = tables.ConfigTable(device="gfx942")
     amd = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, waves_per_eu=2, matrix_instr_nonkdim=32,
                      kpack=2)
     t.set(7168, 2048, 64, amd)
     nv = GemmConfig(block_m=128, block_n=128)
     t.set(7168, 2048, 4096, nv)
-    path = tuning.save_table(t, tmp_path / "gfx942.json")
-    back = tuning.load_table(path)
+    path = tables.save_table(t, tmp_path / "gfx942.json")
+    back = tables.load_table(path)
     assert back.get(7168, 2048, 64) == amd and back.get(7168, 2048, 4096) == nv
     raw = json.loads(path.read_text())["shapes"]["7168,2048"]
     assert set(raw["4096"]) == {"block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages"}
-    for nv_table in (REPO / "fp8linear" / "configs").glob("NVIDIA_*.json"):
-        loaded = tuning.load_table(nv_table)
+    for nv_table in (REPO / "fp8linear" / "ops" / "tuned_configs").glob("NVIDIA_*.json"):
+        loaded = tables.load_table(nv_table)
         for key, buckets in loaded.shapes.items():
-            n, k, gran = tuning._parse_shape_key(key)
+            n, k, gran = tables._parse_shape_key(key)
             assert all(loaded.get(n, k, b, gran).amd_options()["matrix_instr_nonkdim"] == 0 for b in buckets)
 
 
@@ -197,25 +198,25 @@ def test_device_name_keys_rocm_tables_by_arch(monkeypatch):
     class Props:
         gcnArchName = "gfx942:sramecc+:xnack-"
 
-    tuning._cuda_device_name.cache_clear()
+    tables._cuda_device_name.cache_clear()
     monkeypatch.setattr(torch.version, "hip", "6.4")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
     try:
-        assert tuning.device_name(0) == "gfx942"
+        assert tables.device_name(0) == "gfx942"
     finally:
-        tuning._cuda_device_name.cache_clear()
+        tables._cuda_device_name.cache_clear()
 
 
 def test_tuner_candidates_on_amd():
-    cands = tuning.candidate_configs(4096, 7168, 7168, arch="gfx942")
+    cands = tune.candidate_configs(4096, 7168, 7168, arch="gfx942")
     assert cands[0] == amd_heuristic_config(4096, 7168, 7168)
     assert all(c.num_stages == 2 and c.matrix_instr_nonkdim == 16 for c in cands)
     assert len(set(cands)) == len(cands) >= 5
-    refined = tuning.refine_candidates(cands[:2], arch="gfx942")
+    refined = tune.refine_candidates(cands[:2], arch="gfx942")
     assert any(c.kpack == 2 for c in refined) and any(c.matrix_instr_nonkdim == 32 for c in refined)
     assert not set(refined) & set(cands[:2])
     # NVIDIA candidates are unchanged by the arch parameter's default
-    assert tuning.candidate_configs(4096, 7168, 7168) == tuning.candidate_configs(4096, 7168, 7168, arch=None)
+    assert tune.candidate_configs(4096, 7168, 7168) == tune.candidate_configs(4096, 7168, 7168, arch=None)
 
 
 # ----------------------------------------------------------------------------- assembly parsing
@@ -241,7 +242,7 @@ amdhsa.kernels:
 
 
 def test_parse_amdgcn_and_loop_mfma():
-    from fp8linear.amd_check import loop_mfma, parse_amdgcn
+    from fp8linear.tools.amd_check import loop_mfma, parse_amdgcn
 
     assert parse_amdgcn(ASM) == {"vgpr": 168, "agpr": 4, "sgpr": 40, "vgpr_spill": 2, "sgpr_spill": 0,
                                  "scratch": 12, "compiler_occupancy": 3}
@@ -262,7 +263,7 @@ def test_parse_amdgcn_and_loop_mfma():
     ({"error": "CompilationError: x"}, "compile failed"),
 ])
 def test_check_report_flags_each_problem(change, problem):
-    from fp8linear.amd_check import KernelReport, check_report
+    from fp8linear.tools.amd_check import KernelReport, check_report
 
     fields = {"lds": 32768, "mfma": "v_mfma_f32_16x16x32_fp8_fp8", **change}
     rep = KernelReport(kernel="_block_fp8_gemm_kernel", config="c", arch="gfx942", **fields)
@@ -271,7 +272,7 @@ def test_check_report_flags_each_problem(change, problem):
 
 
 def test_non_gemm_kernels_need_no_mfma_and_gfx950_has_more_lds():
-    from fp8linear.amd_check import KernelReport, check_report, occupancy
+    from fp8linear.tools.amd_check import KernelReport, check_report, occupancy
 
     assert check_report(KernelReport(kernel="_act_quant_kernel", config="", arch="gfx942")).problems == []
     assert check_report(KernelReport(kernel="_fused_fp8_gemv_kernel", config="", arch="gfx950", lds=98304)).problems == []
@@ -320,13 +321,13 @@ def test_amd_check_quick_compiles_every_kernel_clean(quick_report):
 def test_amd_check_fails_on_a_spilling_config(tmp_path):
     """Exit status 1 when a compiled config spills: a 128x256 tile, 8 warps (the table points at it)."""
     pytest.importorskip("triton.backends.amd")
-    table = {"format": tuning.TABLE_FORMAT, "version": tuning.TABLE_VERSION, "device": "gfx942", "meta": {},
+    table = {"format": tables.TABLE_FORMAT, "version": tables.TABLE_VERSION, "device": "gfx942", "meta": {},
              "shapes": {"7168,7168": {"4096": {"block_m": 128, "block_n": 256, "block_k": 128, "group_m": 8,
                                                "num_warps": 8, "num_stages": 2, "matrix_instr_nonkdim": 16}}}}
     code = (
-        "import sys, json; from pathlib import Path; import fp8linear.tuning as t; "
+        "import sys, json; from pathlib import Path; import fp8linear.ops.config_tables as t; "
         f"t._SHIPPED_DIR = Path({str(tmp_path)!r}); "
-        "from fp8linear import amd_check as a; "
+        "from fp8linear.tools import amd_check as a; "
         "rows = [a.compile_launch(l, 'gfx942') for l in a._table_launches('gfx942', __import__('torch').float8_e4m3fnuz)]; "
         "print(json.dumps([r.problems for r in rows])); sys.exit(1 if any(r.problems for r in rows) else 0)"
     )

@@ -44,7 +44,7 @@ from fp8linear.quantize import (
 from fp8linear.quantize.convert import STATE_FILE
 from fp8linear.quantize.inspection import _measure
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GRANULARITIES = ("block", "row", "tensor")
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 BLOCK_SIZE = {"block": [128, 128], "row": [1, 128], "tensor": None}
@@ -497,8 +497,8 @@ BAD_INPUTS = {
     "missing-shard": (_bad_missing_shard, [], "lists missing shard 'model-00002-of-00002.safetensors'"),
     "truncated-shard": (_bad_truncated_shard, [], "model-00002-of-00002.safetensors: not a valid safetensors file"),
     "garbage-shard": (_bad_garbage_shard, [], "model-00002-of-00002.safetensors: not a valid safetensors file"),
-    "index-parent-path": (_bad_parent_path, [], "leaves the checkpoint folder"),
-    "index-absolute-path": (_bad_absolute_path, [], "leaves the checkpoint folder"),
+    "index-parent-path": (_bad_parent_path, [], "points outside the checkpoint folder"),
+    "index-absolute-path": (_bad_absolute_path, [], "points outside the checkpoint folder"),
     "index-wrong-shard": (_bad_wrong_shard, [], "'model.layers.1.mlp.up_proj.weight' is listed in"),
     "pickle-checkpoint": (_bad_pickle, [], "pytorch_model.bin: pickle checkpoints"),
     "bad-regex": (lambda src: None, ["--ignore", "(unclosed"], "invalid --ignore regex"),

@@ -318,7 +318,7 @@ def test_custom_ops_pass_opcheck():
         x2 = torch.randn(3, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
         torch.library.opcheck(functional._linear_op, (x2, w_q, w_s, gran, bias.bfloat16(), True, None),
                               test_utils=utils)
-    # a decode GEMM long enough to split K, counting in a workspace
+    # a decode GEMM long enough to split K, counting in split-K counters
     from fp8linear.ops.splitk_gemm import splitk_workspace
 
     w_q, w_s = quantize_weight(torch.randn(130, 4096, device=KERNEL_DEVICE), "block")
@@ -340,13 +340,13 @@ def test_fp8_linear_traces_fullgraph():
     x = torch.randn(2, 3, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     compiled = torch.compile(mod, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
     assert same_bits(compiled(x), mod(x))
-    # a split-K decode GEMM whose layer already has its workspace (made by an eager call)
+    # a split-K decode GEMM whose layer already has its split-K counters (made by an eager call)
     mod = Fp8BlockLinear.from_linear(torch.nn.Linear(4096, 130, device=KERNEL_DEVICE), backend="triton")
     x = torch.randn(3, 4096, device=KERNEL_DEVICE)
     eager = mod(x)
-    assert mod._workspace is not None
+    assert mod._split_k_counters is not None
     compiled = torch.compile(mod, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
-    assert same_bits(compiled(x), eager) and not mod._workspace.any()
+    assert same_bits(compiled(x), eager) and not mod._split_k_counters.any()
 
 
 def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):

@@ -7,8 +7,8 @@ import argparse
 import torch
 from torch import nn
 
-from .module import Fp8BlockLinear
-from .reference import GRANULARITIES
+from ..formats import GRANULARITIES
+from ..module import Fp8BlockLinear
 
 __all__ = ["add_arguments", "run"]
 

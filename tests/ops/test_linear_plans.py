@@ -62,7 +62,7 @@ def test_plan_matches_routed_path_bit_for_bit(m, n, k, kernel, bias, granularity
         ref = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="reference")
         assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] * 2  # fp32 sums in another order, one bf16 rounding each
     if kernel == "decode":
-        assert not layer._workspace.any()  # tile and wait counters left at zero for the next call
+        assert not layer._split_k_counters.any()  # tile and wait counters left at zero for the next call
 
 
 @pytest.mark.parametrize("workspace", ["none", "too small", "layer's"])
@@ -235,8 +235,8 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
         static_x.copy_(x)
         graph.replay()
         assert same_bits(static_y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias))
-    if layer._workspace is not None:
-        assert not layer._workspace.any()
+    if layer._split_k_counters is not None:
+        assert not layer._split_k_counters.any()
 
 
 def test_launch_hooks_are_recognised_in_every_form():

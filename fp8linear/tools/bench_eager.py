@@ -156,7 +156,7 @@ def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence
                   device: str | torch.device | None = None, granularity: str = "block",
                   log: Callable[[str], None] | None = None) -> list[EagerRow]:
     """Rows of both methods for every (shape, M), each (shape, M) timed as one interleaved pair."""
-    from .module import Fp8BlockLinear
+    from ..module import Fp8BlockLinear
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"

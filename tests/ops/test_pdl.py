@@ -65,9 +65,9 @@ def test_pdl_decode_forward_same_bits_as_plain_launches(m, n, k, granularity, mo
     bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
     ws = splitk_workspace(n, "cuda")
     xs = [torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(8)]
-    with_pdl = [fp8_linear(x, w_q, w_s, bias, workspace=ws) for x in xs]  # back to back: each GEMM follows its act_quant
+    with_pdl = [fp8_linear(x, w_q, w_s, bias, counters=ws) for x in xs]  # back to back: each GEMM follows its act_quant
     _pdl_off(monkeypatch)
-    plain = [fp8_linear(x, w_q, w_s, bias, workspace=ws) for x in xs]
+    plain = [fp8_linear(x, w_q, w_s, bias, counters=ws) for x in xs]
     for x, a, b in zip(xs, with_pdl, plain):
         assert same_bits(a, b)
         ref = x.float() @ dequantize_weight(w_q, w_s).t() + bias.float()

@@ -11,12 +11,14 @@ import json
 import math
 import os
 import statistics
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from fp8linear import bench, tuning
+from fp8linear.ops import config_tables as tables
+from fp8linear.tools import bench, bench_cli, timing, tune
 from fp8linear.cli import main as cli_main
 from fp8linear.ops.configs import GemmConfig
 
@@ -52,12 +54,12 @@ DSV3_SHAPES = {
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
     """Point the autotune cache and the shipped-table folder at empty temp folders."""
-    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(tuning.TABLE_ENV, raising=False)
-    monkeypatch.setattr(tuning, "_SHIPPED_DIR", tmp_path / "shipped")
-    tuning.clear_lookup_cache()
+    monkeypatch.setenv(tables.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(tables.TABLE_ENV, raising=False)
+    monkeypatch.setattr(tables, "_SHIPPED_DIR", tmp_path / "shipped")
+    tables.clear_lookup_cache()
     yield tmp_path
-    tuning.clear_lookup_cache()
+    tables.clear_lookup_cache()
 
 
 def cfg(bm: int, bn: int, warps: int = 4, stages: int = 4, bk: int = 128) -> GemmConfig:
@@ -66,17 +68,17 @@ def cfg(bm: int, bn: int, warps: int = 4, stages: int = 4, bk: int = 128) -> Gem
 
 # ----------------------------------------------------------------------------- table format
 def test_table_round_trip(tmp_path):
-    t = tuning.ConfigTable(device=DEVICE, meta={"note": "test"})
+    t = tables.ConfigTable(device=DEVICE, meta={"note": "test"})
     t.set(18432, 7168, 1, cfg(16, 64), us=50.5, heuristic_us=60.0, tried=7)
     t.set(18432, 7168, 4096, cfg(128, 256, 8, 3))
     t.set(576, 7168, 16, cfg(16, 32), granularity="row")
-    path = tuning.save_table(t, tmp_path / "t.json")
+    path = tables.save_table(t, tmp_path / "t.json")
     raw = json.loads(path.read_text())
-    assert raw["format"] == tuning.TABLE_FORMAT and raw["version"] == tuning.TABLE_VERSION
+    assert raw["format"] == tables.TABLE_FORMAT and raw["version"] == tables.TABLE_VERSION
     assert raw["device"] == DEVICE
     assert raw["shapes"]["18432,7168"]["1"]["us"] == 50.5
     assert "576,7168,row" in raw["shapes"]
-    back = tuning.load_table(path)
+    back = tables.load_table(path)
     assert back.to_json() == t.to_json()
     assert back.get(18432, 7168, 4096) == cfg(128, 256, 8, 3)
     assert back.get(576, 7168, 16, "row") == cfg(16, 32)
@@ -95,31 +97,31 @@ def test_table_round_trip(tmp_path):
     ],
 )
 def test_table_rejects_malformed(mutate):
-    t = tuning.ConfigTable(device=DEVICE)
+    t = tables.ConfigTable(device=DEVICE)
     t.set(1, 2, 1, cfg(16, 32))
     data = json.loads(json.dumps(t.to_json()))
     mutate(data)
     with pytest.raises(ValueError):
-        tuning.ConfigTable.from_json(data)
+        tables.ConfigTable.from_json(data)
 
 
 def test_table_merge_and_device_check():
-    a = tuning.ConfigTable(device=DEVICE)
+    a = tables.ConfigTable(device=DEVICE)
     a.set(1, 2, 1, cfg(16, 32))
-    b = tuning.ConfigTable(device=DEVICE)
+    b = tables.ConfigTable(device=DEVICE)
     b.set(1, 2, 1, cfg(16, 64))
     b.set(1, 2, 2, cfg(16, 128))
     a.merge(b)
     assert a.get(1, 2, 1) == cfg(16, 64) and a.get(1, 2, 2) == cfg(16, 128)
     with pytest.raises(ValueError):
-        a.merge(tuning.ConfigTable(device="Other GPU"))
+        a.merge(tables.ConfigTable(device="Other GPU"))
 
 
 def test_table_filename():
-    assert tuning.table_filename("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
-    assert tuning.table_filename("NVIDIA H200") == "NVIDIA_H200.json"
+    assert tables.table_filename("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+    assert tables.table_filename("NVIDIA H200") == "NVIDIA_H200.json"
     with pytest.raises(ValueError):
-        tuning.table_filename("  ")
+        tables.table_filename("  ")
 
 
 # ----------------------------------------------------------------------------- lookup
@@ -129,26 +131,26 @@ def test_table_filename():
      (1024, 1024), (1025, 2048), (4096, 4096), (5000, 4096), (10**6, 4096)],
 )
 def test_m_bucket(m, bucket):
-    assert tuning.m_bucket(m) == bucket
+    assert tables.m_bucket(m) == bucket
 
 
 def test_m_bucket_rejects_zero():
     with pytest.raises(ValueError):
-        tuning.m_bucket(0)
+        tables.m_bucket(0)
 
 
-def _write_cache_table(device: str = DEVICE) -> tuning.ConfigTable:
-    t = tuning.ConfigTable(device=device)
+def _write_cache_table(device: str = DEVICE) -> tables.ConfigTable:
+    t = tables.ConfigTable(device=device)
     t.set(18432, 7168, 4, cfg(16, 64, 4, 5))
     t.set(18432, 7168, 64, cfg(64, 64))
     t.set(18432, 7168, 4096, cfg(128, 128, 8, 4))
-    tuning.save_table(t, tuning.cache_table_path(device))
+    tables.save_table(t, tables.cache_table_path(device))
     return t
 
 
 def test_lookup_bucketing_and_neighbours(isolated):
     _write_cache_table()
-    lk = tuning.lookup_config
+    lk = tables.lookup_config
     assert lk(DEVICE, 3, 18432, 7168) == cfg(16, 64, 4, 5)  # bucket 4
     assert lk(DEVICE, 4, 18432, 7168) == cfg(16, 64, 4, 5)
     assert lk(DEVICE, 1, 18432, 7168) == cfg(16, 64, 4, 5)  # bucket 1 missing: 4 is 2 buckets away
@@ -164,71 +166,83 @@ def test_lookup_bucketing_and_neighbours(isolated):
 
 def test_lookup_is_cached_and_read_only(isolated):
     _write_cache_table()
-    tuning.lookup_config(DEVICE, 4096, 18432, 7168)
-    hits = tuning._lookup.cache_info().hits
-    a = tuning.lookup_config(DEVICE, 4000, 18432, 7168)
-    assert tuning._lookup.cache_info().hits == hits + 1
-    assert a is tuning.lookup_config(DEVICE, 3000, 18432, 7168)
+    tables.lookup_config(DEVICE, 4096, 18432, 7168)
+    hits = tables._lookup.cache_info().hits
+    a = tables.lookup_config(DEVICE, 4000, 18432, 7168)
+    assert tables._lookup.cache_info().hits == hits + 1
+    assert a is tables.lookup_config(DEVICE, 3000, 18432, 7168)
     assert not list((isolated / "cache").glob("*.tmp"))
 
 
 def test_lookup_granularity_and_source_priority(isolated, monkeypatch):
     t = _write_cache_table()
     t.set(18432, 7168, 4096, cfg(64, 256, 8, 4), granularity="row")
-    tuning.save_table(t, tuning.cache_table_path(DEVICE))
-    assert tuning.lookup_config(DEVICE, 4096, 18432, 7168, "row") == cfg(64, 256, 8, 4)
-    assert tuning.lookup_config(DEVICE, 4, 18432, 7168, "row") == cfg(16, 64, 4, 5)  # falls back to block
+    tables.save_table(t, tables.cache_table_path(DEVICE))
+    assert tables.lookup_config(DEVICE, 4096, 18432, 7168, "row") == cfg(64, 256, 8, 4)
+    assert tables.lookup_config(DEVICE, 4, 18432, 7168, "row") == cfg(16, 64, 4, 5)  # falls back to block
     # shipped table: used for shapes the cache lacks, overridden where the cache has them
-    shipped = tuning.ConfigTable(device=DEVICE)
+    shipped = tables.ConfigTable(device=DEVICE)
     shipped.set(7168, 2048, 1, cfg(16, 32))
     shipped.set(18432, 7168, 4096, cfg(256, 128, 8, 3))
-    tuning.save_table(shipped, tuning.shipped_table_path(DEVICE))
-    assert tuning.lookup_config(DEVICE, 1, 7168, 2048) == cfg(16, 32)
-    assert tuning.lookup_config(DEVICE, 4096, 18432, 7168) == cfg(128, 128, 8, 4)
+    tables.save_table(shipped, tables.shipped_table_path(DEVICE))
+    assert tables.lookup_config(DEVICE, 1, 7168, 2048) == cfg(16, 32)
+    assert tables.lookup_config(DEVICE, 4096, 18432, 7168) == cfg(128, 128, 8, 4)
     # an explicit $FP8LINEAR_GEMM_TABLE beats both
-    env = tuning.ConfigTable(device=DEVICE)
+    env = tables.ConfigTable(device=DEVICE)
     env.set(18432, 7168, 4096, cfg(128, 64, 4, 6))
-    monkeypatch.setenv(tuning.TABLE_ENV, str(tuning.save_table(env, isolated / "env.json")))
-    tuning.clear_lookup_cache()  # the environment is read on a cache miss
-    assert tuning.lookup_config(DEVICE, 4096, 18432, 7168) == cfg(128, 64, 4, 6)
-    monkeypatch.setenv(tuning.TABLE_ENV, "off")  # every table off: the caller's heuristic decides
-    tuning.clear_lookup_cache()
-    assert tuning.lookup_config(DEVICE, 4096, 18432, 7168) is None
+    monkeypatch.setenv(tables.TABLE_ENV, str(tables.save_table(env, isolated / "env.json")))
+    tables.clear_lookup_cache()  # the environment is read on a cache miss
+    assert tables.lookup_config(DEVICE, 4096, 18432, 7168) == cfg(128, 64, 4, 6)
+    monkeypatch.setenv(tables.TABLE_ENV, "off")  # every table off: the caller's heuristic decides
+    tables.clear_lookup_cache()
+    assert tables.lookup_config(DEVICE, 4096, 18432, 7168) is None
 
 
 def test_lookup_ignores_corrupt_cache(isolated):
-    path = tuning.cache_table_path(DEVICE)
+    path = tables.cache_table_path(DEVICE)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with pytest.warns(RuntimeWarning, match="unreadable"):
-        assert tuning.lookup_config(DEVICE, 1, 18432, 7168) is None
+        assert tables.lookup_config(DEVICE, 1, 18432, 7168) is None
 
 
 # ----------------------------------------------------------------------------- atomic writes
+def test_cache_dir_reads_the_deprecated_variable(tmp_path, monkeypatch):
+    """$FP8LINEAR_CACHE_DIR names the cache; the older $FP8LINEAR_CACHE still works, with a warning."""
+    monkeypatch.delenv(tables.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv(tables.DEPRECATED_CACHE_ENV, str(tmp_path / "old"))
+    with pytest.warns(DeprecationWarning, match="FP8LINEAR_CACHE_DIR"):
+        assert tables.cache_dir() == tmp_path / "old"
+    monkeypatch.setenv(tables.CACHE_DIR_ENV, str(tmp_path / "new"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tables.cache_dir() == tmp_path / "new"
+
+
 def test_save_table_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
-    good = tuning.ConfigTable(device=DEVICE)
+    good = tables.ConfigTable(device=DEVICE)
     good.set(1, 2, 1, cfg(16, 32))
-    tuning.save_table(good, path)
+    tables.save_table(good, path)
     before = path.read_bytes()
 
     def exploding_dump(obj, f, **kw):
         f.write('{"format": "fp8linear-gemm-co')  # a partial write, then failure
         raise OSError("disk full")
 
-    monkeypatch.setattr(tuning.json, "dump", exploding_dump)
-    bad = tuning.ConfigTable(device=DEVICE)
+    monkeypatch.setattr(tables.json, "dump", exploding_dump)
+    bad = tables.ConfigTable(device=DEVICE)
     bad.set(1, 2, 1, cfg(16, 64))
     with pytest.raises(OSError, match="disk full"):
-        tuning.save_table(bad, path)
+        tables.save_table(bad, path)
     assert path.read_bytes() == before  # the old table is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # no temp file left
 
 
 def test_save_table_creates_folders_and_clears_lookup_cache(isolated):
-    assert tuning.lookup_config(DEVICE, 1, 18432, 7168) is None  # cached miss
+    assert tables.lookup_config(DEVICE, 1, 18432, 7168) is None  # cached miss
     _write_cache_table()
-    assert tuning.lookup_config(DEVICE, 4, 18432, 7168) == cfg(16, 64, 4, 5)
+    assert tables.lookup_config(DEVICE, 4, 18432, 7168) == cfg(16, 64, 4, 5)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -248,24 +262,24 @@ def test_candidates_are_valid_and_start_with_the_heuristic():
     from fp8linear.ops.configs import heuristic_config
 
     for m in (1, 16, 64, 256, 4096):
-        cands = tuning.candidate_configs(m, 18432, 7168)
+        cands = tune.candidate_configs(m, 18432, 7168)
         assert cands[0] == heuristic_config(m, 18432, 7168)
         assert len(set(cands)) == len(cands) > 3
         for c in cands[1:]:
             assert c.block_m * c.block_n // (32 * c.num_warps) <= 128  # accumulator fits in registers
             if m <= 16:
                 assert c.block_m == 16
-        refined = tuning.refine_candidates(cands[:3])
+        refined = tune.refine_candidates(cands[:3])
         assert refined and not set(refined) & set(cands[:3])
         assert {c.block_k for c in refined} == {64, 128}
-    assert {c.block_m for c in tuning.candidate_configs(4096, 7168, 7168)} >= {64, 128, 256}
-    assert {c.block_n for c in tuning.candidate_configs(1, 7168, 7168)} >= {32, 64, 128}
+    assert {c.block_m for c in tune.candidate_configs(4096, 7168, 7168)} >= {64, 128, 256}
+    assert {c.block_n for c in tune.candidate_configs(1, 7168, 7168)} >= {32, 64, 128}
 
 
 def test_autotune_refuses_inside_compile(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(RuntimeError, match="torch.compile"):
-        tuning.autotune_config(16, 128, 256, "cpu")
+        tune.autotune_config(16, 128, 256, "cpu")
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -327,32 +341,32 @@ def _parse(module, argv):
 
 
 def test_bench_arguments(tmp_path):
-    c = bench.build_config(_parse(bench, ["--device", "cpu"]))
+    c = bench_cli.build_config(_parse(bench_cli, ["--device", "cpu"]))
     assert len(c.shapes) == 15 and c.ms == bench.DECODE_MS + bench.PREFILL_MS
     assert c.methods == bench.METHODS and c.timer == "wall" and c.bias
-    c = bench.build_config(_parse(bench, ["--quick", "--device", "cpu"]))
+    c = bench_cli.build_config(_parse(bench_cli, ["--quick", "--device", "cpu"]))
     assert len(c.shapes) == 5 and c.ms == bench.QUICK_MS
-    c = bench.build_config(_parse(bench, ["--shapes", "256,512", "256x512", "128,128", "--m", "1", "3",
+    c = bench_cli.build_config(_parse(bench_cli, ["--shapes", "256,512", "256x512", "128,128", "--m", "1", "3",
                                           "--methods", "bf16", "ours_block", "--no-bias", "--device", "cpu"]))
     assert [(s.n, s.k) for s in c.shapes] == [(256, 512), (128, 128)]
     assert c.ms == (1, 3) and c.methods == ("bf16", "ours_block") and not c.bias
     (tmp_path / "config.json").write_text(json.dumps(DSV3_CONFIG))
-    c = bench.build_config(_parse(bench, ["--hf-config", str(tmp_path), "--device", "cpu"]))
+    c = bench_cli.build_config(_parse(bench_cli, ["--hf-config", str(tmp_path), "--device", "cpu"]))
     assert {(s.n, s.k) for s in c.shapes} == DSV3_SHAPES
     with pytest.raises(SystemExit):
-        _parse(bench, ["--methods", "nonsense"])
+        _parse(bench_cli, ["--methods", "nonsense"])
     with pytest.raises(ValueError):
-        bench.build_config(_parse(bench, ["--device", "cpu", "--timer", "graph"]))
+        bench_cli.build_config(_parse(bench_cli, ["--device", "cpu", "--timer", "graph"]))
 
 
 def test_tune_arguments(tmp_path):
-    a = _parse(tuning, ["--shapes", "18432,7168", "576,7168", "--m", "1", "4096", "--out", str(tmp_path / "t.json"),
+    a = _parse(tune, ["--shapes", "18432,7168", "576,7168", "--m", "1", "4096", "--out", str(tmp_path / "t.json"),
                         "--budget-s", "5", "--granularity", "row"])
     assert a.shapes == ["18432,7168", "576,7168"] and a.m == [1, 4096] and a.budget_s == 5
     assert a.granularity == "row"
-    assert [(n, k) for n, k, _ in tuning._resolve_shapes(a)] == [(18432, 7168), (576, 7168)]
-    d = _parse(tuning, [])
-    assert len(tuning._resolve_shapes(d)) == 15 and d.m is None
+    assert [(n, k) for n, k, _ in tune._resolve_shapes(a)] == [(18432, 7168), (576, 7168)]
+    d = _parse(tune, [])
+    assert len(tune._resolve_shapes(d)) == 15 and d.m is None
 
 
 def test_benchmark_config_validation():
@@ -445,7 +459,7 @@ def test_methods_are_timed_in_interleaved_rounds(replays):
         return lambda: (calls.append(name), next(it))[1]
 
     values = {"a": [5.0, 1.0, 9.0, 2.0, 8.0, 3.0, 7.0], "b": [10.0] * 7, "c": [float(i) for i in range(7)]}
-    medians = bench._time_rounds({n: sampler(n, v) for n, v in values.items()}, replays)
+    medians = timing.time_rounds({n: sampler(n, v) for n, v in values.items()}, replays)
     rounds = [calls[3 * r: 3 * r + 3] for r in range(replays)]
     assert len(calls) == 3 * replays and all(sorted(r) == ["a", "b", "c"] for r in rounds)
     assert [r[0] for r in rounds] == ["abc"[r % 3] for r in range(replays)]
@@ -491,16 +505,16 @@ def test_tune_times_with_graphs_over_rotated_weights(monkeypatch):
     """On a GPU the tuner times candidates with the benchmark's graph timer, cycling over weight
     copies that exceed the L2 (here 4 MB of weight: many copies)."""
     seen: list[int] = []
-    real = bench.time_graph
+    real = timing.time_graph
 
     def spy(fn, sets, *a, **kw):
         seen.append(len(sets))
         return real(fn, sets, *a, **kw)
 
-    monkeypatch.setattr(bench, "time_graph", spy)
-    res = tuning.tune_shape(576, 7168, ms=(16,), device="cuda", max_candidates=3, budget_s=60)
+    monkeypatch.setattr(timing, "time_graph", spy)
+    res = tune.tune_shape(576, 7168, ms=(16,), device="cuda", max_candidates=3, budget_s=60)
     assert len(res) == 1 and res[0].tried >= 1 and 0 < res[0].us < 1000 and res[0].heuristic_us is not None
-    assert seen and all(n_sets * 576 * 7168 >= 2 * bench._l2_bytes(torch.device("cuda")) for n_sets in seen)
+    assert seen and all(n_sets * 576 * 7168 >= 2 * timing.l2_bytes(torch.device("cuda")) for n_sets in seen)
 
 
 def test_tune_always_times_the_heuristic_and_the_current_entry(isolated, monkeypatch):
@@ -510,7 +524,7 @@ def test_tune_always_times_the_heuristic_and_the_current_entry(isolated, monkeyp
 
     current = GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=2)
     assert current != heuristic_config(3, 128, 256)
-    monkeypatch.setattr(tuning, "lookup_config", lambda dev, m, n, k, g="block": current)
+    monkeypatch.setattr(tune, "lookup_config", lambda dev, m, n, k, g="block": current)
     timed: list[GemmConfig] = []
     real_gemm = __import__("fp8linear.ops.gemm", fromlist=["block_fp8_gemm"]).block_fp8_gemm
 
@@ -520,7 +534,7 @@ def test_tune_always_times_the_heuristic_and_the_current_entry(isolated, monkeyp
 
     monkeypatch.setattr("fp8linear.ops.gemm.block_fp8_gemm", spy)
     # where the kernels run: the GPU, or the CPU interpreter (conftest sets it without a GPU)
-    res = tuning.tune_shape(128, 256, ms=(3,), device="cuda" if HAS_CUDA else "cpu", budget_s=0.0, max_candidates=1)
+    res = tune.tune_shape(128, 256, ms=(3,), device="cuda" if HAS_CUDA else "cpu", budget_s=0.0, max_candidates=1)
     assert res[0].tried == 2 and set(timed) == {heuristic_config(3, 128, 256), current}
 
 
@@ -529,34 +543,34 @@ def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = tuning.device_name(device)
+    name = tables.device_name(device)
     out = tmp_path / "table.json"
     rc = cli_main(["tune", "--shapes", "128,256", "--m", "3", "--max-candidates", "2", "--budget-s", "60",
                    "--device", device, "--out", str(out)])
     assert rc == 0
-    t = tuning.load_table(out)
+    t = tables.load_table(out)
     assert t.device == name and set(t.shapes) == {"128,256"} and set(t.shapes["128,256"]) == {4}
     entry = t.shapes["128,256"][4]
     assert entry["tried"] == 2 and entry["us"] > 0 and entry["heuristic_us"] > 0
     assert t.meta["tool"] == "fp8linear tune"
     # the same result through the library API lands in the autotune cache and is found by lookups
-    got = tuning.autotune_config(3, 128, 256, device, budget_s=0.0)  # budget 0: the heuristic only
-    assert tuning.lookup_config(name, 3, 128, 256) == got
-    assert tuning.load_table(tuning.cache_table_path(name)).get(128, 256, 4) == got
+    got = tune.autotune_config(3, 128, 256, device, budget_s=0.0)  # budget 0: the heuristic only
+    assert tables.lookup_config(name, 3, 128, 256) == got
+    assert tables.load_table(tables.cache_table_path(name)).get(128, 256, 4) == got
 
 
-@pytest.mark.parametrize("path", sorted((Path(tuning.__file__).parent / "configs").glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(tables.__file__).parent / "tuned_configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_tables_are_valid(path):
     """Every table in the package parses, is named after its device and covers the issue-3 shapes
     (measured tables; a table of unmeasured priors, meta.measured false, carries no timings)."""
-    table = tuning.load_table(path)
-    assert tuning.table_filename(table.device) == path.name
+    table = tables.load_table(path)
+    assert tables.table_filename(table.device) == path.name
     if table.meta.get("measured", True) is False:
         assert table.shapes and all("us" not in e for b in table.shapes.values() for e in b.values())
         return
     assert len(table.shapes) >= 15 and all(len(b) >= 1 for b in table.shapes.values())
     for key in ("7168,18432", "576,7168", "7168,2304"):
-        assert set(table.shapes[key]) == set(tuning.M_BUCKETS), key
+        assert set(table.shapes[key]) == set(tables.M_BUCKETS), key
     for buckets in table.shapes.values():
         for entry in buckets.values():
             assert entry["us"] > 0 and entry["us"] <= entry["heuristic_us"] * 1.05

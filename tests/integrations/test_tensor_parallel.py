@@ -287,7 +287,7 @@ def _torchrun(cases: list[dict], tmp: Path, nproc: int = 2) -> list[dict]:
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            __file__, str(spec), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -402,7 +402,7 @@ def _deepseek_v3_params(c: dict) -> int:
 
 @pytest.fixture(scope="module")
 def dsv3(tmp_path_factory):
-    from fp8linear.plan_memory import _meta_fp8_model, load_config
+    from fp8linear.tools.plan_memory import _meta_fp8_model, load_config
 
     path = tmp_path_factory.mktemp("dsv3") / "config.json"
     path.write_text(json.dumps(DEEPSEEK_V3_CONFIG))
@@ -411,7 +411,7 @@ def dsv3(tmp_path_factory):
 
 
 def test_plan_memory_deepseek_v3_parameters_and_sharding(dsv3):
-    from fp8linear.plan_memory import plan_memory
+    from fp8linear.tools.plan_memory import plan_memory
 
     _, config, model = dsv3
     one = plan_memory(config, 1, "block", model=model)
