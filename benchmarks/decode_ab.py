@@ -19,7 +19,7 @@ from fp8linear.tools.timing import rotation_sets, time_graph
 from fp8linear.tools.bench_eager import interleaved_wall_us
 from fp8linear.ops import router
 from fp8linear.ops.linear import run_linear_route
-from fp8linear.ops.splitk_gemm import splitk_workspace
+from fp8linear.ops.splitk_gemm import splitk_counters
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     ratios_g, ratios_e = [], []
     for n, k, _ in DSV3_SHAPES:
         w_q, w_s = quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, "block")
-        ws = splitk_workspace(n, dev)
+        ws = splitk_counters(n, dev)
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             sets = rotation_sets((x, w_q, w_s), w_q.numel() + x.numel() * 2, dev)

@@ -28,7 +28,7 @@ from fp8linear.tools.shapes import default_shapes
 from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 from fp8linear.ops import gemm, linear, splitk_gemm
 from fp8linear.ops.pdl import use_pdl
-from fp8linear.ops.splitk_gemm import splitk_workspace
+from fp8linear.ops.splitk_gemm import splitk_counters
 
 VARIANTS = ("off", "wait", "always", "rule")
 
@@ -62,7 +62,7 @@ def main() -> None:
         n, k = shape.n, shape.k
         w_q, w_s = quantize_weight(torch.randn(n, k, device=dev, generator=gen) * 0.02, "block")
         bias = torch.randn(n, device=dev, generator=gen, dtype=torch.bfloat16)
-        ws = splitk_workspace(n, dev)
+        ws = splitk_counters(n, dev)
         for m in args.m:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
             x_q, x_s = quantize_activation(x)

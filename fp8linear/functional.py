@@ -220,7 +220,7 @@ def _check_counters(counters: torch.Tensor | None, device: torch.device) -> None
     if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1:
         got = (f"{counters.dtype} of shape {tuple(counters.shape)}" if isinstance(counters, torch.Tensor)
                else type(counters).__name__)
-        raise TypeError(f"counters must be a 1-D int32 tensor (ops.splitk_gemm.splitk_workspace), got {got}")
+        raise TypeError(f"counters must be a 1-D int32 tensor (ops.splitk_gemm.splitk_counters), got {got}")
     if counters.device != device:
         raise ValueError(f"counters are on {counters.device} but the activations are on {device}")
 
@@ -398,7 +398,7 @@ def fp8_linear(
     :func:`fp8linear.ops.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
     tile by tile, fp32 GEMMs); backend "reference" runs the reference itself.
 
-    `counters`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_workspace`
+    `counters`: optional int32 zeros from :func:`fp8linear.ops.splitk_gemm.splitk_counters`
     for this weight's N, on x's device (``workspace=`` is the deprecated name of this keyword);
     decode GEMMs then count their split-K tiles there instead of zeroing fresh counters each call
     (one launch less). The kernels leave it zeroed; calls that

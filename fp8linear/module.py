@@ -117,7 +117,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
-        # Split-K tile counters for decode GEMMs (fp8linear.ops.splitk_gemm.splitk_workspace): a
+        # Split-K tile counters for decode GEMMs (fp8linear.ops.splitk_gemm.splitk_counters): a
         # plain attribute, not a buffer (never saved, never filled from a checkpoint or by
         # `to_empty`), made zeroed on the weight's device (see init_split_k_counters).
         self._split_k_counters: torch.Tensor | None = None
@@ -247,9 +247,9 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             return None
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        from .ops.splitk_gemm import splitk_workspace
+        from .ops.splitk_gemm import splitk_counters
 
-        self._split_k_counters = ws = splitk_workspace(self.out_features, device)
+        self._split_k_counters = ws = splitk_counters(self.out_features, device)
         _mark_static_address(ws)
         return ws
 

@@ -30,9 +30,9 @@ from .gemm_common import uniform_weight_scale, weight_scale_layout
 from .quant import act_quant_outputs, quantize_groups
 from .splitk_gemm import _SYNC_COUNTERS, SplitKConfig, _splitk_program, splitk_buffers
 
-__all__ = ["SYNC_COUNTERS", "fused_decode_args", "fused_decode_gemm", "split_workspace"]
+__all__ = ["SYNC_COUNTERS", "fused_decode_args", "fused_decode_gemm", "split_counters"]
 
-# Counters the kernel synchronises on (ready, done), after the split-K tile counters in a workspace.
+# Counters the kernel synchronises on (ready, done), after the split-K tile counters in a counters.
 SYNC_COUNTERS = _SYNC_COUNTERS
 # Rows per quantizing step (a (16, 128) fp32 tile: 8 KB of registers over 4 warps).
 _QUANT_ROWS = 16
@@ -114,21 +114,21 @@ def fused_decode_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, w_q
     return (num_q + num_gemm,), args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def split_workspace(workspace: torch.Tensor | None, tiles: int,
+def split_counters(counters: torch.Tensor | None, tiles: int,
                     device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(split-K tile counters, (ready, done) counters) of a :func:`~fp8linear.ops.splitk_gemm.splitk_workspace`
+    """(split-K tile counters, (ready, done) counters) of a :func:`~fp8linear.ops.splitk_gemm.splitk_counters`
     (its last SYNC_COUNTERS entries are the latter) with room for `tiles` tile counters; without
     one, or one too small, (None, fresh zeros)."""
-    if workspace is None or workspace.numel() < tiles + SYNC_COUNTERS:
+    if counters is None or counters.numel() < tiles + SYNC_COUNTERS:
         return None, torch.zeros(SYNC_COUNTERS, dtype=torch.int32, device=device)
-    return workspace[:-SYNC_COUNTERS], workspace[-SYNC_COUNTERS:]
+    return counters[:-SYNC_COUNTERS], counters[-SYNC_COUNTERS:]
 
 
 def fused_decode_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                      bias: torch.Tensor | None, cfg: SplitKConfig, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None, cfg: SplitKConfig, counters: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and w_q (N, K), in one launch.
 
-    `workspace`: a :func:`fp8linear.ops.splitk_gemm.splitk_workspace` (tile counters, then the
+    `counters`: a :func:`fp8linear.ops.splitk_gemm.splitk_counters` (tile counters, then the
     SYNC_COUNTERS this kernel waits on), left zeroed; without one, fresh counters per call.
     """
     m, k = x.shape
@@ -137,7 +137,7 @@ def fused_decode_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, gra
     if m == 0 or n == 0 or k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    tile_counters, sync = split_workspace(workspace, tiles, x.device)
+    tile_counters, sync = split_counters(counters, tiles, x.device)
     split, count, part_shape = splitk_buffers(m, n, cfg, k, x.device, tile_counters)
     part = torch.empty(part_shape, dtype=torch.float32, device=x.device) if part_shape else None
     x_q, x_s = act_quant_outputs(m, k, w_q.dtype, x.device)  # the layout act_quant writes

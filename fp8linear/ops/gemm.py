@@ -199,7 +199,7 @@ def block_fp8_gemm(
 
     Without a `config` the router (:func:`fp8linear.ops.router.route_gemm`) picks the kernel
     (cuBLAS only with `allow_cublas`); a GemmConfig runs the tiled kernel with it, a SplitKConfig
-    the split-K kernel. `counters` (a :func:`~fp8linear.ops.splitk_gemm.splitk_workspace`)
+    the split-K kernel. `counters` (a :func:`~fp8linear.ops.splitk_gemm.splitk_counters`)
     spares the split-K kernel its per-call counter memset.
     """
     m, k = x_q.shape

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
-from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_workspace
+from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, aligned
@@ -31,30 +31,30 @@ __all__ = ["LinearPlan", "fp8_linear_tokens", "run_linear_route"]
 
 
 def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                     bias: torch.Tensor | None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K), weight w_q (N, K), on `route`."""
     if route.kernel == "gemv":
         return fused_fp8_gemv(x, w_q, w_s, granularity, bias, route.config)
     if route.kernel == "decode":
-        return fused_decode_gemm(x, w_q, w_s, granularity, bias, route.config, workspace)
+        return fused_decode_gemm(x, w_q, w_s, granularity, bias, route.config, counters)
     m = x.shape[0]
     if route.kernel == "cublas":
         x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
         y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
         return y if y.shape[0] == m else y[:m]  # drop the padding rows (a contiguous view)
     x_q, x_s = act_quant(x, w_q.dtype, release_early=route.release_early)
-    return run_gemm_route(route, x_q, x_s, w_q, w_s, granularity, x.dtype, bias, counters=workspace)
+    return run_gemm_route(route, x_q, x_s, w_q, w_s, granularity, x.dtype, bias, counters=counters)
 
 
 def fp8_linear_tokens(
     x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
-    allow_cublas: bool, workspace: torch.Tensor | None = None,
+    allow_cublas: bool, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K), routed here;
-    `workspace`: split-K counters (:func:`fp8linear.ops.splitk_gemm.splitk_workspace`) or None."""
+    `counters`: split-K counters (:func:`fp8linear.ops.splitk_gemm.splitk_counters`) or None."""
     route = route_linear(x.device, x.shape[0], w_q.shape[0], x.shape[1], granularity, w_q.dtype, x.dtype, bias,
                          allow_cublas, tma_ok(w_q))
-    return run_linear_route(route, x, w_q, w_s, granularity, bias, workspace)
+    return run_linear_route(route, x, w_q, w_s, granularity, bias, counters)
 
 
 class LinearPlan:
@@ -68,7 +68,7 @@ class LinearPlan:
     descriptors hold the activations' address, and empty shapes) run :func:`run_linear_route`.
     `capture_route`: the route to run inside CUDA-graph capture where it differs from `route`
     (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
-    The weight, scales, bias and `workspace` are held by reference: a plan stays valid while
+    The weight, scales, bias and `counters` are held by reference: a plan stays valid while
     they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
     another layout), and must be made again when they are replaced.
     """
@@ -76,13 +76,13 @@ class LinearPlan:
     __slots__ = ("route", "run", "calls", "capture_calls")
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                 bias: torch.Tensor | None, workspace: torch.Tensor | None, capture_route: Route | None = None) -> None:
+                 bias: torch.Tensor | None, counters: torch.Tensor | None, capture_route: Route | None = None) -> None:
         self.route = route
-        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, workspace)
+        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters)
         capture_calls: tuple[KernelCall, ...] = ()
         if capture_route is not None and capture_route != route and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
-            capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, workspace)
+            capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters)
             eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
 
             def run(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ class LinearPlan:
 
     @staticmethod
     def _prepare(route: Route, x_in: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                 bias: torch.Tensor | None, workspace: torch.Tensor | None) -> tuple[Callable, tuple[KernelCall, ...]]:
+                 bias: torch.Tensor | None, counters: torch.Tensor | None) -> tuple[Callable, tuple[KernelCall, ...]]:
         k = x_in.shape[-1]
         x = x_in.reshape(-1, k)
         m, n = x.shape[0], w_q.shape[0]
@@ -107,7 +107,7 @@ class LinearPlan:
         device, out_dtype = x.device, x.dtype
 
         def unprepared(x: torch.Tensor) -> torch.Tensor:
-            return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, workspace).reshape(out_shape)
+            return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, counters).reshape(out_shape)
 
         if m == 0 or n == 0 or k == 0 or route.kernel == "persistent" or not aligned(x):
             return unprepared, ()
@@ -129,10 +129,10 @@ class LinearPlan:
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         if route.kernel == "decode":
             tiles = triton.cdiv(n, route.config.block_n) * triton.cdiv(m, route.config.block_m)
-            tile_counters, sync = split_workspace(workspace, tiles, device)
+            tile_counters, sync = split_counters(counters, tiles, device)
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, tile_counters)
             if tile_counters is None:
-                return unprepared, ()  # no workspace to count in: fresh counters per call, as unprepared
+                return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
             part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device)
             grid, args, options = fused_decode_args(x, x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
@@ -166,9 +166,9 @@ class LinearPlan:
         quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
         out_slots = ("y_ptr",) + (() if bias is not None else ("bias_ptr",))
         if route.kernel == "splitk":
-            split, count, part_shape = splitk_buffers(m, n, route.config, k, device, workspace)
-            if part_shape is not None and count is not workspace:
-                return unprepared, ()  # no workspace to count in: fresh counters per call, as unprepared
+            split, count, part_shape = splitk_buffers(m, n, route.config, k, device, counters)
+            if part_shape is not None and count is not counters:
+                return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
             part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
             grid, args, options = splitk_args(x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
                                               part0, count, route.pdl)

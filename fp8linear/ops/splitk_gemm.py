@@ -3,7 +3,7 @@
 At decode a GEMM reads the whole weight for a handful of rows, so it is bound by HBM and by how
 many SMs stream the weight at once: with N=576 and 64-column tiles there are only 9 output tiles.
 Split-K spreads each tile's K groups over several programs so that every SM streams weights. Each
-program writes its fp32 partial tile to a workspace and bumps a per-tile counter; the program that
+program writes its fp32 partial tile to a partial-sums buffer and bumps a per-tile counter; the program that
 arrives last sums the partials *in split order* — the result does not depend on which program
 arrives last, so it is deterministic — and writes y (+ bias) in the output dtype. Where K is
 short or the tiles already fill the GPU, :func:`splitk_config` says no and the tiled kernel runs.
@@ -28,7 +28,7 @@ from .configs import SMALL_M_MAX, launch_options, splitk_num_stages
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
 
-__all__ = ["SplitKConfig", "sm_count", "splitk_args", "splitk_buffers", "splitk_config", "splitk_fp8_gemm", "splitk_workspace"]
+__all__ = ["SplitKConfig", "sm_count", "splitk_args", "splitk_buffers", "splitk_config", "splitk_fp8_gemm", "splitk_counters"]
 
 # Split-K gives each output tile the fewest splits that make at least this many programs per SM
 # (H100 sweep: 2 beat 1 and 4; rounding the split up rather than to nearest, so N=7168 at M=16-64
@@ -38,7 +38,7 @@ _PROGRAMS_PER_SM = 2
 _MIN_GROUPS_PER_SPLIT = 4
 # Only K of at least 32 groups (4096) is split: shorter K was faster unsplit on H100.
 _MIN_SPLIT_GROUPS = 32
-# Counters at the end of a workspace for the one-launch decode kernel (fused_decode.SYNC_COUNTERS).
+# Counters at the end of a splitk_counters tensor for the one-launch decode kernel (fused_decode.SYNC_COUNTERS).
 _SYNC_COUNTERS = 2
 
 
@@ -175,11 +175,11 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split, num_stages=splitk_num_stages(4, device))
 
 
-def splitk_workspace(n: int, device: torch.device | str) -> torch.Tensor:
+def splitk_counters(n: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed counters for the decode GEMMs of an N-column weight at M <= SMALL_M_MAX: the split-K
     tile counters, then the two counters :mod:`fp8linear.ops.fused_decode` synchronises on.
 
-    Every launch leaves its counters at zero again, so one workspace serves every call in turn
+    Every launch leaves its counters at zero again, so one counters tensor serves every call in turn
     and spares each call a memset launch (H100, CUDA graphs: 1.2-1.4 us of a 6.5-55 us GEMM).
     Calls running at the same time on different streams must not share one.
     """
@@ -240,7 +240,7 @@ def splitk_fp8_gemm(
 ) -> torch.Tensor:
     """y = dequant(x, x_s) @ dequant(w).T (+ bias) for small M on validated, K-contiguous operands.
 
-    `counters`: a :func:`splitk_workspace` (int32 zeros, left zeroed) to count in; without one,
+    `counters`: a :func:`splitk_counters` (int32 zeros, left zeroed) to count in; without one,
     or one too small for this launch's tiles, each call zeroes fresh counters. `pdl`: launch with
     programmatic dependent launch (:mod:`fp8linear.ops.pdl`; the router decides).
     """

@@ -207,9 +207,9 @@ def _ours_counters(n: int, device: torch.device) -> torch.Tensor | None:
 
     if not HAS_TRITON:
         return None
-    from ..ops.splitk_gemm import splitk_workspace
+    from ..ops.splitk_gemm import splitk_counters
 
-    return splitk_workspace(n, device)
+    return splitk_counters(n, device)
 
 
 def _routed_to_cublas(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, allow_cublas: bool) -> bool:

@@ -113,7 +113,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
     from ..ops.cublas_gemm import cublas_fp8_gemm
     from ..ops.gemm import block_fp8_gemm
     from ..ops.quant import act_quant
-    from ..ops.splitk_gemm import splitk_workspace
+    from ..ops.splitk_gemm import splitk_counters
 
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -124,7 +124,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
             break
         w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
         w_q, w_s = quantize_weight(w, "block", torch.float8_e4m3fn)
-        counters = splitk_workspace(n, device)
+        counters = splitk_counters(n, device)
         for m in ms:
             x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
             x_q, x_s = act_quant(x, torch.float8_e4m3fn)

@@ -319,11 +319,11 @@ def test_custom_ops_pass_opcheck():
         torch.library.opcheck(functional._linear_op, (x2, w_q, w_s, gran, bias.bfloat16(), True, None),
                               test_utils=utils)
     # a decode GEMM long enough to split K, counting in split-K counters
-    from fp8linear.ops.splitk_gemm import splitk_workspace
+    from fp8linear.ops.splitk_gemm import splitk_counters
 
     w_q, w_s = quantize_weight(torch.randn(130, 4096, device=KERNEL_DEVICE), "block")
     x3 = torch.randn(3, 4096, device=KERNEL_DEVICE, dtype=torch.bfloat16)
-    ws = splitk_workspace(130, KERNEL_DEVICE)
+    ws = splitk_counters(130, KERNEL_DEVICE)
     torch.library.opcheck(functional._linear_op, (x3, w_q, w_s, "block", None, False, ws), test_utils=utils)
     x3_q, x3_s = quantize_activation(x3, backend="triton")
     torch.library.opcheck(functional._gemm_op, (x3_q, x3_s, w_q, w_s, "block", torch.bfloat16, None, False, ws),

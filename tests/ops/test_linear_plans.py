@@ -71,7 +71,7 @@ def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
     from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
     from fp8linear.ops.fused_decode import fused_decode_gemm
     from fp8linear.ops.router import route_linear
-    from fp8linear.ops.splitk_gemm import splitk_workspace
+    from fp8linear.ops.splitk_gemm import splitk_counters
 
     dev = torch.device(KERNEL_DEVICE)
     w_q, w_s = quantize_weight(torch.randn(n, k, device=dev) / 30, "block")
@@ -81,7 +81,7 @@ def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
     assert route.kernel == "decode"
     assert route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, bias, False, True).kernel != "decode"
     ws = {"none": None, "too small": torch.zeros(3, dtype=torch.int32, device=dev),
-          "layer's": splitk_workspace(n, dev)}[workspace]
+          "layer's": splitk_counters(n, dev)}[workspace]
     y = fused_decode_gemm(x, w_q, w_s, "block", bias, route.config, ws)
     x_q, x_s = quantize_activation(x, backend="triton")
     assert same_bits(y, block_fp8_matmul(x_q, x_s, w_q, w_s, bias=bias, backend="triton"))
@@ -206,7 +206,7 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
     route the functional path takes (the eager-only choices, one-launch decode and our kernels for
     small prefill GEMMs, give way to the GPU-faster route there)."""
     from fp8linear.ops.linear import run_linear_route
-    from fp8linear.ops.splitk_gemm import splitk_workspace
+    from fp8linear.ops.splitk_gemm import splitk_counters
 
     torch.manual_seed(m + n + k)
     layer = Fp8BlockLinear.from_linear(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16), granularity)
@@ -219,7 +219,7 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
     w_s = layer.weight_scale_inv.reshape(()) if granularity == "tensor" else layer.weight_scale_inv
     for x, y in zip(xs, ys):
         unprepared = run_linear_route(plan.route, x.flatten(0, 1), layer.weight, w_s, granularity, layer.bias,
-                                      splitk_workspace(layer.out_features, "cuda"))
+                                      splitk_counters(layer.out_features, "cuda"))
         assert same_bits(y, unprepared.view_as(y))
         if plan.route.kernel == "decode":  # the same bits as the two-launch path (act_quant, then the GEMM)
             x_q, x_s = quantize_activation(x)

@@ -32,13 +32,13 @@ def _operands(m, n, k, gran, seed):
 def test_mid_m_splitk_matches_reference(m, n, k, gran):
     from fp8linear.ops.gemm import block_fp8_gemm
     from fp8linear.ops.router import MID_SPLIT_TILE, mid_splitk_config
-    from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_workspace
+    from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_counters
 
     x_q, x_s, w_q, w_s, ref = _operands(m, n, k, gran, m + n)
     cfg = mid_splitk_config(m, n, k, torch.device(KERNEL_DEVICE))
     if cfg is None:  # a GPU with enough SMs for these tiles: still test the kernel at a split
         cfg = SplitKConfig(*MID_SPLIT_TILE, split_k=3)
-    for counters in (None, splitk_workspace(n, KERNEL_DEVICE)):
+    for counters in (None, splitk_counters(n, KERNEL_DEVICE)):
         y = block_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.float32, config=cfg, counters=counters)
         assert y.shape == (m, n)
         assert rel_err(y.cpu(), ref) < KERNEL_GEMM_TOL[torch.float32]

@@ -58,12 +58,12 @@ def _pdl_off(monkeypatch) -> None:
 def test_pdl_decode_forward_same_bits_as_plain_launches(m, n, k, granularity, monkeypatch):
     monkeypatch.setenv("FP8LINEAR_PDL", "1")
     from fp8linear import dequantize_weight, fp8_linear, quantize_weight
-    from fp8linear.ops.splitk_gemm import splitk_workspace
+    from fp8linear.ops.splitk_gemm import splitk_counters
 
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     w_q, w_s = quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02, granularity)
     bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
-    ws = splitk_workspace(n, "cuda")
+    ws = splitk_counters(n, "cuda")
     xs = [torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(8)]
     with_pdl = [fp8_linear(x, w_q, w_s, bias, counters=ws) for x in xs]  # back to back: each GEMM follows its act_quant
     _pdl_off(monkeypatch)
