@@ -1,7 +1,7 @@
 """Time the FP8 GEMM against BF16 and cuBLAS FP8 on this GPU: the same as `fp8linear bench`.
 
     python benchmarks/bench_gemm.py --quick          # ~1 minute
-    python benchmarks/bench_gemm.py --out results/   # the full issue-3 set, < 6 minutes on an H100
+    python benchmarks/bench_gemm.py --out results/   # the default shapes and Ms, < 6 minutes on an H100
 
 Needs the package importable: `pip install -e .` (or run `python -m fp8linear bench` from the repo root).
 See docs/benchmarks.md for reading the output.

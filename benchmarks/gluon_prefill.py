@@ -13,10 +13,10 @@ MODE picks the schedule:
     2  no promotion: the tensor cores accumulate every group (wrong scales: a speed bound only)
 
 `python benchmarks/gluon_prefill.py` checks modes 0/1 against the float64 reference (ragged
-shapes, every granularity, bias, output dtypes) and times them at M in {1024, 4096} on issue 3's
-shapes against our `tl` kernel, cuBLAS blockwise, per-tensor cuBLAS FP8 and BF16 (the benchmark's
+shapes, every granularity, bias, output dtypes) and times them at M in {1024, 4096} on the
+DeepSeek-V3 shapes against our `tl` kernel, cuBLAS blockwise, per-tensor cuBLAS FP8 and BF16 (the benchmark's
 CUDA-graph timer, operands rotated past the L2); `GLUON_VARIANTS=1` times every mode and tile
-width on five large shapes. Results (H100, ninth session) are in docs/benchmarks.md: with
+width on five large shapes. Results (H100) are in docs/benchmarks.md: with
 promotion no schedule reaches cuBLAS, because the register file caps the tile at 128x128 (the
 accumulator plus one product per thread) and 128x128 tiles without any promotion already top out
 at 1.25 PFLOP/s against cuBLAS blockwise's 1.34. Not shipped. Needs a Hopper GPU and a Triton

@@ -106,8 +106,8 @@ EAGER_CUBLAS_MIN_MNK = 16 * 10**9
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
 # M 1-4096): this rule's choice took 1.07x the time of the fastest kernel (geometric mean of 341
-# cases); 0.5 tiles per SM gave 1.10x, 0.75 1.12x, and the former rule (cuBLAS from M=128 on
-# weights of 8M+ elements) 1.24x.
+# cases); 0.5 tiles per SM gave 1.10x, 0.75 1.12x, and cuBLAS from M=128 on weights of 8M+
+# elements 1.24x.
 CUBLAS_MIN_TILES_PER_SM = 0.25
 CUBLAS_ANY_TILES_M = 1024
 # Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per

@@ -249,7 +249,7 @@ def test_save_table_creates_folders_and_clears_lookup_cache(isolated):
 @pytest.mark.parametrize("m", [1, 2, 8, 9, 16, 17, 32, 33, 64])
 def test_decode_heuristic_is_one_tile_of_rows_covering_m(m):
     """Untuned decode shapes: one 16/32/64-row tile covering M, 64 columns up to M=8, 32 above
-    (what the graph-timed tuner picked on H100), never the former 16x64 for every M."""
+    (what the graph-timed tuner picked on H100), never one 16x64 tile for every M."""
     from fp8linear.ops.configs import heuristic_config
 
     cfg = heuristic_config(m, 4096, 2048)
@@ -561,7 +561,7 @@ def test_tune_dry_run_end_to_end(tmp_path, isolated, capsys):
 
 @pytest.mark.parametrize("path", sorted((Path(tables.__file__).parent / "tuned_configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_tables_are_valid(path):
-    """Every table in the package parses, is named after its device and covers the issue-3 shapes
+    """Every table in the package parses, is named after its device and covers the benchmark's default shapes
     (measured tables; a table of unmeasured priors, meta.measured false, carries no timings)."""
     table = tables.load_table(path)
     assert tables.table_filename(table.device) == path.name
