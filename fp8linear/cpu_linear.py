@@ -3,24 +3,27 @@
 Same numerics contract as :mod:`fp8linear.reference`: the activations are quantized per token in
 1x128 groups to the same FP8 values and scales as ``quantize_activation_ref`` (bit-exact; the
 FP8 cast itself is skipped, the GEMM reads the grid values as fp32), and the GEMM sums the same
-quantized products in fp32, in another order and with the scales folded differently.
+quantized products in fp32, in another order and with the scales folded differently. One
+exception, for speed: a single row of bf16 x with 'block' or 'tensor' scales (decode at batch 1)
+runs float16 tiles through torch's float16 GEMV, which sums in fp32 but rounds the scaled
+activations and each output to float16 (11 significant bits) before the bf16 output (8 bits).
 
 What makes it fast, without a BF16/fp32 copy of the weight:
 
 * **Weight decode in tiles, with integer ops.** torch's FP8 -> float cast is scalar code on the
-  CPU (~2 ns an element, 30x a BF16 GEMV). Instead each FP8 code, read as int8, is widened to
+  CPU (~2-4 ns an element, 30x a BF16 GEMV). Instead each FP8 code, read as int8, is widened to
   int16 and moved into the bit layout of a float16 (sign to bit 15, exponent and mantissa to
-  bits 13..7): four vectorised ops (int8 -> int16 copy, ``* 128``, ``& 0xBF80``, float16 -> fp32
-  copy).
+  bits 13..7): three vectorised ops (int8 -> int16 copy, ``* 128``, ``& 0xBF80``), then a
+  float16 -> fp32 copy, except on the float16 GEMV path, which reads the float16 tile itself.
   That float16 is the FP8 value times 2^-8 (e4m3fn: exponent bias 7 against 15) or 2^-7
   (e4m3fnuz: bias 8), subnormals included; the power of two goes into the activation scales.
-  Tiles of rows are decoded into buffers that stay in cache and are reused for every tile.
+  Tiles of rows are decoded into buffers that stay in cache, kept per thread between calls.
 * **Scales folded where they cost least.** 'tensor': one scalar on the activations. 'block' with
-  few rows of x: on the activations, once per 128-row block (a batched GEMM over the blocks).
-  'row', and 'block' with many rows: one multiply over the decoded tile (row-expanded scales,
-  N*K/128 floats, prepared once per weight).
+  few rows of x: on the activations, once per 128-row block (a batched GEMM over the blocks, or
+  a GEMV per block on the float16 path). 'row', and 'block' with many rows: one multiply over
+  the decoded tile (row-expanded scales, N*K/128 floats, prepared once per weight).
 * **One fp32 GEMM per tile** (MKL), with the bias added by ``addmm``/``baddbmm`` (after the
-  GEMMs for M = 2..8, where the GEMM writes y rather than y.T).
+  GEMMs for M = 1..8, where the GEMM writes y rather than y.T).
 
 The codes that are NaN (e4m3fn 0x7F/0xFF, e4m3fnuz 0x80) do not decode to NaN this way; the rows
 holding one are found once per weight and their outputs set to NaN, as the reference gives.
@@ -59,6 +62,9 @@ A_ALL_MAX = 1 << 18
 # M=1 with bf16 x and 'block'/'tensor' scales: float16 tiles and torch's float16 GEMV (fp32 sums,
 # outputs rounded to float16 before the bf16 output), no float32 tile.
 HALF_GEMV = True
+# ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
+# cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
+HALF_MIN_ELEMS = 96 * 1024
 # Elements per intra-op thread of a float16 tile (rows: a power of two, at most 128).
 HALF_TILE_ELEMS = 1 << 18
 
@@ -76,6 +82,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------- activations
+_I32_EXP = torch.tensor(_FP32_EXP, dtype=torch.int32)
+_I32_ROUND = torch.tensor(_ROUND_OFFSET, dtype=torch.int32)
 _QMAX: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -112,7 +120,8 @@ def quantize_activation_grid(
     scale = amax / _qmax_tensor(fp8_dtype, qmax)  # a tensor divisor, as the reference (true division)
     q = (xg / scale).clamp_(-qmax, qmax)
     emin_bits = (127 + fp8_min_exponent(fp8_dtype)) << 23
-    c = (q.view(torch.int32) & _FP32_EXP).clamp_(min=emin_bits).add_(_ROUND_OFFSET).view(torch.float32)
+    # 0-d int32 operands: a Python int would be wrapped into a new tensor on every call
+    c = torch.bitwise_and(q.view(torch.int32), _I32_EXP).clamp_(min=emin_bits).add_(_I32_ROUND).view(torch.float32)
     q.add_(c).sub_(c)
     return q, scale.squeeze(-1)
 
@@ -131,8 +140,8 @@ class CpuFp8Weight:
     - ``block_scale``: (N/128, 1, G, 1) fp32 ('block' only), ``tensor_scale``: 0-d ('tensor' only)
     - ``nan_rows``: indices of the rows holding a NaN code, or None
     - ``x_factor``: 2**8 (e4m3fn) or 2**7 (e4m3fnuz), taken by the activation scales
-    - ``act_scale`` (0-d: x_factor, times the tensor scale), ``block_scale_x`` ((N/128, G): block
-      scales * x_factor, 'block' only): what the activation scales are multiplied by
+    - ``act_scale`` (0-d: x_factor, times the tensor scale), ``block_scale_x`` (block
+      scales * x_factor as (N/128, 1, G), 'block' only): what the activation scales are multiplied by
     """
 
     __slots__ = ("granularity", "n", "k", "groups", "fp8_dtype", "codes", "row_scale", "block_scale",
@@ -161,7 +170,7 @@ class CpuFp8Weight:
         self.act_scale = torch.tensor(self.x_factor)
         if self.tensor_scale is not None:
             self.act_scale = self.act_scale * self.tensor_scale
-        self.block_scale_x = self.block_scale.view(-1, self.groups) * self.x_factor if granularity == "block" else None
+        self.block_scale_x = self.block_scale.view(-1, 1, self.groups) * self.x_factor if granularity == "block" else None
         self.tiles: dict[int, list] = {}  # tile rows -> [(n0, n1, codes[n0:n1])], see _tiles
         codes = weight.view(torch.uint8)
         bad = (codes & 0x7F) == 0x7F if weight.dtype == torch.float8_e4m3fn else codes == 0x80
@@ -275,7 +284,7 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
     """
     kp = grid.shape[1] * GROUP_SIZE
     if p.block_scale is not None:
-        a = grid * (x_s * p.block_scale_x).unsqueeze(-1)  # (NB, G, 128)
+        a = grid * (x_s * p.block_scale_x).unsqueeze(-1)  # (NB, 1, G, 128)
     else:
         a = grid * (x_s * p.act_scale).unsqueeze(-1)  # (1, G, 128)
     amax = a.abs().amax().item()
@@ -337,7 +346,8 @@ def cpu_fp8_linear(
     pad_buf = _scratch(m, kp, torch.float32, "x") if kp != k and m <= PAD_SCRATCH_MAX_M else None
     grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
     bias_f = bias.float() if bias is not None else None
-    if m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row":
+    if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"
+            and n * kp >= HALF_MIN_ELEMS):
         y = _half_gemv(p, grid, x_s, bias_f)
         if y is not None:
             return y
@@ -359,10 +369,10 @@ def cpu_fp8_linear(
         y_out = torch.empty((m, n_pad) if m_major else (n_pad, m), dtype=torch.float32)
     if xfold:
         # the activations' scales times each 128-row block's scales (times 2**shift): (NB, M, G)
-        s_blk = x_s.unsqueeze(0) * p.block_scale_x.unsqueeze(1)
+        s_blk = x_s * p.block_scale_x
         a_all = None
         if rows >= GROUP_SIZE and s_blk.numel() * GROUP_SIZE <= A_ALL_MAX:  # all blocks' activations at once
-            a_all = (grid.unsqueeze(0) * s_blk.unsqueeze(-1)).view(s_blk.shape[0], m, kp)
+            a_all = (grid * s_blk.unsqueeze(-1)).view(s_blk.shape[0], m, kp)
     else:
         xd = grid.mul_((x_s * p.act_scale).unsqueeze(-1))  # (M, G, 128) dequantized activations (* 2**shift)
     if xfold and rows >= GROUP_SIZE:
@@ -381,7 +391,7 @@ def cpu_fp8_linear(
             if a_all is not None:
                 a = a_all[b0:b0 + blocks]
             else:
-                a = (grid.unsqueeze(0) * s_blk[b0:b0 + blocks].unsqueeze(-1)).view(blocks, m, kp)
+                a = (grid * s_blk[b0:b0 + blocks].unsqueeze(-1)).view(blocks, m, kp)
             fb = f[: blocks * GROUP_SIZE].view(blocks, GROUP_SIZE, kp)
             if m_major:
                 torch.bmm(a, fb.transpose(1, 2), out=y_blk[b0:b0 + blocks])

@@ -245,6 +245,7 @@ def _fp32_path(monkeypatch, *args):
 @pytest.mark.parametrize("n,k", [(300, 2112), (576, 130), (2112, 576), (1, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_half_gemv_matches_float64(n, k, granularity, fp8_dtype, with_bias, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
     gen = torch.Generator().manual_seed(n + 3 * k)
     x = torch.randn(1, k, generator=gen).bfloat16()
     w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=gen) / math.sqrt(k), granularity, fp8_dtype)
@@ -266,6 +267,7 @@ def test_half_gemv_matches_float64(n, k, granularity, fp8_dtype, with_bias, monk
 @pytest.mark.parametrize("exp2", [-35, -20, 0, 60, 110])
 def test_half_gemv_any_activation_range(granularity, exp2, monkeypatch):
     """x of any magnitude (above the amax floor): a power of two keeps float16 in range, or the fp32 path runs."""
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
     gen = torch.Generator().manual_seed(exp2 + 200)
     x = (torch.randn(1, 1024, generator=gen) * 2.0**exp2).bfloat16()
     w_q, w_s = quantize_weight_ref(torch.randn(256, 1024, generator=gen) / 32, granularity, torch.float8_e4m3fn)
@@ -276,7 +278,8 @@ def test_half_gemv_any_activation_range(granularity, exp2, monkeypatch):
 
 
 @pytest.mark.parametrize("granularity", ["block", "tensor"])
-def test_half_gemv_nan_inf_and_nan_codes(granularity):
+def test_half_gemv_nan_inf_and_nan_codes(granularity, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
     w_q, w_s = quantize_weight_ref(torch.randn(300, 256), granularity, torch.float8_e4m3fn)
     x = torch.randn(1, 256).bfloat16()
     for bad in (float("nan"), float("inf")):
@@ -293,12 +296,20 @@ def test_half_gemv_nan_inf_and_nan_codes(granularity):
 @pytest.mark.parametrize("granularity", ["block", "tensor"])
 def test_half_gemv_tilings(half_tile_elems, granularity, monkeypatch):
     monkeypatch.setattr(cpu_linear, "HALF_TILE_ELEMS", half_tile_elems)
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
     x = torch.randn(1, 300).bfloat16()
     w_q, w_s = quantize_weight_ref(torch.randn(300, 300) / 17, granularity, torch.float8_e4m3fn)
     bias = torch.randn(300)
     y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
     x_q, x_s = quantize_activation_ref(x, torch.float8_e4m3fn)
     assert rel_err(y, _ref64(x_q, x_s, w_q, w_s, bias)) < GEMM_TOL[torch.bfloat16]
+
+
+def test_small_weights_take_the_fp32_path(monkeypatch):
+    w_q, w_s = quantize_weight_ref(torch.randn(64, 256), "block", torch.float8_e4m3fn)
+    assert 64 * 256 < cpu_linear.HALF_MIN_ELEMS
+    x = torch.randn(1, 256).bfloat16()
+    assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), _fp32_path(monkeypatch, x, w_q, w_s, "block"))
 
 
 # --- scratch buffers kept between calls -----------------------------------------------------------
