@@ -307,13 +307,19 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
             torch.mm(a16, hv_t if r == rows else hv_t[:, :r], out=y16[:, n0:n1])
     else:  # 'block': one GEMV per 128-row block (or per tile inside one) with that block's row
         step = min(rows, GROUP_SIZE)
+        a_rows = a16.view(-1, 1, kp).unbind(0)
+        full = [(j, j + step, hv_t[:, j:j + step]) for j in range(0, rows, step)]  # a full tile's blocks
         for n0, n1, codes in _tiles(p, rows):
             r = n1 - n0
-            _decode_bits(codes, h if r == rows else h[:r])
+            if r == rows:
+                _decode_bits(codes, h)
+                for j, j1, w_t in full:
+                    torch.mm(a_rows[(n0 + j) // GROUP_SIZE], w_t, out=y16[:, n0 + j:n0 + j1])
+                continue
+            _decode_bits(codes, h[:r])
             for j in range(0, r, step):
-                b = (n0 + j) // GROUP_SIZE
                 j1 = min(r, j + step)
-                torch.mm(a16[b:b + 1], hv_t[:, j:j1], out=y16[:, n0 + j:n0 + j1])
+                torch.mm(a_rows[(n0 + j) // GROUP_SIZE], hv_t[:, j:j1], out=y16[:, n0 + j:n0 + j1])
     y = torch.empty(1, n, dtype=torch.bfloat16)
     y32 = y16.float()
     if bias_f is None:
