@@ -65,8 +65,10 @@ HALF_GEMV = True
 # ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
 # cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
 HALF_MIN_ELEMS = 96 * 1024
-# Elements per intra-op thread of a float16 tile (rows: a power of two, at most 128).
-HALF_TILE_ELEMS = 1 << 18
+# Elements per intra-op thread of a float16 tile (rows: a power of two, at most 128). M=1, 2 threads
+# (rows per tile): 7168x2048 2.52 ms (128), 2.94 (256); 2048x7168 2.21 (128), 2.33 (64), 2.68 (32);
+# 1 thread: 7168x2048 4.23 (128), 4.49 (64); 2048x7168 4.16 (64), 4.25 (32).
+HALF_TILE_ELEMS = 1 << 19
 
 # int16 mask keeping bit 15 (sign) and bits 13..7 (FP8 exponent and mantissa): 0xBF80.
 _MASK = -16512
@@ -269,9 +271,9 @@ def _tiles(p: CpuFp8Weight, rows: int) -> list[tuple[int, int, torch.Tensor]]:
 
 
 def _half_gemv_rows(kp: int) -> int:
-    """Rows of a float16 tile: a power of two (so a tile below 128 rows stays inside a block)."""
+    """Rows of a float16 tile: a power of two up to one 128-row block."""
     rows = max(1, HALF_TILE_ELEMS * torch.get_num_threads() // kp)
-    return 1 << (rows.bit_length() - 1)
+    return min(GROUP_SIZE, 1 << (rows.bit_length() - 1))
 
 
 def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: torch.Tensor | None):
