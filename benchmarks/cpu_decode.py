@@ -1,12 +1,13 @@
 """Decode-step time of a SmolLM2-135M-shaped stack of linears on the CPU: BF16 vs FP8.
 
-One "token" runs, for each of the 30 layers, the model's 7 linears at M=1 (q 576x576,
+One "token" runs, for each of the 30 layers, the model's 7 linears at M rows (--m, default 1; the
+main job decodes 2 prompts at once: M=2) (q 576x576,
 k/v 192x576, o 576x576, gate/up 1536x576, down 576x1536; N x K); attention, norms and the
 LM head are left out, so this bounds the linears' share of a decode step. FP8 runs through
 `cpu_fp8_linear` (weights prepared once, as a layer would keep them) and, for scale, the
 reference path on a few layers. Rounds interleave BF16 and FP8; medians are printed.
 
-    python benchmarks/cpu_decode.py [--threads 2] [--layers 30] [--granularity block] [--rounds 7]
+    python benchmarks/cpu_decode.py [--threads 2] [--m 1] [--layers 30] [--granularity block] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def build(layers: int, granularity: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--m", type=int, default=1, help="rows of x (tokens decoded at once)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--granularity", default="block", choices=("block", "row", "tensor"))
     p.add_argument("--rounds", type=int, default=7)
@@ -51,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     bf16, fp8 = build(args.layers, args.granularity)
-    h = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
-    a = torch.randn(1, INTER, dtype=torch.bfloat16)
+    h = torch.randn(args.m, HIDDEN, dtype=torch.bfloat16)
+    a = torch.randn(args.m, INTER, dtype=torch.bfloat16)
     gran = args.granularity
 
     def step_bf16():
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(dt * (args.layers / args.ref_layers if name == "ref" else 1))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     ratio = statistics.median(b / f for b, f in zip(times["bf16"], times["fp8"]))
-    print(f"SmolLM2-135M-shaped linears, {args.layers} layers x {len(LINEARS)}, M=1, {gran}, "
+    print(f"SmolLM2-135M-shaped linears, {args.layers} layers x {len(LINEARS)}, M={args.m}, {gran}, "
           f"{args.threads} threads, torch {torch.__version__}")
     print(f"  bf16 nn.Linear   {med['bf16']:8.2f} ms/token")
     print(f"  fp8 cpu_linear   {med['fp8']:8.2f} ms/token   (bf16/fp8 time: {ratio:.2f}x BF16 speed)")

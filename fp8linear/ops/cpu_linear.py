@@ -3,24 +3,27 @@
 Same numerics contract as :mod:`fp8linear.reference`: the activations are quantized per token in
 1x128 groups to the same FP8 values and scales as ``quantize_activation_ref`` (bit-exact; the
 FP8 cast itself is skipped, the GEMM reads the grid values as fp32), and the GEMM sums the same
-quantized products in fp32, in another order and with the scales folded differently.
+quantized products in fp32, in another order and with the scales folded differently. One
+exception, for speed: a single row of bf16 x with 'block' or 'tensor' scales (decode at batch 1)
+runs float16 tiles through torch's float16 GEMV, which sums in fp32 but rounds the scaled
+activations and each output to float16 (11 significant bits) before the bf16 output (8 bits).
 
 What makes it fast, without a BF16/fp32 copy of the weight:
 
 * **Weight decode in tiles, with integer ops.** torch's FP8 -> float cast is scalar code on the
-  CPU (~2 ns an element, 30x a BF16 GEMV). Instead each FP8 code, read as int8, is widened to
+  CPU (~2-4 ns an element, 30x a BF16 GEMV). Instead each FP8 code, read as int8, is widened to
   int16 and moved into the bit layout of a float16 (sign to bit 15, exponent and mantissa to
-  bits 13..7): four vectorised ops (int8 -> int16 copy, ``* 128``, ``& 0xBF80``, float16 -> fp32
-  copy).
+  bits 13..7): three vectorised ops (int8 -> int16 copy, ``* 128``, ``& 0xBF80``), then a
+  float16 -> fp32 copy, except on the float16 GEMV path, which reads the float16 tile itself.
   That float16 is the FP8 value times 2^-8 (e4m3fn: exponent bias 7 against 15) or 2^-7
   (e4m3fnuz: bias 8), subnormals included; the power of two goes into the activation scales.
-  Tiles of rows are decoded into buffers that stay in cache and are reused for every tile.
+  Tiles of rows are decoded into buffers that stay in cache, kept per thread between calls.
 * **Scales folded where they cost least.** 'tensor': one scalar on the activations. 'block' with
-  few rows of x: on the activations, once per 128-row block (a batched GEMM over the blocks).
-  'row', and 'block' with many rows: one multiply over the decoded tile (row-expanded scales,
-  N*K/128 floats, prepared once per weight).
+  few rows of x: on the activations, once per 128-row block (a batched GEMM over the blocks, or
+  a GEMV per block on the float16 path). 'row', and 'block' with many rows: one multiply over
+  the decoded tile (row-expanded scales, N*K/128 floats, prepared once per weight).
 * **One fp32 GEMM per tile** (MKL), with the bias added by ``addmm``/``baddbmm`` (after the
-  GEMMs for M = 2..8, where the GEMM writes y rather than y.T).
+  GEMMs for M = 1..8, where the GEMM writes y rather than y.T).
 
 The codes that are NaN (e4m3fn 0x7F/0xFF, e4m3fnuz 0x80) do not decode to NaN this way; the rows
 holding one are found once per weight and their outputs set to NaN, as the reference gives.
@@ -28,6 +31,8 @@ holding one are found once per weight and their outputs set to NaN, as the refer
 
 from __future__ import annotations
 
+import math
+import threading
 import weakref
 
 import torch
@@ -51,6 +56,19 @@ TILE_ELEMS_LARGE_M = 1 << 20
 XFOLD_MAX_M = 32
 # Up to this M the GEMM writes y (M, N), not y.T (measured: 3-4x faster MKL calls at M=2..4).
 M_MAJOR_MAX_M = 8
+# 'block' up to XFOLD_MAX_M: the scaled activations of all 128-row blocks are made at once up to this
+# many floats (else per tile).
+A_ALL_MAX = 1 << 18
+# M=1 with bf16 x and 'block'/'tensor' scales: float16 tiles and torch's float16 GEMV (fp32 sums,
+# outputs rounded to float16 before the bf16 output), no float32 tile.
+HALF_GEMV = True
+# ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
+# cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
+HALF_MIN_ELEMS = 96 * 1024
+# Elements per intra-op thread of a float16 tile (rows: a power of two, at most 128). M=1, 2 threads
+# (rows per tile): 7168x2048 2.52 ms (128), 2.94 (256); 2048x7168 2.21 (128), 2.33 (64), 2.68 (32);
+# 1 thread: 7168x2048 4.23 (128), 4.49 (64); 2048x7168 4.16 (64), 4.25 (32).
+HALF_TILE_ELEMS = 1 << 19
 
 # int16 mask keeping bit 15 (sign) and bits 13..7 (FP8 exponent and mantissa): 0xBF80.
 _MASK = -16512
@@ -66,7 +84,21 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------- activations
-def quantize_activation_grid(x2d: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+_I32_EXP = torch.tensor(_FP32_EXP, dtype=torch.int32)
+_I32_ROUND = torch.tensor(_ROUND_OFFSET, dtype=torch.int32)
+_QMAX: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _qmax_tensor(fp8_dtype: torch.dtype, qmax: float) -> torch.Tensor:
+    t = _QMAX.get(fp8_dtype)
+    if t is None:
+        t = _QMAX[fp8_dtype] = torch.tensor(qmax, dtype=torch.float32)
+    return t
+
+
+def quantize_activation_grid(
+    x2d: torch.Tensor, fp8_dtype: torch.dtype, pad_buf: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token 1x128 quantization of `x2d` (M, K) -> (grid (M, G, 128) fp32, x_s (M, G) fp32).
 
     `grid` holds the FP8 values of ``quantize_activation_ref`` as fp32 (0 in the padding past K),
@@ -74,22 +106,24 @@ def quantize_activation_grid(x2d: torch.Tensor, fp8_dtype: torch.dtype) -> tuple
     rounding to 3 mantissa bits is one add and one subtract of c = 1.5 * 2**(e + 20), e the
     exponent of the value floored at the FP8 subnormal exponent: the float ulp of c is the FP8
     ulp at e, so the add rounds half to even at exactly that ulp and the subtract is exact.
-    -0.0 comes out +0.0, NaN stays NaN.
+    -0.0 comes out +0.0, NaN stays NaN. `pad_buf`: optional (M, Kp) fp32 zeros past K, used for the
+    padded copy of x when K is not a multiple of 128 (its first K columns are overwritten).
     """
     m, k = x2d.shape
     groups = _cdiv(k, GROUP_SIZE)
     if groups * GROUP_SIZE != k:  # zero padding (F.pad costs ~40 us a call here)
-        xf = torch.zeros(m, groups * GROUP_SIZE, dtype=torch.float32)
+        xf = torch.zeros(m, groups * GROUP_SIZE, dtype=torch.float32) if pad_buf is None else pad_buf
         xf[:, :k] = x2d
     else:
         xf = x2d.float()
     xg = xf.reshape(m, groups, GROUP_SIZE)
     qmax = activation_max(fp8_dtype)
     amax = xg.abs().amax(dim=-1, keepdim=True).clamp_(min=AMAX_FLOOR)
-    scale = amax / torch.full_like(amax, qmax)  # a tensor divisor, as the reference
+    scale = amax / _qmax_tensor(fp8_dtype, qmax)  # a tensor divisor, as the reference (true division)
     q = (xg / scale).clamp_(-qmax, qmax)
     emin_bits = (127 + fp8_min_exponent(fp8_dtype)) << 23
-    c = (q.view(torch.int32) & _FP32_EXP).clamp_(min=emin_bits).add_(_ROUND_OFFSET).view(torch.float32)
+    # 0-d int32 operands: a Python int would be wrapped into a new tensor on every call
+    c = torch.bitwise_and(q.view(torch.int32), _I32_EXP).clamp_(min=emin_bits).add_(_I32_ROUND).view(torch.float32)
     q.add_(c).sub_(c)
     return q, scale.squeeze(-1)
 
@@ -108,10 +142,13 @@ class CpuFp8Weight:
     - ``block_scale``: (N/128, 1, G, 1) fp32 ('block' only), ``tensor_scale``: 0-d ('tensor' only)
     - ``nan_rows``: indices of the rows holding a NaN code, or None
     - ``x_factor``: 2**8 (e4m3fn) or 2**7 (e4m3fnuz), taken by the activation scales
+    - ``act_scale`` (0-d: x_factor, times the tensor scale), ``block_scale_x`` (block
+      scales * x_factor as (N/128, 1, G), 'block' only): what the activation scales are multiplied by
     """
 
     __slots__ = ("granularity", "n", "k", "groups", "fp8_dtype", "codes", "row_scale", "block_scale",
-                 "tensor_scale", "nan_rows", "x_factor", "key", "__weakref__")
+                 "tensor_scale", "nan_rows", "x_factor", "act_scale", "block_scale_x", "tiles", "key",
+                 "__weakref__")
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, granularity: str):
         n, k = weight.shape
@@ -130,6 +167,13 @@ class CpuFp8Weight:
                 self.block_scale = s.reshape(-1, 1, self.groups, 1).contiguous()
                 s = s.repeat_interleave(GROUP_SIZE, dim=0)[:n]
             self.row_scale = s.reshape(n, self.groups, 1).contiguous()
+        # what the activations' scales are multiplied by: 2**shift ('row', 'block' above XFOLD_MAX_M),
+        # times the tensor scale ('tensor'); 'block' up to XFOLD_MAX_M: 2**shift * each block's scales
+        self.act_scale = torch.tensor(self.x_factor)
+        if self.tensor_scale is not None:
+            self.act_scale = self.act_scale * self.tensor_scale
+        self.block_scale_x = self.block_scale.view(-1, 1, self.groups) * self.x_factor if granularity == "block" else None
+        self.tiles: dict[int, list] = {}  # tile rows -> [(n0, n1, codes[n0:n1])], see _tiles
         codes = weight.view(torch.uint8)
         bad = (codes & 0x7F) == 0x7F if weight.dtype == torch.float8_e4m3fn else codes == 0x80
         rows = bad.any(dim=1).nonzero().flatten()
@@ -160,23 +204,133 @@ def _prepared_for(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granular
 
 
 # ----------------------------------------------------------------------------- forward
+# 0-d int16 operands of the decode (a Python scalar is wrapped into a new tensor on every call).
+_I16_128 = torch.tensor(128, dtype=torch.int16)
+_I16_MASK = torch.tensor(_MASK, dtype=torch.int16)
+
+
+def _decode_bits(codes: torch.Tensor, h: torch.Tensor) -> None:
+    """int8 codes (r, K) -> `h` (r, Kp) int16 holding float16 bits of FP8 value * 2**-shift (0 past K)."""
+    hk = h[:, : codes.shape[1]] if h.shape[1] != codes.shape[1] else h
+    hk.copy_(codes)  # int8 -> int16 sign-extends
+    h.mul_(_I16_128)  # code at bits 14..7, sign at 15 (and 14); bitwise_left_shift has no vectorised int16 path
+    h.bitwise_and_(_I16_MASK)  # bit 14 cleared: a float16
+
+
 def _decode(p: CpuFp8Weight, n0: int, n1: int, h: torch.Tensor, f: torch.Tensor) -> None:
     """Weight rows [n0, n1) -> `f` (rows, Kp) fp32 = FP8 value * 2**-shift; `h` int16 scratch (0 past K)."""
-    hk = h[:, : p.k] if h.shape[1] != p.k else h
-    hk.copy_(p.codes[n0:n1])  # int8 -> int16 sign-extends
-    h.mul_(128)  # code at bits 14..7, sign at 15 (and 14); bitwise_left_shift has no vectorised int16 path
-    h.bitwise_and_(_MASK)  # bit 14 cleared: a float16
+    _decode_bits(p.codes[n0:n1], h)
     f.copy_(h.view(torch.float16))
+
+
+# Scratch buffers reused across calls (per thread: calls from several threads never share one), made
+# as zeros. The int16 columns past K stay zero through the decode; rows of a float32 tile past N
+# (the last tile of the batched GEMM) keep whatever a previous call decoded there: finite values
+# whose outputs are dropped.
+_SCRATCH = threading.local()
+_MAX_SCRATCH = 6
+# the padded copy of x (K not a multiple of 128) uses a kept buffer up to this M
+PAD_SCRATCH_MAX_M = 64
+
+
+def _scratch(rows: int, cols: int, dtype: torch.dtype, use: str = "tile") -> torch.Tensor:
+    """A zero-initialised (rows, cols) buffer kept for this thread (per `use`: 'tile' or 'x')."""
+    cache = getattr(_SCRATCH, use, None)
+    if cache is None:
+        cache = {}
+        setattr(_SCRATCH, use, cache)
+    key = (rows, cols, dtype)
+    buf = cache.get(key)
+    if buf is None:
+        if len(cache) >= _MAX_SCRATCH:
+            cache.clear()
+        buf = cache[key] = torch.zeros(rows, cols, dtype=dtype)
+    return buf
 
 
 def _tile_rows(n: int, kp: int, xfold: bool, m: int) -> int:
     elems = TILE_ELEMS * torch.get_num_threads() if m <= XFOLD_MAX_M else TILE_ELEMS_LARGE_M
     rows = max(1, elems // kp)
+    if n * kp <= elems * 3 // 2:  # up to 1.5 tiles: one (fewer ops; measured on 576x576 at M=2)
+        rows = n if not xfold else _cdiv(n, GROUP_SIZE) * GROUP_SIZE
     if not xfold:
         return min(rows, n)
     if rows >= GROUP_SIZE:  # whole 128-row blocks, a batched GEMM over them
         return min(rows // GROUP_SIZE * GROUP_SIZE, _cdiv(n, GROUP_SIZE) * GROUP_SIZE)
     return min(1 << (rows.bit_length() - 1), n)  # a power of two: tiles never straddle a block
+
+
+def _tiles(p: CpuFp8Weight, rows: int) -> list[tuple[int, int, torch.Tensor]]:
+    """(n0, n1, codes[n0:n1]) per tile of `rows` rows, made once per weight and tile size."""
+    plan = p.tiles.get(rows)
+    if plan is None:
+        if len(p.tiles) >= 4:
+            p.tiles.clear()
+        plan = p.tiles[rows] = [(n0, min(p.n, n0 + rows), p.codes[n0:n0 + rows]) for n0 in range(0, p.n, rows)]
+    return plan
+
+
+def _half_gemv_rows(kp: int) -> int:
+    """Rows of a float16 tile: a power of two up to one 128-row block."""
+    rows = max(1, HALF_TILE_ELEMS * torch.get_num_threads() // kp)
+    return min(GROUP_SIZE, 1 << (rows.bit_length() - 1))
+
+
+def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: torch.Tensor | None):
+    """M=1 with bf16 output, 'block' or 'tensor' scales: y (1, N) bf16, or None where it does not apply.
+
+    The scaled activations (one row per 128-row block) times a power of two 2**-e go to float16,
+    the tile stays float16 (no float32 copy), and torch's float16 GEMV accumulates in fp32 and
+    rounds each output to float16 (11 bits), then * 2**e (+ bias) in fp32 -> bf16. e puts the
+    largest activation in [2**-1, 1) / 2**max(0, log2(Kp) - 14), so no product or output overflows.
+    """
+    kp = grid.shape[1] * GROUP_SIZE
+    if p.block_scale is not None:
+        a = grid * (x_s * p.block_scale_x).unsqueeze(-1)  # (NB, 1, G, 128)
+    else:
+        a = grid * (x_s * p.act_scale).unsqueeze(-1)  # (1, G, 128)
+    amax = a.abs().amax().item()
+    if not math.isfinite(amax):
+        return None  # NaN/Inf rows: the fp32 path gives the reference's NaNs
+    e = math.frexp(amax)[1] + max(0, (kp - 1).bit_length() - 14)
+    if abs(e) > 100:  # 2**e or 2**-e would leave fp32's normal range
+        return None
+    a16 = torch.empty(a.shape[0], kp, dtype=torch.float16)
+    torch.mul(a.view(-1, kp), 2.0 ** -e, out=a16)
+    n = p.n
+    rows = _half_gemv_rows(kp)
+    h = _scratch(rows, kp, torch.int16)
+    hv_t = h.view(torch.float16).t()
+    y16 = torch.empty(1, n, dtype=torch.float16)
+    if p.block_scale is None:  # 'tensor': one activation row for every tile
+        for n0, n1, codes in _tiles(p, rows):
+            r = n1 - n0
+            _decode_bits(codes, h if r == rows else h[:r])
+            torch.mm(a16, hv_t if r == rows else hv_t[:, :r], out=y16[:, n0:n1])
+    else:  # 'block': one GEMV per 128-row block (or per tile inside one) with that block's row
+        step = min(rows, GROUP_SIZE)
+        a_rows = a16.view(-1, 1, kp).unbind(0)
+        full = [(j, j + step, hv_t[:, j:j + step]) for j in range(0, rows, step)]  # a full tile's blocks
+        for n0, n1, codes in _tiles(p, rows):
+            r = n1 - n0
+            if r == rows:
+                _decode_bits(codes, h)
+                for j, j1, w_t in full:
+                    torch.mm(a_rows[(n0 + j) // GROUP_SIZE], w_t, out=y16[:, n0 + j:n0 + j1])
+                continue
+            _decode_bits(codes, h[:r])
+            for j in range(0, r, step):
+                j1 = min(r, j + step)
+                torch.mm(a_rows[(n0 + j) // GROUP_SIZE], hv_t[:, j:j1], out=y16[:, n0 + j:n0 + j1])
+    y = torch.empty(1, n, dtype=torch.bfloat16)
+    y32 = y16.float()
+    if bias_f is None:
+        torch.mul(y32, 2.0 ** e, out=y)
+    else:
+        torch.add(bias_f, y32, alpha=2.0 ** e, out=y)
+    if p.nan_rows is not None:
+        y[:, p.nan_rows] = float("nan")
+    return y
 
 
 def cpu_fp8_linear(
@@ -197,43 +351,58 @@ def cpu_fp8_linear(
     m = x2d.shape[0]
     n, k, groups = p.n, p.k, p.groups
     kp = groups * GROUP_SIZE
-    grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype)
-    s = x_s * p.x_factor  # exact: a power of two
-    if p.tensor_scale is not None:
-        s = s * p.tensor_scale
-    xd = grid.mul_(s.unsqueeze(-1))  # (M, G, 128) dequantized activations (times x_factor)
+    pad_buf = _scratch(m, kp, torch.float32, "x") if kp != k and m <= PAD_SCRATCH_MAX_M else None
+    grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
+    bias_f = bias.float() if bias is not None else None
+    if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"
+            and n * kp >= HALF_MIN_ELEMS):
+        y = _half_gemv(p, grid, x_s, bias_f)
+        if y is not None:
+            return y
     xfold = p.block_scale is not None and m <= XFOLD_MAX_M
     # Up to a few rows of x: y (M, N) = x @ tile.T runs 3-4x faster in MKL than y.T = tile @ x.T
     # (at M=1 too for the batched GEMM over blocks: 13 us against 41 us for 3 blocks of 128x640).
     m_major = m <= M_MAJOR_MAX_M
     rows = _tile_rows(n, kp, xfold, m)
-    h = torch.empty(rows, kp, dtype=torch.int16)
-    if kp != k:
-        h[:, k:].zero_()
-    f = torch.empty(rows, kp, dtype=torch.float32)
-    bias_f = bias.float() if bias is not None else None
+    h = _scratch(rows, kp, torch.int16)
+    f = _scratch(rows, kp, torch.float32)
     n_pad = _cdiv(n, GROUP_SIZE) * GROUP_SIZE if xfold and rows >= GROUP_SIZE else n
     # outputs: y_t (N, M) ("N-major"), or y_m (M, N) with the bias added at the end
-    y_out = torch.empty((m, n_pad) if m_major else (n_pad, m), dtype=torch.float32)
+    # outputs: y_t (N, M) ("N-major"), y_m (M, N), or per-block y_blk (N/128, M, 128) for the batched
+    # GEMMs of M = 2..8; the bias is added at the end except on the N-major path
+    y_blk = y_out = None
+    if xfold and rows >= GROUP_SIZE and m_major:
+        y_blk = torch.empty(n_pad // GROUP_SIZE, m, GROUP_SIZE, dtype=torch.float32)
+    else:
+        y_out = torch.empty((m, n_pad) if m_major else (n_pad, m), dtype=torch.float32)
+    if xfold:
+        # the activations' scales times each 128-row block's scales (times 2**shift): (NB, M, G)
+        s_blk = x_s * p.block_scale_x
+        a_all = None
+        if rows >= GROUP_SIZE and s_blk.numel() * GROUP_SIZE <= A_ALL_MAX:  # all blocks' activations at once
+            a_all = (grid * s_blk.unsqueeze(-1)).view(s_blk.shape[0], m, kp)
+    else:
+        xd = grid.mul_((x_s * p.act_scale).unsqueeze(-1))  # (M, G, 128) dequantized activations (* 2**shift)
     if xfold and rows >= GROUP_SIZE:
-        if bias_f is not None and n_pad != n:
+        if bias_f is not None and n_pad != n and not m_major:
             bias_f = F.pad(bias_f, (0, n_pad - n))
-        for n0 in range(0, n, rows):
-            n1 = min(n, n0 + rows)
+        for n0, n1, codes in _tiles(p, rows):
             r = n1 - n0
             blocks = _cdiv(r, GROUP_SIZE)
-            if r != blocks * GROUP_SIZE:
-                f[r:].zero_()  # rows past N: their outputs are dropped, keep them finite
-            _decode(p, n0, n1, h[:r], f[:r])
+            if r == rows:
+                _decode_bits(codes, h)
+                f.copy_(h.view(torch.float16))
+            else:
+                _decode_bits(codes, h[:r])
+                f[:r].copy_(h[:r].view(torch.float16))
             b0 = n0 // GROUP_SIZE
-            a = (xd.unsqueeze(0) * p.block_scale[b0:b0 + blocks]).view(blocks, m, kp)
+            if a_all is not None:
+                a = a_all[b0:b0 + blocks]
+            else:
+                a = (grid * s_blk[b0:b0 + blocks].unsqueeze(-1)).view(blocks, m, kp)
             fb = f[: blocks * GROUP_SIZE].view(blocks, GROUP_SIZE, kp)
-            if m == 1:
-                torch.bmm(a, fb.transpose(1, 2), out=y_out.view(-1, 1, GROUP_SIZE)[b0:b0 + blocks])
-                continue
             if m_major:
-                out = torch.bmm(a, fb.transpose(1, 2))  # (blocks, M, 128)
-                y_out.view(m, n_pad // GROUP_SIZE, GROUP_SIZE)[:, b0:b0 + blocks].copy_(out.transpose(0, 1))
+                torch.bmm(a, fb.transpose(1, 2), out=y_blk[b0:b0 + blocks])
                 continue
             out = y_out[n0:n0 + blocks * GROUP_SIZE].view(blocks, GROUP_SIZE, m)
             if bias_f is None:
@@ -242,36 +411,53 @@ def cpu_fp8_linear(
                 bcol = bias_f[n0:n0 + blocks * GROUP_SIZE].view(blocks, GROUP_SIZE, 1)
                 torch.baddbmm(bcol, fb, a.transpose(1, 2), out=out)
     else:
-        xd2 = xd.view(m, kp)
         block = -1
-        for n0 in range(0, n, rows):
-            n1 = min(n, n0 + rows)
+        hv = h.view(torch.float16)
+        f_t = f.t()
+        for n0, n1, codes in _tiles(p, rows):
             r = n1 - n0
-            fr = f[:r]
-            _decode(p, n0, n1, h[:r], fr)
+            if r == rows:
+                hr, fr, fr_t = h, f, f_t
+            else:
+                hr, fr = h[:r], f[:r]
+                fr_t = fr.t()
+            _decode_bits(codes, hr)
+            fr.copy_(hv[:r] if r != rows else hv)
             if xfold:  # a power-of-two tile inside one 128-row block: its scales on the activations
                 if n0 // GROUP_SIZE != block:
                     block = n0 // GROUP_SIZE
-                    xd2 = (xd * p.block_scale[block]).view(m, kp)
-            elif p.row_scale is not None:
-                fr.view(r, groups, GROUP_SIZE).mul_(p.row_scale[n0:n1])
+                    xd2 = (grid * s_blk[block].unsqueeze(-1)).view(m, kp)
+            else:
+                xd2 = xd.view(m, kp)
+                if p.row_scale is not None:
+                    fr.view(r, groups, GROUP_SIZE).mul_(p.row_scale[n0:n1])
             if m_major:
-                torch.mm(xd2, fr.t(), out=y_out[:, n0:n1])
+                torch.mm(xd2, fr_t, out=y_out[:, n0:n1])
             elif bias_f is None:
                 torch.mm(fr, xd2.t(), out=y_out[n0:n1])
             else:
                 torch.addmm(bias_f[n0:n1].view(r, 1), fr, xd2.t(), out=y_out[n0:n1])
     if m_major:
-        y_m = y_out[:, :n]
-        if bias_f is not None:
-            y_m += bias_f[:n]
+        if y_blk is not None:
+            y_m = y_blk.view(m, n_pad) if m == 1 else y_blk.transpose(0, 1)  # (M, N/128, 128) for M > 1
+            if n_pad != n:
+                y_m = y_m.reshape(m, n_pad)[:, :n]
+        else:
+            y_m = y_out[:, :n] if n_pad != n else y_out
+        if x2d.dtype == torch.float32 and y_m.is_contiguous() and y_m.dim() == 2:
+            if bias_f is not None:
+                y_m += bias_f
+        else:
+            y = torch.empty(m, n, dtype=x2d.dtype)
+            y_v = y.view(y_m.shape)
+            if bias_f is None:
+                y_v.copy_(y_m)
+            else:  # in fp32, rounded once to x's dtype
+                torch.add(y_m, bias_f.view(y_m.shape[1:]), out=y_v)
+            y_m = y
         if p.nan_rows is not None:
             y_m[:, p.nan_rows] = float("nan")
-        if x2d.dtype == torch.float32 and n_pad == n:
-            return y_m
-        y = torch.empty(m, n, dtype=x2d.dtype)
-        y.copy_(y_m)
-        return y
+        return y_m
     y_t = y_out[:n]
     if p.nan_rows is not None:
         y_t[p.nan_rows] = float("nan")

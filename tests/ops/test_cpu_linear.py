@@ -231,3 +231,119 @@ def test_two_threads_agree_with_one():
     torch.set_num_threads(2)
     y2 = cpu_fp8_linear(x, w_q, w_s, "block")
     assert rel_err(y2, y1) < GEMM_TOL[torch.float32]
+
+
+# --- M=1, bf16 x, 'block'/'tensor': float16 tiles through torch's float16 GEMV ----------------------
+def _fp32_path(monkeypatch, *args):
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu_linear, "HALF_GEMV", False)
+        return cpu_fp8_linear(*args)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+@pytest.mark.parametrize("n,k", [(300, 2112), (576, 130), (2112, 576), (1, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_half_gemv_matches_float64(n, k, granularity, fp8_dtype, with_bias, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    gen = torch.Generator().manual_seed(n + 3 * k)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=gen) / math.sqrt(k), granularity, fp8_dtype)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    p = prepare_cpu_weight(w_q, w_s, granularity)
+    grid, x_s = quantize_activation_grid(x, fp8_dtype)
+    y_half = cpu_linear._half_gemv(p, grid, x_s, bias)
+    assert y_half is not None  # this input takes the float16 path
+    y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    assert torch.equal(y, y_half) and y.dtype == torch.bfloat16 and y.shape == (1, n)
+    x_q, x_s_ref = quantize_activation_ref(x, fp8_dtype)
+    ref = _ref64(x_q, x_s_ref, w_q, w_s, bias)
+    assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16]
+    # the float16 rounding of activations and outputs stays far below bf16's own rounding
+    assert rel_err(y, _fp32_path(monkeypatch, x, w_q, w_s, granularity, bias)) < 2e-3
+
+
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+@pytest.mark.parametrize("exp2", [-35, -20, 0, 60, 110])
+def test_half_gemv_any_activation_range(granularity, exp2, monkeypatch):
+    """x of any magnitude (above the amax floor): a power of two keeps float16 in range, or the fp32 path runs."""
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    gen = torch.Generator().manual_seed(exp2 + 200)
+    x = (torch.randn(1, 1024, generator=gen) * 2.0**exp2).bfloat16()
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 1024, generator=gen) / 32, granularity, torch.float8_e4m3fn)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity)
+    assert torch.isfinite(y).all()
+    x_q, x_s = quantize_activation_ref(x, torch.float8_e4m3fn)
+    assert rel_err(y, _ref64(x_q, x_s, w_q, w_s, None)) < GEMM_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+def test_half_gemv_nan_inf_and_nan_codes(granularity, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    w_q, w_s = quantize_weight_ref(torch.randn(300, 256), granularity, torch.float8_e4m3fn)
+    x = torch.randn(1, 256).bfloat16()
+    for bad in (float("nan"), float("inf")):
+        xb = x.clone()
+        xb[0, 7] = bad
+        assert cpu_fp8_linear(xb, w_q, w_s, granularity).isnan().all()  # as the reference
+    w_q = w_q.clone()
+    w_q.view(torch.uint8)[130, 5] = 0xFF  # a NaN code: that output is NaN, the others are not
+    y = cpu_fp8_linear(x, w_q, w_s, granularity)
+    assert y[0, 130].isnan() and torch.isfinite(torch.cat([y[0, :130], y[0, 131:]])).all()
+
+
+@pytest.mark.parametrize("half_tile_elems", [1, 300, 128 * 300, 1 << 22])
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+def test_half_gemv_tilings(half_tile_elems, granularity, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "HALF_TILE_ELEMS", half_tile_elems)
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    x = torch.randn(1, 300).bfloat16()
+    w_q, w_s = quantize_weight_ref(torch.randn(300, 300) / 17, granularity, torch.float8_e4m3fn)
+    bias = torch.randn(300)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    x_q, x_s = quantize_activation_ref(x, torch.float8_e4m3fn)
+    assert rel_err(y, _ref64(x_q, x_s, w_q, w_s, bias)) < GEMM_TOL[torch.bfloat16]
+
+
+def test_small_weights_take_the_fp32_path(monkeypatch):
+    w_q, w_s = quantize_weight_ref(torch.randn(64, 256), "block", torch.float8_e4m3fn)
+    assert 64 * 256 < cpu_linear.HALF_MIN_ELEMS
+    x = torch.randn(1, 256).bfloat16()
+    assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), _fp32_path(monkeypatch, x, w_q, w_s, "block"))
+
+
+# --- scratch buffers kept between calls -----------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 2, 40])
+def test_scratch_reuse_does_not_leak_between_weights(m):
+    """Two weights sharing tile buffers (same K, N not a multiple of 128): results as if run alone."""
+    x = torch.randn(m, 200)
+    w_a, s_a = quantize_weight_ref(torch.randn(256, 200) * 100, "block", torch.float8_e4m3fn)
+    w_b, s_b = quantize_weight_ref(torch.randn(130, 200), "block", torch.float8_e4m3fn)
+    cpu_linear._SCRATCH.__dict__.clear()
+    alone = cpu_fp8_linear(x, w_b, s_b, "block")
+    cpu_fp8_linear(x, w_a, s_a, "block")
+    assert torch.equal(cpu_fp8_linear(x, w_b, s_b, "block"), alone)
+
+
+def test_calls_from_two_threads():
+    import threading
+
+    w_q, w_s = quantize_weight_ref(torch.randn(384, 576), "block", torch.float8_e4m3fn)
+    xs = [torch.randn(2, 576).bfloat16() for _ in range(2)]
+    want = [cpu_fp8_linear(x, w_q, w_s, "block") for x in xs]
+    got = [None, None]
+
+    def run(i):
+        for _ in range(20):
+            y = cpu_fp8_linear(xs[i], w_q, w_s, "block")
+            if not torch.equal(y, want[i]):
+                got[i] = y
+                return
+        got[i] = want[i]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
