@@ -7,7 +7,7 @@ import sys
 import torch
 from torch import nn
 
-from .backend import cublas_allowed, resolve_backend
+from .backend import cpu_fast_path, cublas_allowed, resolve_backend
 from .formats import SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight, validate_linear
 from .ops import HAS_TRITON
@@ -268,9 +268,16 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
                           counters=self._counters())
 
     def _forward_and_plan(self, x: torch.Tensor) -> torch.Tensor:
-        """The validated forward; where our Triton kernels run it, through a plan it keeps for x's
-        shape (so the first call of a shape computes what the later ones do)."""
+        """The validated forward; where our Triton kernels or the CPU path run it, through a plan it
+        keeps for x's shape (so the first call of a shape computes what the later ones do)."""
         weight = self.weight
+        if (x.device.type == "cpu" and x.numel() and x.is_contiguous() and x.data_ptr() % _ALIGN == 0
+                and is_fp8_dtype(weight.dtype) and cpu_fast_path(self.backend, x.device)):
+            granularity = validate_linear(x, weight, self.weight_scale_inv, self.bias, None)
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[(x.shape, x.dtype, x.device)] = self._make_cpu_plan(x, granularity)
+            return plan(x)
         if not (HAS_TRITON and x.numel() and x.is_contiguous() and x.data_ptr() % _ALIGN == 0
                 and weight.is_contiguous() and is_fp8_dtype(weight.dtype)
                 and resolve_backend(self.backend, x.device) == "triton"):
@@ -281,6 +288,19 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             self._plans.clear()
         plan = self._plans[(x.shape, x.dtype, x.device)] = self._make_plan(x, counters)
         return plan(x)
+
+    def _make_cpu_plan(self, x: torch.Tensor, granularity: str):
+        """The CPU path for x's shape (:func:`fp8linear.ops.cpu_linear.cpu_fp8_linear`, what
+        fp8_linear runs for CPU tensors), without fp8_linear's per-call backend lookup and checks."""
+        from .ops.cpu_linear import cpu_fp8_linear
+
+        weight, scale, bias = self.weight, self.weight_scale_inv, self.bias
+        k, out_shape = x.shape[-1], (*x.shape[:-1], self.out_features)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return cpu_fp8_linear(x.reshape(-1, k), weight, scale, granularity, bias).reshape(out_shape)
+
+        return run
 
     def _make_plan(self, x: torch.Tensor, counters: torch.Tensor | None):
         from .ops.linear import LinearPlan

@@ -260,3 +260,33 @@ def test_workspace_keyword_is_a_deprecated_name_of_counters():
         fp8_linear(x, mod.weight, mod.weight_scale_inv, counters=ws, workspace=ws)
     with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="counters must be a 1-D int32"):
         fp8_linear(x, mod.weight, mod.weight_scale_inv, workspace=torch.zeros(64))
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+@pytest.mark.parametrize("lead", [(1,), (2, 3)])
+def test_cpu_plan_is_the_cpu_path_without_per_call_checks(granularity, lead, monkeypatch):
+    """On CPU under "auto" the layer keeps a plan per input shape that runs the CPU path directly:
+    the same bits as fp8_linear from the first call on, validation and backend lookup once per shape."""
+    import fp8linear.module as module_mod
+    from fp8linear import fp8_linear
+
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    torch.manual_seed(0)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(300, 200, bias=True), granularity=granularity)
+    checks = []
+    real_validate = module_mod.validate_linear
+    monkeypatch.setattr(module_mod, "validate_linear", lambda *a: (checks.append(1), real_validate(*a))[1])
+    x = torch.randn(*lead, 300, dtype=torch.bfloat16)
+    expected = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias)
+    for call in range(3):
+        y = layer(x)
+        assert y.shape == (*lead, 200) and y.dtype == torch.bfloat16
+        assert torch.equal(y, expected), f"call {call}"
+    assert len(checks) == 1 and len(layer._plans) == 1
+    layer(torch.randn(4, 300, dtype=torch.bfloat16))  # another shape: another plan
+    assert len(checks) == 2 and len(layer._plans) == 2
+    with pytest.raises(ValueError):
+        layer(torch.randn(2, 299, dtype=torch.bfloat16))  # a bad input is still refused
+    layer.backend = "reference"  # a new backend drops the plans; the reference runs
+    assert not layer._plans
+    assert torch.equal(layer(x), fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="reference"))
