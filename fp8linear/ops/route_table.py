@@ -136,7 +136,12 @@ def lookup_route(device: torch.device, m: int, n: int, k: int, granularity: str)
     """The measured choice for this GEMM on `device`, or None (no table, shape or nearby M)."""
     if device.type != "cuda" or granularity != "block" or torch.version.hip is not None:
         return None
-    per_m = _table(_device_name(device.index if device.index is not None else torch.cuda.current_device())).get((n, k))
+    return _lookup(_device_name(device.index if device.index is not None else torch.cuda.current_device()), m, n, k)
+
+
+@lru_cache(maxsize=4096)
+def _lookup(device_name: str, m: int, n: int, k: int) -> RouteEntry | None:
+    per_m = _table(device_name).get((n, k))
     if not per_m:
         return None
     above = [mm for mm in per_m if m <= mm <= m * MAX_M_RATIO]

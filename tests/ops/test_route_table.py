@@ -62,8 +62,10 @@ def test_lookup_takes_the_entry_at_or_above_m(monkeypatch, m, expected):
                            for mm in (1, 64, 96, 4096)}}
     monkeypatch.setattr(route_table, "_table", lambda name: table)
     monkeypatch.setattr(route_table, "_device_name", lambda index: "X")
+    route_table._lookup.cache_clear()  # answers cached for another table
     monkeypatch.setattr(torch.version, "hip", None)
     got = route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "block")
+    route_table._lookup.cache_clear()
     assert got == (None if expected is None else table[(576, 7168)][expected])
     assert route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "row") is None  # block tables only
     assert route_table.lookup_route(torch.device("cpu"), m, 576, 7168, "block") is None
