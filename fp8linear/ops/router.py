@@ -151,14 +151,19 @@ def use_persistent(device: torch.device, m: int, k: int, granularity: str, opera
 
 def _ours(device: torch.device, m: int, n: int, k: int, granularity: str, operands_tma_ok: bool, pdl: bool) -> Route:
     """Our kernel for this GEMM without a table entry: split-K where the output tiles leave SMs idle
-    (decode rules of :func:`splitk_config`, or MID_SPLIT_TILE tiles above SMALL_M_MAX), else the
-    persistent TMA kernel or the tiled kernel (MID_M_CONFIG where 128x128 tiles leave SMs idle)."""
-    split = splitk_config(m, n, k, device) if m <= SMALL_M_MAX else mid_splitk_config(m, n, k, device)
+    (decode rules of :func:`splitk_config`, or MID_SPLIT_TILE tiles above SMALL_M_MAX on NVIDIA),
+    else the persistent TMA kernel or the tiled kernel (MID_M_CONFIG where 128x128 tiles leave
+    SMs idle, on NVIDIA)."""
+    # The rules above SMALL_M_MAX rows were measured on NVIDIA GPUs; ROCm keeps its tables' and
+    # heuristic's tiles there (docs/amd.md).
+    mid_rules = m > SMALL_M_MAX and torch.version.hip is None
+    split = splitk_config(m, n, k, device) if m <= SMALL_M_MAX else (
+        mid_splitk_config(m, n, k, device) if mid_rules else None)
     if split is not None:
         return Route("splitk", split, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
     if use_persistent(device, m, k, granularity, operands_tma_ok):
         return Route("persistent", PERSISTENT_CONFIG)
-    if m > SMALL_M_MAX and _tiles(m, n, GROUP_SIZE, GROUP_SIZE) < sm_count(device):
+    if mid_rules and _tiles(m, n, GROUP_SIZE, GROUP_SIZE) < sm_count(device):
         return Route("tiled", MID_M_CONFIG, pdl=pdl, release_early=pdl)
     return Route("tiled", select_config(device, m, n, k, granularity), pdl=pdl, release_early=pdl)
 

@@ -105,3 +105,14 @@ def test_table_entry_wins_over_the_heuristic(monkeypatch):
     assert router._choose(CPU, 300, 576, 7168, "block", True, False, False).kernel == "cublas"
     # cuBLAS measured fastest but not allowed here (backend "triton", an eager cut, a bias dtype): ours
     assert router._choose(CPU, 300, 576, 7168, "block", False, False, False).kernel in ("splitk", "tiled")
+
+
+def test_rocm_keeps_its_tiles_above_decode_sizes(monkeypatch):
+    """The mid-M split-K and 64x64 rules were measured on NVIDIA only: on ROCm, M > 64 takes the
+    tables' or AMD heuristic's tiled config as before."""
+    monkeypatch.setattr(torch.version, "hip", "test")
+    monkeypatch.setattr(router, "select_config", lambda device, m, n, k, gran="block": GemmConfig(32, 32, 128))
+    for m, n, k in ((100, 64, 8192), (70, 256, 256)):
+        route = router._heuristic(CPU, m, n, k, "block", False, False, False)
+        assert route == router.Route("tiled", GemmConfig(32, 32, 128)), (m, n, k)
+    assert router._heuristic(CPU, 8, 64, 8192, "block", False, False, False).kernel == "splitk"  # decode rules stay
