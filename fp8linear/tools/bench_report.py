@@ -12,7 +12,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -303,8 +303,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(result: BenchResult, out_dir: str | os.PathLike[str], stem: str = "bench_gemm") -> dict[str, Path]:
-    """Write <stem>.csv (one row per shape, M, method), <stem>.json (meta, rows, summary) and the plot."""
+def write_outputs(result: BenchResult, out_dir: str | os.PathLike[str], stem: str = "bench_gemm",
+                  plot: Callable[[BenchResult, Path], bool] | None = None) -> dict[str, Path]:
+    """Write <stem>.csv (one row per shape, M, method), <stem>.json (meta, rows, summary) and the
+    plot (`plot`, default :func:`plot_results`; it returns False where it draws nothing)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / f"{stem}.csv", "json": out / f"{stem}.json", "png": out / f"{stem}.png"}
@@ -318,7 +320,7 @@ def write_outputs(result: BenchResult, out_dir: str | os.PathLike[str], stem: st
         json.dump({"meta": result.meta, "summary": result.summary, "rows": [asdict(r) for r in result.rows]},
                   f, indent=1)
         f.write("\n")
-    if not plot_results(result, paths["png"]):
+    if not (plot or plot_results)(result, paths["png"]):
         del paths["png"]
     return paths
 

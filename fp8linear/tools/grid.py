@@ -13,18 +13,19 @@ one line per model) are written next to it.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .bench import (
+    _METHOD_LABELS,
+    _SUSPICIOUS_ERR,
     BenchConfig,
     BenchResult,
     BenchRow,
     Shape,
+    _geomean,
     format_table,
     parse_shape,
     run_benchmark,
@@ -88,12 +89,6 @@ MODEL_SHAPES: dict[str, tuple[tuple[int, int, str], ...]] = {
 _QUICK_SHAPES = ((576, 7168), (24576, 1536), (7168, 18432), (1024, 8192), (2048, 1408), (1536, 576))
 
 
-@dataclass(frozen=True)
-class _Case:
-    family: str
-    shape: Shape
-
-
 def _families() -> dict[tuple[int, int], list[str]]:
     out: dict[tuple[int, int], list[str]] = {}
     for family, shapes in MODEL_SHAPES.items():
@@ -126,19 +121,10 @@ def bucket_of(m: int) -> str:
     raise ValueError(f"M must be >= 1, got {m}")
 
 
-def _geomean(values: Iterable[float]) -> float | None:
-    vals = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
-    return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
-
-
-# Results whose error is this far above FP8's few percent are wrong (a misread layout): not timed.
-_WRONG_ERR = 0.2
-
-
 def _times(rows: Sequence[BenchRow]) -> dict[tuple[int, int, int], dict[str, float]]:
     t: dict[tuple[int, int, int], dict[str, float]] = {}
     for r in rows:
-        if r.status == "ok" and r.us and (r.rel_err is None or r.rel_err < _WRONG_ERR):
+        if r.status == "ok" and r.us and (r.rel_err is None or r.rel_err < _SUSPICIOUS_ERR):
             t.setdefault((r.n, r.k, r.m), {})[r.method] = r.us
     return t
 
@@ -182,9 +168,6 @@ def summarize_grid(rows: Sequence[BenchRow]) -> dict[str, Any]:
     return out
 
 
-_LABELS = {"bf16": "BF16", "cublas_tensor": "per-tensor", "cublas_block": "cuBLAS-blk", "ours_block": "ours",
-           "triton_block": "triton", "ours_row": "ours-row", "ours_forward": "forward"}
-
 
 def _f(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else f"{v:{spec}}"
@@ -194,7 +177,7 @@ def format_grid_summary(summary: Mapping[str, Any]) -> str:
     """The bucket table and the worst cases, as text."""
     buckets = summary.get("buckets", {})
     methods = [m for m in GRID_METHODS if any(m in b["geomean_us"] for b in buckets.values())]
-    head = f"{'bucket':>9} {'cases':>5} | " + " ".join(f"{_LABELS[m]:>10}" for m in methods)
+    head = f"{'bucket':>9} {'cases':>5} | " + " ".join(f"{_METHOD_LABELS[m]:>10}" for m in methods)
     head += " | ours/ptensor triton/ptensor | ours xBF16 worst  slower(>3%)"
     lines = ["Geomean µs per call per M bucket (ours = block_fp8_matmul, backend auto; forward = fp8_linear "
              "from a BF16 input; per-tensor = cuBLAS FP8 with one scale per tensor):", head, "-" * len(head)]
@@ -246,7 +229,7 @@ def plot_grid(result: BenchResult, path: str | Path) -> bool:
             if pts:
                 drawn = True
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, color=cmap(i % 10),
-                        label=f"{family} ({_LABELS[method]})")
+                        label=f"{family} ({_METHOD_LABELS[method]})")
     if not drawn:
         plt.close(fig)
         return False
@@ -286,11 +269,7 @@ def run_grid(cfg: BenchConfig, out_dir: str | Path, log=None) -> tuple[BenchResu
     """Run the grid, print the per-case table and the bucket summary, write CSV/JSON/PNG."""
     result = run_benchmark(cfg, log=log)
     result.summary = {"grid": summarize_grid(result.rows)}
-    paths = write_outputs(result, out_dir, stem="bench_grid")
-    png = Path(out_dir) / "bench_grid.png"
-    if plot_grid(result, png):
-        paths["png"] = png
-    return result, paths
+    return result, write_outputs(result, out_dir, stem="bench_grid", plot=plot_grid)
 
 
 def run(args: argparse.Namespace, device: str, timer: str) -> int:
