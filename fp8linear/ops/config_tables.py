@@ -243,13 +243,21 @@ def load_table(path: str | os.PathLike[str]) -> ConfigTable:
 
 
 def save_table(table: ConfigTable, path: str | os.PathLike[str]) -> Path:
-    """Write `table` atomically: a temp file in the same folder, fsync, then rename over `path`."""
+    """Write `table` atomically (:func:`write_json_atomic`)."""
+    path = write_json_atomic(table.to_json(), path)
+    clear_lookup_cache()
+    return path
+
+
+def write_json_atomic(doc: Any, path: str | os.PathLike[str]) -> Path:
+    """Write a JSON document: a temp file in the same folder, fsync, then rename over `path`; a
+    failure leaves `path` as it was and no temp file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(table.to_json(), f, indent=1)
+            json.dump(doc, f, indent=1)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -257,7 +265,6 @@ def save_table(table: ConfigTable, path: str | os.PathLike[str]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    clear_lookup_cache()
     return path
 
 

@@ -13,11 +13,8 @@ the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -187,18 +184,9 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
 
 def write_table(doc: dict[str, Any], path: Path) -> Path:
     """Write by a temporary file in the same folder and an atomic rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    from ..ops.config_tables import write_json_atomic
+
+    return write_json_atomic(doc, path)
 
 
 def heuristic_report(rows: Sequence[dict[str, Any]]) -> str:

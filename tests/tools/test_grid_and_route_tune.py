@@ -116,7 +116,7 @@ def test_write_table_is_atomic(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(route_tune.json, "dump", boom)
+    monkeypatch.setattr(json, "dump", boom)
     with pytest.raises(OSError, match="disk full"):
         route_tune.write_table({"a": 2}, path)
     assert json.loads(path.read_text()) == {"a": 1}  # the old table stays whole
