@@ -20,7 +20,6 @@ Tables hold 128x128-block weights (the checkpoint format); other granularities u
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .config_tables import table_filename
 from .configs import GemmConfig
 from .splitk_gemm import SplitKConfig
 
@@ -55,11 +55,8 @@ def routes_dir() -> Path:
 
 
 def routes_path(device_name: str, directory: Path | None = None) -> Path:
-    """Table file of a GPU model: 'NVIDIA H100 80GB HBM3' -> NVIDIA_H100_80GB_HBM3.json."""
-    stem = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
-    if not stem:
-        raise ValueError(f"device name {device_name!r} has no usable characters")
-    return (directory or _DIR) / f"{stem}.json"
+    """Table file of a GPU model, named as its tuned-config table: NVIDIA_H100_80GB_HBM3.json."""
+    return (directory or _DIR) / table_filename(device_name)
 
 
 def _entry(raw: Any, where: str) -> RouteEntry:
