@@ -1,0 +1,214 @@
+"""Mid-M (65-1000 rows) probe: our GEMM kernels against BF16 where FP8 loses, and eager host costs.
+
+Three parts, each printed as a table (one run, CUDA-graph replays over operand sets rotated past L2):
+
+- ``edge``: one split-K config at M on both sides of a tile boundary (is a partly filled last
+  tile slow, and does padding M to a whole tile pay?);
+- ``sweep``: every split-K / tiled config in a wide space on the cases where FP8 was slower than
+  BF16 in `fp8linear bench --grid`, best first against BF16 and per-tensor cuBLAS;
+- ``host``: per-call host cost of the pieces of an eager forward (allocations, launches, lookups).
+
+    python benchmarks/midm_probe.py [--parts edge sweep host] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from fp8linear.functional import quantize_weight
+from fp8linear.ops.configs import GemmConfig
+from fp8linear.ops.gemm import block_fp8_gemm
+from fp8linear.ops.quant import act_quant
+from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_counters
+from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
+
+_GRAPH_US = 1500.0
+# (N, K, M): the cases where ours was slowest against BF16 in the H100 grid (docs/results/grid).
+SWEEP_CASES = [(2112, 7168, 200), (2112, 7168, 77), (2112, 7168, 333), (2048, 7168, 200), (1536, 7168, 320),
+               (1536, 7168, 333), (1024, 4096, 333), (1024, 8192, 333), (3584, 3584, 77), (4096, 4096, 77),
+               (8192, 29568, 320), (3584, 18944, 640), (576, 7168, 512), (1024, 4096, 160)]
+EDGE_SHAPES = [(2112, 7168), (1536, 7168)]
+EDGE_MS = [128, 136, 192, 200, 208, 240, 256]
+
+
+def _operands(n: int, k: int, m: int, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(n * 31 + k * 7 + m)
+    w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(torch.bfloat16)
+    w_q, w_s = quantize_weight(w, "block", torch.float8_e4m3fn)
+    x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+    x_q, x_s = act_quant(x, torch.float8_e4m3fn)
+    return w, w_q, w_s, x, x_q, x_s
+
+
+def _time(fns: dict, device: torch.device) -> dict[str, float]:
+    rounds = {}
+    for label, (fn, args) in fns.items():
+        nbytes = sum(t.numel() * t.element_size() for t in args)
+        try:
+            rounds[label], _ = prepare_cuda(fn, rotation_sets(args, nbytes, device), 3, True, _GRAPH_US)
+        except (RuntimeError, ValueError) as e:
+            print(f"  {label}: {str(e).splitlines()[0][:100]}")
+    return time_rounds(rounds, 5)
+
+
+def _ours(cfg, counters):
+    return lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None, config=cfg,
+                                               counters=counters)
+
+
+def _scaled_mm_tensor(w_q):
+    one = torch.ones((), device=w_q.device)
+
+    def f(a, b):
+        return torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return f
+
+
+def edge(device: torch.device, out: dict) -> None:
+    print("\n== edge: split-K 64x64 at M around tile boundaries (us) ==")
+    cfgs = {"sk64x64x2": SplitKConfig(64, 64, 2), "sk64x64x4": SplitKConfig(64, 64, 4),
+            "tiled64x64": GemmConfig(64, 64, 128, num_warps=4, num_stages=4)}
+    for n, k in EDGE_SHAPES:
+        counters = splitk_counters(n, device)
+        for m in EDGE_MS:
+            w, w_q, w_s, x, x_q, x_s = _operands(n, k, m, device)
+            fns = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
+            for label, cfg in cfgs.items():
+                fns[label] = (_ours(cfg, counters), (x_q, x_s, w_q, w_s))
+            us = _time(fns, device)
+            out.setdefault("edge", []).append({"n": n, "k": k, "m": m, "us": us})
+            print(f"{n}x{k} M={m:4d}  " + "  ".join(f"{lab} {v:6.1f}" for lab, v in us.items()))
+
+
+def _space(m: int, n: int, k: int) -> dict:
+    groups = -(-k // 128)
+    out = {}
+    for (bm, bn), warps, stages in itertools.product(((64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32)),
+                                                     (4, 8), (3, 4)):
+        if bm * bn >= 128 * 128 and warps == 4:
+            continue
+        if bm * bn <= 64 * 64 and warps == 8:
+            continue
+        for split in (1, 2, 3, 4, 6, 8):
+            if split > groups // 2 and split > 1:
+                continue
+            cfg = SplitKConfig(bm, bn, split, num_warps=warps, num_stages=stages)
+            out[f"sk{bm}x{bn}x{split}w{warps}s{stages}"] = cfg
+        out[f"t{bm}x{bn}w{warps}s{stages}"] = GemmConfig(bm, bn, 128, num_warps=warps, num_stages=stages)
+    return out
+
+
+def sweep(device: torch.device, out: dict) -> None:
+    print("\n== sweep: best of a wide config space where ours lost to BF16 (us) ==")
+    for n, k, m in SWEEP_CASES:
+        w, w_q, w_s, x, x_q, x_s = _operands(n, k, m, device)
+        counters = splitk_counters(n, device)
+        fns = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
+        if m % 16 == 0 and k % 16 == 0:
+            fns["per_tensor"] = (_scaled_mm_tensor(w_q), (x_q, w_q))
+        space = _space(m, n, k)
+        for label, cfg in space.items():
+            fns[label] = (_ours(cfg, counters), (x_q, x_s, w_q, w_s))
+        t0 = time.monotonic()
+        us = _time(fns, device)
+        ranked = sorted((v, lab) for lab, v in us.items() if lab not in ("bf16", "per_tensor"))
+        out.setdefault("sweep", []).append({"n": n, "k": k, "m": m, "us": us})
+        pt = us.get("per_tensor", float("nan"))
+        print(f"{n}x{k} M={m}: bf16 {us['bf16']:.1f} per-tensor {pt:.1f} ({time.monotonic() - t0:.0f}s, "
+              f"{len(ranked)} configs) best: " + ", ".join(f"{lab} {v:.1f}" for v, lab in ranked[:6]))
+
+
+def _host_us(fn, calls: int = 200) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def host(device: torch.device, out: dict) -> None:
+    from fp8linear import Fp8BlockLinear
+
+    print("\n== host: per-call host cost of eager pieces (us, best of 5 bursts) ==")
+    x = torch.randn(8, 7168, device=device, dtype=torch.bfloat16)
+    buf = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    plans = {(x.shape, x.dtype, x.device): 1}
+    pieces = {
+        "torch.empty((8,2112),bf16)": lambda: torch.empty((8, 2112), dtype=torch.bfloat16, device=device),
+        "torch.empty 3x": lambda: (torch.empty((8, 7168), dtype=torch.float8_e4m3fn, device=device),
+                                  torch.empty((8, 56), dtype=torch.float32, device=device),
+                                  torch.empty((8, 2112), dtype=torch.bfloat16, device=device)),
+        "buf[:n].view(bf16).view(8,2112)": lambda: buf[:8 * 2112 * 2].view(torch.bfloat16).view(8, 2112),
+        "x.data_ptr()": lambda: x.data_ptr(),
+        "dict lookup (shape,dtype,device)": lambda: plans.get((x.shape, x.dtype, x.device)),
+        "x.is_contiguous()": lambda: x.is_contiguous(),
+        "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "torch.compiler.is_compiling": torch.compiler.is_compiling,
+        "getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+    }
+    res = {}
+    for label, fn in pieces.items():
+        res[label] = _host_us(fn)
+    for n, k in ((2112, 7168), (7168, 2048)):
+        lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        fp8 = Fp8BlockLinear.from_linear(lin)
+        for m in (8, 64, 512):
+            xm = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            fp8(xm)
+            plan = fp8._plans[(xm.shape, xm.dtype, xm.device)]
+            res[f"{n}x{k} M={m} bf16 nn.Linear"] = _host_us(lambda: lin(xm))
+            res[f"{n}x{k} M={m} Fp8BlockLinear"] = _host_us(lambda: fp8(xm))
+            res[f"{n}x{k} M={m} plan.run ({plan.route.kernel})"] = _host_us(lambda: plan.run(xm))
+            for i, call in enumerate(plan.calls):
+                tensors = _capture_args(call, plan, xm)
+                res[f"{n}x{k} M={m} launch {i} {call.kernel.__name__}"] = _host_us(lambda: call(*tensors))
+    out["host"] = res
+    for label, v in res.items():
+        print(f"{label:55s} {v:7.2f}")
+
+
+def _capture_args(call, plan, x):
+    """The tensors the plan passes to `call` (spied on one run of the plan)."""
+    seen = []
+    orig = call.__class__.__call__
+
+    def spy(self, *tensors):
+        if self is call and not seen:
+            seen.append(tensors)
+        return orig(self, *tensors)
+    call.__class__.__call__ = spy
+    try:
+        plan.run(x)
+    finally:
+        call.__class__.__call__ = orig
+    return seen[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host"])
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(device), torch.__version__)
+    out: dict = {}
+    for part in a.parts:
+        {"edge": edge, "sweep": sweep, "host": host}[part](device, out)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
