@@ -92,7 +92,8 @@ def _fused_fp8_gemv_kernel(
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # out-of-range columns read column 0, masked on store
+    n_ok = offs_n < N
+    safe_n = tl.where(n_ok, offs_n, 0).to(tl.int64)  # columns past N: a valid address, loads masked, not stored
     offs_k = tl.arange(0, STEP_K)
     offs_g = tl.arange(0, GROUPS_PER_STEP)
     x_ptrs = x_ptr + row * stride_xm + offs_k
@@ -104,7 +105,7 @@ def _fused_fp8_gemv_kernel(
     for step in range(0, tl.cdiv(K, STEP_K)):
         k_ok = offs_k < K - step * STEP_K
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         q, x_s = quantize_groups(tl.reshape(x, (GROUPS_PER_STEP, GROUP)), qmax, amax_floor, MIN_EXP)
         group = step * GROUPS_PER_STEP + offs_g
         g_ok = group < num_groups  # groups past K: q is 0 there, and their weight scale reads as 0

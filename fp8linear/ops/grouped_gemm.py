@@ -211,10 +211,12 @@ def _grouped_fp8_gemm_kernel(
     offs_bm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_bm)
     pair_ok = pair < num_pairs
-    # Padding rows read row 0 (always valid) and are masked on store.
+    # Padding rows and columns past N point at row 0 / col 0 (valid addresses), load nothing
+    # (masked: see the tiled kernel in fp8linear.ops.gemm) and are masked on store.
     a_row = tl.where(pair_ok, pair // A_ROW_DIV, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    n_ok = offs_n < N
+    safe_n = tl.where(n_ok, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
@@ -228,10 +230,10 @@ def _grouped_fp8_gemm_kernel(
     k_steps = tl.where(is_real, tl.cdiv(K, BLOCK_K), 0)
     for k_step in range(0, k_steps):
         k_left = K - k_step * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        a = tl.load(a_ptrs, mask=pair_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
         k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
-        a_s = tl.load(as_ptrs + k_group)
+        a_s = tl.load(as_ptrs + k_group, mask=pair_ok, other=0.0)
         w_s = tl.load(ws_ptrs + k_group * stride_wsk)
         acc = promote(acc, tl.dot(a, w), a_s, w_s, W_SCALE_UNIFORM)
         a_ptrs += BLOCK_K

@@ -13,6 +13,13 @@ caller keys its plans by dtype and shape) and 16-byte aligned data pointers wher
 launch's were aligned (:func:`aligned`; fresh allocations always are, caller inputs are checked).
 The CPU interpreter, launch hooks (profilers) and Triton builds whose compiled kernels lack the
 launcher attributes take the JIT path every time.
+
+The launcher takes a pointer argument as a tensor (it calls ``data_ptr()`` and asks the driver
+about the address: ``cuPointerGetAttribute``) or as a plain int (used as is). So once compiled, a
+call holds its fixed tensors as ints (keeping their storages alive), and callers may pass raw
+device addresses in the slots (:attr:`KernelCall.direct`), e.g. into one scratch allocation
+(:class:`Scratch`) instead of one tensor per buffer: H100 host, torch 2.11, a CUDA
+``torch.empty`` costs 5.7 us, a slice and two views of one buffer 7.6 us, ``data_ptr()`` 0.17 us.
 """
 
 from __future__ import annotations
@@ -23,10 +30,13 @@ from typing import Any
 import torch
 import triton
 
-__all__ = ["ALIGN", "KernelCall", "aligned"]
+__all__ = ["ALIGN", "KernelCall", "Scratch", "aligned"]
 
 # Triton specializes pointers on 16-byte alignment.
 ALIGN = 16
+# Buffers inside a Scratch start at multiples of this many bytes (the caching allocator's blocks are
+# 512-byte aligned; 256 keeps every buffer on its own 128-byte lines and past ALIGN).
+_SCRATCH_ALIGN = 256
 
 
 def aligned(t: torch.Tensor) -> bool:
@@ -61,7 +71,7 @@ class KernelCall:
     compiled kernel's launcher directly, on the current stream of the device of the first call.
     """
 
-    __slots__ = ("kernel", "grid", "options", "values", "slot_index", "compiled", "device_index")
+    __slots__ = ("kernel", "grid", "options", "values", "slot_index", "compiled", "device_index", "held")
 
     def __init__(self, kernel: Any, grid: Sequence[int], args: Mapping[str, Any], options: Mapping[str, Any],
                  slots: Sequence[str]) -> None:
@@ -76,8 +86,15 @@ class KernelCall:
         self.slot_index = tuple(names.index(s) for s in slots)
         self.compiled = None
         self.device_index = -1
+        self.held: tuple = ()  # storages of the fixed tensors, once they are held as addresses
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
+    @property
+    def direct(self) -> bool:
+        """Whether calls launch the compiled kernel directly (and so take raw device addresses, ints,
+        in the slots as well as tensors)."""
+        return self.compiled is not None
+
+    def __call__(self, *tensors: torch.Tensor | int) -> None:
         values = self.values.copy()
         for i, t in zip(self.slot_index, tensors):
             values[i] = t
@@ -92,3 +109,45 @@ class KernelCall:
         if device is not None and device.type == "cuda" and c is not None and _direct(c) and not _launch_hooks_set():
             self.compiled = c
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+            # fixed tensors as addresses: the launcher skips data_ptr() and a driver query per call
+            self.held = tuple(v.untyped_storage() for v in self.values if isinstance(v, torch.Tensor))
+            self.values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self.values]
+
+
+class Scratch:
+    """Several typed buffers in one allocation (one ``torch.empty`` per call instead of one per buffer).
+
+    `specs`: (shape, dtype) of each contiguous buffer. :meth:`views` gives them as tensors (for JIT
+    launches and the CPU interpreter), :meth:`addresses` as raw device addresses (for
+    :attr:`KernelCall.direct` launches); both at the same offsets, each a multiple of 256 bytes.
+    """
+
+    __slots__ = ("specs", "offsets", "nbytes")
+
+    def __init__(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.specs = tuple((tuple(shape), dtype) for shape, dtype in specs)
+        offsets, end = [], 0
+        for shape, dtype in self.specs:
+            offsets.append(end)
+            numel = 1
+            for d in shape:
+                numel *= d
+            end += -(-numel * dtype.itemsize // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        self.offsets = tuple(offsets)
+        self.nbytes = max(end, 1)
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = []
+        for (shape, dtype), off in zip(self.specs, self.offsets):
+            numel = 1
+            for d in shape:
+                numel *= d
+            out.append(buf[off:off + numel * dtype.itemsize].view(dtype).view(shape))
+        return tuple(out)
+
+    def addresses(self, buf: torch.Tensor) -> tuple[int, ...]:
+        base = buf.data_ptr()
+        return tuple(base + off for off in self.offsets)

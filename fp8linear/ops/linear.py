@@ -7,8 +7,10 @@ layout: M padded to a multiple of 4, M-major scales).
 :class:`LinearPlan` is the same work prepared for one input shape and dtype of one weight:
 buffers' shapes, grids, scalar arguments and launch options are computed once, and each kernel is
 launched through :class:`fp8linear.ops.launch.KernelCall` (the compiled kernel's launcher called
-directly after the first launch). ``Fp8BlockLinear`` keeps one plan per input shape, which makes
-its eager forward a dictionary lookup, one or two output allocations and one or two launches.
+directly after the first launch, with raw device addresses). The quantized activations, their
+scales and split-K partial sums share one scratch allocation (:class:`fp8linear.ops.launch.Scratch`).
+``Fp8BlockLinear`` keeps one plan per input shape, which makes its eager forward a dictionary
+lookup, two allocations (the output and the scratch; one for the fused GEMV) and one or two launches.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from collections.abc import Callable
 import torch
 import triton
 
+from ..formats import GROUP_SIZE
 from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
-from .launch import KernelCall, aligned
+from .launch import KernelCall, Scratch, aligned
 from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outputs
 from .router import Route, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
@@ -127,27 +130,33 @@ class LinearPlan:
 
             return run_cublas, (quant,)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
+        groups = triton.cdiv(k, GROUP_SIZE)
+        quant_bufs = [((m, k), fp8_dtype), ((m, groups), torch.float32)]
         if route.kernel == "decode":
             tiles = triton.cdiv(n, route.config.block_n) * triton.cdiv(m, route.config.block_m)
             tile_counters, sync = split_counters(counters, tiles, device)
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, tile_counters)
             if tile_counters is None:
                 return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
-            part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
-            x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device)
+            scratch = Scratch(quant_bufs + ([(part_shape, torch.float32)] if part_shape else []))
+            x_q0, x_s0, *part0 = scratch.views(scratch.allocate(device))
             grid, args, options = fused_decode_args(x, x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
-                                                    part0, count, sync)
+                                                    part0[0] if part0 else None, count, sync)
             slots = ("x_ptr", "xq_ptr", "xs_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",))
             one = KernelCall(_fused_decode_kernel, grid, args, options, slots + (("part_ptr",) if part_shape else ()))
+            nbytes, has_bias = scratch.nbytes, bias is not None
 
             def run_decode(x: torch.Tensor) -> torch.Tensor:
-                x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device)
                 y = torch.empty(out_shape, dtype=out_dtype, device=device)
-                if part_shape is None:
-                    one(x, x_q, x_s, y, y)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                if one.direct:  # raw addresses: no per-buffer tensors, no driver query per pointer
+                    yv, bufs, xv = y.data_ptr(), scratch.addresses(buf), x.data_ptr()
                 else:
-                    part = torch.empty(part_shape, dtype=torch.float32, device=device)
-                    one(x, x_q, x_s, y, y, part) if bias is None else one(x, x_q, x_s, y, part)
+                    yv, bufs, xv = y, scratch.views(buf), x
+                if has_bias:
+                    one(xv, *bufs[:2], yv, *bufs[2:])
+                else:  # the kernel's unused bias pointer is y
+                    one(xv, *bufs[:2], yv, yv, *bufs[2:])
                 return y
 
             return run_decode, (one,)
@@ -157,44 +166,46 @@ class LinearPlan:
 
             def run_gemv(x: torch.Tensor) -> torch.Tensor:
                 y = torch.empty(out_shape, dtype=out_dtype, device=device)
-                gemv(x, y, y)  # without a bias, the kernel's unused bias pointer is y
+                if gemv.direct:
+                    yv = y.data_ptr()
+                    gemv(x.data_ptr(), yv, yv)
+                else:
+                    gemv(x, y, y)  # without a bias, the kernel's unused bias pointer is y
                 return y
 
             return run_gemv, (gemv,)
-        x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device)
-        grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
-        quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
-        out_slots = ("y_ptr",) + (() if bias is not None else ("bias_ptr",))
+        split, count, part_shape = ((1, 0), None, None)
         if route.kernel == "splitk":
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, counters)
             if part_shape is not None and count is not counters:
                 return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
-            part0 = torch.empty(part_shape, dtype=torch.float32, device=device) if part_shape else None
+        scratch = Scratch(quant_bufs + ([(part_shape, torch.float32)] if part_shape else []))
+        x_q0, x_s0, *part0 = scratch.views(scratch.allocate(device))
+        grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
+        quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
+        out_slots = ("y_ptr",) + (() if bias is not None else ("bias_ptr",))
+        if route.kernel == "splitk":
             grid, args, options = splitk_args(x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
-                                              part0, count, route.pdl)
+                                              part0[0] if part0 else None, count, route.pdl)
+            # without a split, the unused partial-sum and counter pointers are y
             slots = ("x_ptr", "xs_ptr") + out_slots + (("part_ptr",) if part_shape else ("part_ptr", "count_ptr"))
             gemm = KernelCall(_splitk_fp8_gemm_kernel, grid, args, options, slots)
+            fill = (0 if bias is not None else 1) + (0 if part_shape else 2)  # slots after y that take y
+        else:
+            grid, args, options = tiled_args(x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, route.pdl)
+            gemm = KernelCall(_block_fp8_gemm_kernel, grid, args, options, ("x_ptr", "xs_ptr") + out_slots)
+            fill = 0 if bias is not None else 1
+        nbytes = scratch.nbytes
 
-            def run_splitk(x: torch.Tensor) -> torch.Tensor:
-                x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device)
-                quant(x, x_q, x_s)
-                y = torch.empty(out_shape, dtype=out_dtype, device=device)
-                if part_shape is None:
-                    gemm(x_q, x_s, y, y, y, y) if bias is None else gemm(x_q, x_s, y, y, y)
-                else:
-                    part = torch.empty(part_shape, dtype=torch.float32, device=device)
-                    gemm(x_q, x_s, y, y, part) if bias is None else gemm(x_q, x_s, y, part)
-                return y
-
-            return run_splitk, (quant, gemm)
-        grid, args, options = tiled_args(x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, route.pdl)
-        gemm = KernelCall(_block_fp8_gemm_kernel, grid, args, options, ("x_ptr", "xs_ptr") + out_slots)
-
-        def run_tiled(x: torch.Tensor) -> torch.Tensor:
-            x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device)
-            quant(x, x_q, x_s)
+        def run_two(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(out_shape, dtype=out_dtype, device=device)
-            gemm(x_q, x_s, y, y) if bias is None else gemm(x_q, x_s, y)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if gemm.direct and quant.direct:  # raw addresses: no per-buffer tensors, no driver query per pointer
+                yv, bufs, xv = y.data_ptr(), scratch.addresses(buf), x.data_ptr()
+            else:
+                yv, bufs, xv = y, scratch.views(buf), x
+            quant(xv, bufs[0], bufs[1])
+            gemm(bufs[0], bufs[1], yv, *(yv,) * fill, *bufs[2:])
             return y
 
-        return run_tiled, (quant, gemm)
+        return run_two, (quant, gemm)

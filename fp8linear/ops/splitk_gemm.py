@@ -80,9 +80,12 @@ def _splitk_program(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
-    # Out-of-range rows/cols read row 0 / col 0 (always valid) and are masked on store.
-    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    # Rows/cols past M/N point at row 0 / col 0 (valid addresses), load nothing (masked: see the
+    # tiled kernel in fp8linear.ops.gemm) and are masked on store.
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    safe_m = tl.where(m_ok, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(n_ok, offs_n, 0).to(tl.int64)
     g_first = pid_s * groups_per_split
     g_last = tl.minimum(g_first + groups_per_split, tl.cdiv(K, GROUP))
     k_first = g_first * GROUP
@@ -93,13 +96,14 @@ def _splitk_program(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(g_first, g_last):
         k_left = K - g * GROUP
-        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        x_mask = m_ok[:, None] & (offs_k[None, :] < k_left)
         if X_FROM_THIS_LAUNCH:
-            x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0, cache_modifier=".cg")
-            x_s = tl.load(xs_ptr + safe_m * stride_xsm + g, cache_modifier=".cg")
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
+            x_s = tl.load(xs_ptr + safe_m * stride_xsm + g, mask=m_ok, other=0.0, cache_modifier=".cg")
         else:
-            x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            x_s = tl.load(xs_ptr + safe_m * stride_xsm + g)
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            x_s = tl.load(xs_ptr + safe_m * stride_xsm + g, mask=m_ok, other=0.0)
         w_s = tl.load(ws_ptrs + g * stride_wsk)
         acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
         x_ptrs += GROUP

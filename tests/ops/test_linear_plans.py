@@ -194,6 +194,34 @@ def test_bad_input_still_gets_clear_errors_after_planning():
         layer(torch.randn(2, 300, device=KERNEL_DEVICE).to(torch.float64))
 
 
+@pytest.mark.parametrize("specs", [
+    [((3, 300), torch.float8_e4m3fn), ((3, 3), torch.float32)],
+    [((77, 4224), torch.float8_e4m3fnuz), ((77, 33), torch.float32), ((2, 77, 130), torch.float32)],
+    [((1, 1), torch.bfloat16)],
+])
+def test_scratch_buffers_are_aligned_disjoint_and_where_their_addresses_say(specs):
+    from fp8linear.ops.launch import Scratch
+
+    scratch = Scratch(specs)
+    buf = scratch.allocate(torch.device("cpu"))
+    assert buf.dtype == torch.uint8 and buf.numel() == scratch.nbytes
+    views = scratch.views(buf)
+    addresses = scratch.addresses(buf)
+    assert len(views) == len(addresses) == len(specs)
+    end = buf.data_ptr()
+    for (shape, dtype), v, a in zip(specs, views, addresses):
+        assert v.shape == shape and v.dtype == dtype and v.is_contiguous()
+        assert v.data_ptr() == a and (a - buf.data_ptr()) % 256 == 0
+        assert a >= end  # after the previous buffer, no overlap
+        end = a + v.numel() * v.element_size()
+    assert end <= buf.data_ptr() + buf.numel()
+    buf.zero_()
+    for i, v in enumerate(views, start=1):  # each view covers exactly its own bytes
+        v.view(torch.uint8).fill_(i)
+    for i, v in enumerate(views, start=1):
+        assert int((buf == i).sum()) == v.numel() * v.element_size()
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
@@ -214,6 +242,9 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
     ys = [layer(x) for x in xs]
     (plan,) = layer._plans.values()
     assert all(c.compiled is not None for c in plan.calls)  # every prepared launch is direct now
+    # and holds its fixed tensors as raw addresses (their storages kept alive)
+    assert not any(isinstance(v, torch.Tensor) for c in plan.calls for v in c.values)
+    assert all(c.held for c in plan.calls)
     if plan.route.kernel in ("gemv", "decode", "splitk", "tiled"):
         assert plan.calls
     w_s = layer.weight_scale_inv.reshape(()) if granularity == "tensor" else layer.weight_scale_inv
