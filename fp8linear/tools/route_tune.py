@@ -61,7 +61,7 @@ def _split_candidates(m: int, n: int, k: int, sms: int) -> list:
             if split < 2:
                 continue
             split = -(-groups // -(-groups // split))
-            # 128x128 tiles take 8 warps (4 spilled, H100); 4 stages beat 3 for them in
+            # 128x128 tiles take 8 warps; 4 stages beat 3 for them in
             # benchmarks/midm_probe.py (2112x7168 M=200: 22.6 vs 23.8 us)
             big = bm * bn >= 128 * 128
             c = SplitKConfig(bm, bn, split, num_warps=8 if big else 4, num_stages=4)
