@@ -38,7 +38,7 @@ EAGER_SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048))
 EAGER_MS = (1, 8, 64, 512)
 # Calls per timed burst: far below the CUDA launch queue (~1000 entries), so enqueueing never waits.
 _BURST = 50
-_BURSTS = 7
+_BURSTS = 11
 
 
 @dataclass
@@ -59,22 +59,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _burst_times(fn: Callable[[torch.Tensor], Any], xs: Sequence[torch.Tensor], device: torch.device) -> tuple[float, float]:
-    """(wall us per call, enqueue us per call): medians over bursts of back-to-back calls."""
-    for x in xs[:3]:
-        fn(x)
+def _burst_times(methods: dict[str, Callable[[torch.Tensor], Any]], xs: Sequence[torch.Tensor],
+                 device: torch.device) -> dict[str, tuple[float, float]]:
+    """Per method (wall us per call, enqueue us per call): medians over bursts of back-to-back
+    calls, the methods' bursts interleaved round by round so that host drift reaches them alike."""
+    for fn in methods.values():
+        for x in xs[:3]:
+            fn(x)
     _sync(device)
-    walls, hosts = [], []
-    for _ in range(_BURSTS):
-        t0 = time.perf_counter()
-        for i in range(_BURST):
-            fn(xs[i % len(xs)])
-        t1 = time.perf_counter()
-        _sync(device)
-        t2 = time.perf_counter()
-        hosts.append((t1 - t0) / _BURST * 1e6)
-        walls.append((t2 - t0) / _BURST * 1e6)
-    return statistics.median(walls), statistics.median(hosts)
+    walls: dict[str, list[float]] = {name: [] for name in methods}
+    hosts: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(_BURSTS):
+        names = list(methods)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = methods[name]
+            t0 = time.perf_counter()
+            for i in range(_BURST):
+                fn(xs[i % len(xs)])
+            t1 = time.perf_counter()
+            _sync(device)
+            t2 = time.perf_counter()
+            hosts[name].append((t1 - t0) / _BURST * 1e6)
+            walls[name].append((t2 - t0) / _BURST * 1e6)
+    return {name: (statistics.median(walls[name]), statistics.median(hosts[name])) for name in methods}
 
 
 def interleaved_wall_us(methods: dict[str, Callable[[torch.Tensor], Any]], xs: Sequence[torch.Tensor],
@@ -169,8 +176,9 @@ def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence
             copies = max(2, min(64, (100 << 20) // max(1, m * k * 2))) if gpu else 2  # > 2x a 50 MB L2
             xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
             with torch.inference_mode():
+                times = _burst_times(methods, xs, device)
                 for name, fn in methods.items():
-                    wall, host = _burst_times(fn, xs, device)
+                    wall, host = times[name]
                     rows.append(EagerRow(n, k, m, name, wall, host, _gpu_us(fn, xs) if gpu else None,
                                          _kernels(fn, xs[0]) if gpu else None, _py_calls(fn, xs[0])))
             if log:
