@@ -18,6 +18,11 @@ __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
 # Plans an Fp8BlockLinear keeps (one per input shape and dtype) before it forgets them all: serving
 # meets a few dozen shapes (decode batch sizes, prefill chunks); a plan holds no GPU memory.
 MAX_PLANS = 64
+# Input signatures a GPU layer remembers having seen once (a plan is made on the second call of a
+# shape, see Fp8BlockLinear): shapes that never come back, such as the whole-sequence latent
+# projection of transformers' DeepSeek attention (kv_b_proj over every cached position, one row more
+# per decode step), then cost a routed call instead of a plan each.
+MAX_SEEN = 256
 # Attributes whose replacement makes the plans stale.
 _PLANNED_FROM = frozenset(("weight", "weight_scale_inv", "bias", "backend"))
 # Pointer alignment a planned launch relies on (fp8linear.ops.launch.ALIGN).
@@ -77,10 +82,11 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     Decode-sized GEMMs count their split-K tiles in small counters the layer keeps (which
     spares a memset launch per call), so one layer must not run on two streams at the same time.
 
-    In eager mode on a GPU, the first call with an input of a new shape and dtype validates it,
-    asks the router (:mod:`fp8linear.ops.router`) for the kernels and keeps a launch plan
-    (:class:`fp8linear.ops.linear.LinearPlan`); later calls with that shape run the plan directly
-    (a dictionary lookup, the output allocation, one or two kernel launches). The backend choice,
+    In eager mode on a GPU, a call with an input of a new shape and dtype validates it and runs
+    the route the router (:mod:`fp8linear.ops.router`) picks for it; the second call of that shape
+    also keeps a launch plan (:class:`fp8linear.ops.linear.LinearPlan`), and later calls run the
+    plan directly (a dictionary lookup, two allocations, one or two kernel launches), bit-identical
+    to the first ones (same route). The backend choice,
     including ``FP8LINEAR_BACKEND`` and ``FP8LINEAR_PDL``, is read when a plan is made. Plans are
     dropped when the weight, scales, bias or backend are replaced, a state dict is loaded or the
     layer moves (:meth:`clear_plans` does it by hand).
@@ -122,6 +128,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         # `to_empty`), made zeroed on the weight's device (see init_split_k_counters).
         self._split_k_counters: torch.Tensor | None = None
         self._plans: dict = {}
+        self._seen: set = set()  # input signatures run once without a plan (GPU)
         self.init_split_k_counters()
 
     @property
@@ -207,21 +214,23 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def __setattr__(self, name: str, value) -> None:
         if name in _PLANNED_FROM and "_plans" in self.__dict__:
             self._plans.clear()
+            self.__dict__.get("_seen", set()).clear()
         super().__setattr__(name, value)
 
     def __getstate__(self):
         # Plans hold closures and compiled kernels: neither pickles nor deep-copies; a copy makes its own.
         state = super().__getstate__()
-        return {**state, "_plans": {}}
+        return {**state, "_plans": {}, "_seen": set()}
 
     def clear_plans(self) -> None:
         """Forget the launch plans (done on replacement, loading and moves; call it after changing
         ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout)."""
         self._plans.clear()
+        self.__dict__.setdefault("_seen", set()).clear()
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        self._plans.clear()
+        self.clear_plans()
         self.init_split_k_counters()  # made again, zeroed, where the weight now lives
         return out
 
@@ -284,9 +293,16 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             return self._forward_validated(x)
         counters = self._counters()
         validate_linear(x, weight, self.weight_scale_inv, self.bias, counters)
+        key = (x.shape, x.dtype, x.device)
+        seen = self.__dict__.setdefault("_seen", set())  # (layers unpickled from older versions lack it)
+        if key not in seen:  # first call of this shape: routed, no plan yet
+            if len(seen) >= MAX_SEEN:
+                seen.clear()
+            seen.add(key)
+            return self._run_routed(x, counters)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
-        plan = self._plans[(x.shape, x.dtype, x.device)] = self._make_plan(x, counters)
+        plan = self._plans[key] = self._make_plan(x, counters)
         return plan(x)
 
     def _make_cpu_plan(self, x: torch.Tensor, granularity: str):
@@ -302,17 +318,35 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
 
         return run
 
-    def _make_plan(self, x: torch.Tensor, counters: torch.Tensor | None):
-        from .ops.linear import LinearPlan
-        from .ops.router import route_linear, tma_ok
+    def _route_args(self, x: torch.Tensor) -> tuple:
+        from .ops.router import tma_ok
 
         weight, granularity = self.weight, self.granularity
         w_s = self.weight_scale_inv.reshape(()) if granularity == "tensor" else self.weight_scale_inv
         k = x.shape[-1]
         args = (x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype, self.bias,
                 cublas_allowed(self.backend), tma_ok(weight))
+        return args, w_s, granularity
+
+    def _run_routed(self, x: torch.Tensor, counters: torch.Tensor | None) -> torch.Tensor:
+        """One call on the route a plan of x's shape would run (so the same bits), without the plan."""
+        from .ops.linear import run_linear_route
+        from .ops.router import route_linear
+
+        args, w_s, granularity = self._route_args(x)
+        eager = not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        route = route_linear(*args, eager=eager)
+        k = x.shape[-1]
+        y = run_linear_route(route, x.reshape(-1, k), self.weight, w_s, granularity, self.bias, counters)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _make_plan(self, x: torch.Tensor, counters: torch.Tensor | None):
+        from .ops.linear import LinearPlan
+        from .ops.router import route_linear
+
+        args, w_s, granularity = self._route_args(x)
         # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
-        return LinearPlan(route_linear(*args, eager=True), x, weight, w_s, granularity, self.bias, counters,
+        return LinearPlan(route_linear(*args, eager=True), x, self.weight, w_s, granularity, self.bias, counters,
                           capture_route=route_linear(*args))
 
     def extra_repr(self) -> str:

@@ -26,6 +26,12 @@ def _layer(n: int, k: int, granularity: str, bias: bool, device: str = KERNEL_DE
     return Fp8BlockLinear.from_linear(lin, granularity, backend="triton")
 
 
+def _planned(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """Call the layer twice with x: the first call of a shape is routed, the second makes its plan."""
+    layer(x)
+    return layer(x)
+
+
 def _count_validated_calls(monkeypatch) -> list[int]:
     """Counts the layer's validated calls (validate_linear before planning, fp8_linear otherwise)."""
     from fp8linear import module
@@ -52,7 +58,7 @@ def test_plan_matches_routed_path_bit_for_bit(m, n, k, kernel, bias, granularity
     lead = (1, m) if m % 2 else (m,)  # leading dims reach the plan unreshaped
     xs = [torch.randn(*lead, k, device=KERNEL_DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
     ys = [layer(x) for x in xs]
-    assert validated[0] == 1  # the first call validates and plans; the others run the plan
+    assert validated[0] == 2  # the first call validates and runs the route, the second also plans; then the plan
     (plan,) = layer._plans.values()
     assert plan.route.kernel == kernel
     for x, y in zip(xs, ys):
@@ -106,37 +112,58 @@ def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
 
     layer = _layer(130, 300, "block", True)
     for m in (1, 2, 3):
-        layer(torch.randn(m, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
-    layer(torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.float32))
+        _planned(layer, torch.randn(m, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    _planned(layer, torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.float32))
     assert len(layer._plans) == 4
     monkeypatch.setattr(module, "MAX_PLANS", 4)
-    layer(torch.randn(4, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    _planned(layer, torch.randn(4, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
     assert len(layer._plans) == 1  # full: forgotten, then the new one kept
+
+
+def test_shapes_seen_once_are_routed_without_a_plan(monkeypatch):
+    """A shape that never comes back (the whole-sequence projection of a growing cache) costs a
+    routed call, not a plan; a shape's second call plans, with the first call's bits."""
+    from fp8linear import module
+
+    layer = _layer(130, 4224, "block", False)
+    xs = {m: torch.randn(m, 4224, device=KERNEL_DEVICE, dtype=torch.bfloat16) for m in (3, 4, 5, 6)}
+    first = {m: layer(x) for m, x in xs.items()}
+    assert not layer._plans and len(layer._seen) == 4
+    for m, x in xs.items():
+        assert same_bits(layer(x), first[m])  # planned now: the same route, the same bits
+    assert len(layer._plans) == 4
+    assert {plan.route.kernel for plan in layer._plans.values()} == {"decode"}
+    monkeypatch.setattr(module, "MAX_SEEN", 4)
+    layer(torch.randn(7, 4224, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    assert len(layer._seen) == 1  # full: forgotten, then the new one kept
+    layer.clear_plans()
+    assert not layer._plans and not layer._seen
 
 
 def test_plans_dropped_when_weights_bias_backend_or_device_change():
     layer = _layer(130, 300, "block", True)
     x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
-    layer(x)
-    assert layer._plans
+    _planned(layer, x)
+    assert layer._plans and layer._seen
     other = _layer(130, 300, "row", True)
     layer.weight_scale_inv = other.weight_scale_inv  # now a 1x128 layer
     layer.weight = other.weight
-    assert not layer._plans
-    y = layer(x)
+    assert not layer._plans and not layer._seen
+    y = _planned(layer, x)
     assert same_bits(y, fp8_linear(x, other.weight, other.weight_scale_inv, layer.bias, backend="triton"))
     layer.bias = None
     assert not layer._plans
-    layer(x)
+    _planned(layer, x)
     layer.backend = "reference"
     assert not layer._plans
     y = layer(x)
     assert not layer._plans  # the reference path keeps no plan
     assert same_bits(y, fp8_linear(x, other.weight, other.weight_scale_inv, None, backend="reference"))
     layer.backend = "triton"
-    layer(x)
+    _planned(layer, x)
+    assert layer._plans
     layer.to(KERNEL_DEVICE)
-    assert not layer._plans
+    assert not layer._plans and not layer._seen
 
 
 def test_a_planned_layer_copies_and_pickles_without_its_plans():
@@ -145,24 +172,24 @@ def test_a_planned_layer_copies_and_pickles_without_its_plans():
 
     layer = _layer(130, 300, "block", True)
     x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
-    y = layer(x)
+    y = _planned(layer, x)
     assert layer._plans
     buf = io.BytesIO()
     torch.save(layer, buf)
     buf.seek(0)
     for clone in (copy.deepcopy(layer), torch.load(buf, weights_only=False)):
-        assert not clone._plans and layer._plans
-        assert same_bits(clone(x), y) and clone._plans
+        assert not clone._plans and not clone._seen and layer._plans
+        assert same_bits(_planned(clone, x), y) and clone._plans
 
 
 def test_in_place_updates_reach_the_output():
     layer = _layer(130, 300, "block", False)
     x = torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
-    layer(x)
+    _planned(layer, x)
     other = _layer(130, 300, "block", False)
     layer.load_state_dict(other.state_dict())  # copies into the same tensors, and forgets the plans
     assert not layer._plans
-    assert same_bits(layer(x), other(x))
+    assert same_bits(_planned(layer, x), other(x))
     with torch.no_grad():
         layer.weight.copy_(_layer(130, 300, "block", False).weight)  # a plan reads the weight where it is
     assert layer._plans
@@ -173,7 +200,7 @@ def test_misaligned_or_strided_inputs_take_the_validated_path(monkeypatch):
     layer = _layer(130, 300, "block", True)
     validated = _count_validated_calls(monkeypatch)
     x = torch.randn(3, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
-    layer(x)
+    _planned(layer, x)
     flat = torch.randn(3 * 300 + 1, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     misaligned = flat[1:].view(3, 300)  # 2 bytes past a 16-byte boundary
     strided = torch.randn(300, 3, device=KERNEL_DEVICE, dtype=torch.bfloat16).t()
@@ -181,13 +208,14 @@ def test_misaligned_or_strided_inputs_take_the_validated_path(monkeypatch):
         y = layer(xi)
         assert same_bits(y, fp8_linear(xi.contiguous(), layer.weight, layer.weight_scale_inv, layer.bias,
                                        backend="triton"))
-    assert validated[0] == 3
+    assert validated[0] == 4
     assert len(layer._plans) == 1
 
 
 def test_bad_input_still_gets_clear_errors_after_planning():
     layer = _layer(130, 300, "block", True)
-    layer(torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    _planned(layer, torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+    assert layer._plans
     with pytest.raises(ValueError, match="K=300"):
         layer(torch.randn(2, 299, device=KERNEL_DEVICE, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
