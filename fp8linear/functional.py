@@ -173,11 +173,12 @@ if HAS_TRITON:
 
 
 def moe_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int):
-    """Routing of (token, expert) pairs for the grouped GEMM on the Triton path: the one-launch kernel (an opaque custom op) for decode-sized
-    batches, the traceable torch-ops path above ALIGN_KERNEL_MAX_PAIRS pairs."""
-    from .ops.grouped_gemm import ALIGN_KERNEL_MAX_PAIRS, MoeRouting, moe_align_block_size
+    """Routing of (token, expert) pairs for the grouped GEMM on the Triton path: the one-launch kernel
+    (an opaque custom op) for decode-sized batches, else the traceable torch-ops path
+    (:func:`fp8linear.ops.grouped_gemm.align_on_kernel` decides)."""
+    from .ops.grouped_gemm import MoeRouting, align_on_kernel, moe_align_block_size
 
-    if top_k_index.numel() > ALIGN_KERNEL_MAX_PAIRS or top_k_index.numel() == 0:
+    if not align_on_kernel(top_k_index.numel(), num_experts):
         return moe_align_block_size(top_k_index, num_experts, block_m, method="torch")
     sorted_pair_ids, block_expert = _moe_align_call(top_k_index, num_experts, block_m)
     return MoeRouting(sorted_pair_ids, block_expert, block_m, top_k_index.numel(), top_k_index.shape[1])

@@ -15,14 +15,15 @@ from .reference import weight_granularity, weight_scale_shape
 
 __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
 
-# Plans an Fp8BlockLinear keeps (one per input shape and dtype) before it forgets them all: serving
-# meets a few dozen shapes (decode batch sizes, prefill chunks); a plan holds no GPU memory.
-MAX_PLANS = 64
+# Plans an Fp8BlockLinear keeps (one per input shape and dtype; the oldest is dropped to make room):
+# serving meets a few dozen shapes (decode batch sizes, prefill chunks), and transformers' DeepSeek
+# attention one per generated position (kv_b_proj over the whole cached sequence), which repeated
+# generations of one length meet again. A plan holds no GPU memory, a few KB of host memory.
+MAX_PLANS = 256
 # Input signatures a GPU layer remembers having seen once (a plan is made on the second call of a
-# shape, see Fp8BlockLinear): shapes that never come back, such as the whole-sequence latent
-# projection of transformers' DeepSeek attention (kv_b_proj over every cached position, one row more
-# per decode step), then cost a routed call instead of a plan each.
-MAX_SEEN = 256
+# shape, see Fp8BlockLinear): shapes that never come back, such as that whole-sequence projection
+# in a single generation, then cost a routed call each instead of a plan each.
+MAX_SEEN = 1024
 # Attributes whose replacement makes the plans stale.
 _PLANNED_FROM = frozenset(("weight", "weight_scale_inv", "bias", "backend"))
 # Pointer alignment a planned launch relies on (fp8linear.ops.launch.ALIGN).
@@ -278,13 +279,14 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
 
     def _forward_and_plan(self, x: torch.Tensor) -> torch.Tensor:
         """The validated forward; where our Triton kernels or the CPU path run it, through a plan it
-        keeps for x's shape (so the first call of a shape computes what the later ones do)."""
+        keeps for x's shape (on a GPU from the shape's second call; the CPU plan, a closure, from
+        the first). A plan computes what the calls before it did (the same route)."""
         weight = self.weight
         if (x.device.type == "cpu" and x.numel() and x.is_contiguous() and x.data_ptr() % _ALIGN == 0
                 and is_fp8_dtype(weight.dtype) and cpu_fast_path(self.backend, x.device)):
             granularity = validate_linear(x, weight, self.weight_scale_inv, self.bias, None)
             if len(self._plans) >= MAX_PLANS:
-                self._plans.clear()
+                del self._plans[next(iter(self._plans))]  # the oldest
             plan = self._plans[(x.shape, x.dtype, x.device)] = self._make_cpu_plan(x, granularity)
             return plan(x)
         if not (HAS_TRITON and x.numel() and x.is_contiguous() and x.data_ptr() % _ALIGN == 0
@@ -301,7 +303,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             seen.add(key)
             return self._run_routed(x, counters)
         if len(self._plans) >= MAX_PLANS:
-            self._plans.clear()
+            del self._plans[next(iter(self._plans))]  # the oldest
         plan = self._plans[key] = self._make_plan(x, counters)
         return plan(x)
 

@@ -82,7 +82,9 @@ class KernelCall:
         self.kernel = kernel
         self.grid = (tuple(grid) + (1, 1))[:3]
         self.options = dict(options)
-        self.values = [args.get(n) for n in names]
+        # slots are filled per call: what `args` holds there (the buffers a plan was built with) is
+        # not kept, so a call pins no memory beyond its fixed tensors
+        self.values = [None if n in slots else args.get(n) for n in names]
         self.slot_index = tuple(names.index(s) for s in slots)
         self.compiled = None
         self.device_index = -1

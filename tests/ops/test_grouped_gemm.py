@@ -406,3 +406,13 @@ def test_grouped_config_follows_rows_per_expert(pairs, experts, tile):
 
     cfg = grouped_config(pairs, experts, 4096, 7168)
     assert (cfg.block_m, cfg.block_n) == tile
+
+
+@needs_kernel
+@pytest.mark.parametrize("experts,most_pairs", [(32, 4096), (64, 2048), (128, 1024), (256, 512), (7, 32768)])
+def test_alignment_runs_on_the_kernel_while_pairs_times_bins_stay_small(experts, most_pairs):
+    """The one-program alignment kernel's work grows with pairs x histogram bins: past
+    ALIGN_KERNEL_MAX_WORK the torch ops take over (the same result either way, tested above)."""
+    assert gg.align_on_kernel(most_pairs, experts)
+    assert not gg.align_on_kernel(most_pairs + 1, experts)
+    assert not gg.align_on_kernel(0, experts)  # nothing to align: the torch path returns the empty layout

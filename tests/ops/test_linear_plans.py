@@ -115,9 +115,27 @@ def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
         _planned(layer, torch.randn(m, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
     _planned(layer, torch.randn(2, 300, device=KERNEL_DEVICE, dtype=torch.float32))
     assert len(layer._plans) == 4
+    first = next(iter(layer._plans))
     monkeypatch.setattr(module, "MAX_PLANS", 4)
-    _planned(layer, torch.randn(4, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16))
-    assert len(layer._plans) == 1  # full: forgotten, then the new one kept
+    x4 = torch.randn(4, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    _planned(layer, x4)
+    assert len(layer._plans) == 4 and first not in layer._plans  # full: the oldest made room
+    assert (x4.shape, x4.dtype, x4.device) in layer._plans
+
+
+def test_a_plan_pins_no_buffer_it_was_built_with():
+    """A prepared launch keeps its fixed tensors (weight, scales, counters), not the output and
+    scratch buffers the plan was built with: those are fresh per call."""
+    layer = _layer(130, 4224, "block", True)
+    x = torch.randn(5, 4224, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    _planned(layer, x)
+    (plan,) = layer._plans.values()
+    fixed = {t.untyped_storage().data_ptr()
+             for t in (layer.weight, layer.weight_scale_inv, layer.bias, layer._split_k_counters)}
+    for call in plan.calls:
+        assert all(call.values[i] is None for i in call.slot_index)
+        kept = [v.untyped_storage() for v in call.values if isinstance(v, torch.Tensor)] + list(call.held)
+        assert kept and {st.data_ptr() for st in kept} <= fixed
 
 
 def test_shapes_seen_once_are_routed_without_a_plan(monkeypatch):
