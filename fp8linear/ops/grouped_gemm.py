@@ -54,10 +54,10 @@ class MoeRouting(NamedTuple):
 # The routing is aligned by one single-program Triton kernel (one launch: what decode needs) while
 # pairs x histogram bins (the next power of two above the expert count) stay within this; above it
 # by ~20 device-side torch ops, whose launch cost is noise next to the GEMMs while one program
-# would serialise the work. H100, Qwen3-MoE widths (128 experts, 256 bins), CUDA graphs: the whole
-# experts module took 484 us at 2048 pairs and 700 us at 4096 on the kernel, 485 us at 8192 pairs
-# on the torch ops; 32 experts (64 bins) keep the kernel up to 4096 pairs.
-ALIGN_KERNEL_MAX_WORK = 4096 * 64
+# would serialise the work. H100, Qwen3-MoE widths (128 experts, 256 bins), CUDA graphs, the whole
+# experts module: 298 us at 512 pairs, 358 us at 1024, 484 us at 2048 and 700 us at 4096 on the
+# kernel; 355 us at 2048 and 382 us at 4096 pairs on the torch ops.
+ALIGN_KERNEL_MAX_WORK = 512 * 256
 
 
 def align_on_kernel(num_pairs: int, num_experts: int) -> bool:

@@ -409,7 +409,7 @@ def test_grouped_config_follows_rows_per_expert(pairs, experts, tile):
 
 
 @needs_kernel
-@pytest.mark.parametrize("experts,most_pairs", [(32, 4096), (64, 2048), (128, 1024), (256, 512), (7, 32768)])
+@pytest.mark.parametrize("experts,most_pairs", [(32, 2048), (64, 1024), (128, 512), (256, 256), (7, 16384)])
 def test_alignment_runs_on_the_kernel_while_pairs_times_bins_stay_small(experts, most_pairs):
     """The one-program alignment kernel's work grows with pairs x histogram bins: past
     ALIGN_KERNEL_MAX_WORK the torch ops take over (the same result either way, tested above)."""
