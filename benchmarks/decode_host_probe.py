@@ -1,0 +1,132 @@
+"""Where an eager decode step spends host time: BF16 against FP8, per submodule kind.
+
+Builds the DeepSeek-V3-width model of `examples/deepseek_v3_small.py` (preset v3, random weights),
+an FP8 copy (`quantize_model_`), prefills one prompt, then times eager decode steps of both models
+(interleaved): wall time per step (synchronised), host time per step (enqueue only), and the host
+time spent inside each kind of submodule (attention, router gate, routed experts, shared experts,
+dense MLP, norms, lm_head), summed over a step, from forward hooks. Ends with a cProfile of one FP8
+step sorted by cumulative time.
+
+    python benchmarks/decode_host_probe.py [--prefill 2048] [--steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from deepseek_v3_small import make_config  # noqa: E402
+
+from fp8linear.integrations.transformers import quantize_model_  # noqa: E402
+
+KINDS = ("self_attn", "gate", "experts", "shared_experts", "mlp", "input_layernorm", "post_attention_layernorm",
+         "lm_head")
+
+
+def kind_of(name: str) -> str | None:
+    last = name.rsplit(".", 1)[-1]
+    if last == "mlp" and ".mlp" in name and "layers.0." not in name:
+        return None  # the MoE block: its parts are timed instead
+    return last if last in KINDS else None
+
+
+def attach_timers(model: torch.nn.Module, acc: dict) -> None:
+    for name, mod in model.named_modules():
+        kind = kind_of(name)
+        if kind is None:
+            continue
+
+        def pre(m, args, _k=kind):
+            m._probe_t0 = time.perf_counter()
+
+        def post(m, args, out, _k=kind):
+            acc[_k] += time.perf_counter() - m._probe_t0
+
+        mod.register_forward_pre_hook(pre)
+        mod.register_forward_hook(post)
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--preset", default="v3", help="examples/deepseek_v3_small.py preset (tiny: a CPU check)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    with dev:
+        bf16 = AutoModelForCausalLM.from_config(make_config(a.preset, 4), dtype=torch.bfloat16).eval()
+    fp8 = copy.deepcopy(bf16)
+    quantize_model_(fp8, granularity="block")
+    models = {"bf16": bf16, "fp8": fp8}
+    prompt = torch.randint(0, 32000, (1, a.prefill), device=dev)
+    caches = {}
+    for name, m in models.items():
+        out = m(prompt, use_cache=True)
+        caches[name] = (out.past_key_values, out.logits[:, -1:].argmax(-1))
+    sync()
+
+    def step(name):
+        cache, tok = caches[name]
+        tok = models[name](tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        caches[name] = (cache, tok)
+
+    for name in models:  # warm-up (plans, compilation)
+        for _ in range(3):
+            step(name)
+    sync()
+    walls, hosts = defaultdict(list), defaultdict(list)
+    for _ in range(a.steps):
+        for name in models:
+            sync()
+            t0 = time.perf_counter()
+            step(name)
+            t1 = time.perf_counter()
+            sync()
+            hosts[name].append((t1 - t0) * 1e3)
+            walls[name].append((time.perf_counter() - t0) * 1e3)
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
+    print(f"{where}, prefill {a.prefill}, {a.steps} decode steps each (ms, medians)")
+    for name in models:
+        print(f"  {name}: wall {statistics.median(walls[name]):.2f} ms/step, host {statistics.median(hosts[name]):.2f}")
+    accs = {name: defaultdict(float) for name in models}
+    for name, m in models.items():
+        attach_timers(m, accs[name])
+    for name in models:
+        accs[name].clear()
+        for _ in range(a.steps):
+            step(name)
+        sync()
+    print(f"{'host ms per step':28s}{'bf16':>9s}{'fp8':>9s}")
+    for kind in KINDS:
+        b, f = (accs[n][kind] / a.steps * 1e3 for n in ("bf16", "fp8"))
+        print(f"{kind:28s}{b:9.3f}{f:9.3f}")
+    for name in ("fp8", "bf16"):
+        pr = cProfile.Profile()
+        pr.enable()
+        step(name)
+        sync()
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
+        print(f"\n--- cProfile, one {name} step, cumulative ---")
+        print("\n".join(line[:170] for line in buf.getvalue().splitlines()[:60]))
+
+
+if __name__ == "__main__":
+    main()
