@@ -290,10 +290,8 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
     assert all(c.compiled is not None for c in plan.calls)  # every prepared launch is direct now
     # and holds its fixed tensors as raw addresses (their storages kept alive)
     assert not any(isinstance(v, torch.Tensor) for c in plan.calls for v in c.values)
-    if plan.route.kernel != "cublas":  # (a cuBLAS plan's one prepared launch quantizes x: no fixed tensor)
-        assert plan.calls[-1].held  # the GEMM's weight
-    if plan.route.kernel in ("gemv", "decode", "splitk", "tiled"):
-        assert plan.calls
+    if plan.route.kernel in ("gemv", "decode", "splitk", "tiled"):  # our prepared GEMMs (cuBLAS: only x's
+        assert plan.calls and plan.calls[-1].held  # quantization is prepared; persistent: unprepared)
     w_s = layer.weight_scale_inv.reshape(()) if granularity == "tensor" else layer.weight_scale_inv
     for x, y in zip(xs, ys):
         unprepared = run_linear_route(plan.route, x.flatten(0, 1), layer.weight, w_s, granularity, layer.bias,
