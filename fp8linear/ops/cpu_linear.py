@@ -228,7 +228,10 @@ def _decode(p: CpuFp8Weight, n0: int, n1: int, h: torch.Tensor, f: torch.Tensor)
 # (the last tile of the batched GEMM) keep whatever a previous call decoded there: finite values
 # whose outputs are dropped.
 _SCRATCH = threading.local()
-_MAX_SCRATCH = 6
+# Per thread and use, buffers are kept up to this many bytes (the least recently used dropped first):
+# a model's layers need several tile shapes (SmolLM2 decode: 8, prefill: more), and a buffer made
+# again costs a pass over its bytes (zeros) each call: 10% of a SmolLM2 decode step at 6 entries.
+MAX_SCRATCH_BYTES = 48 << 20
 # the padded copy of x (K not a multiple of 128) uses a kept buffer up to this M
 PAD_SCRATCH_MAX_M = 64
 
@@ -240,11 +243,16 @@ def _scratch(rows: int, cols: int, dtype: torch.dtype, use: str = "tile") -> tor
         cache = {}
         setattr(_SCRATCH, use, cache)
     key = (rows, cols, dtype)
-    buf = cache.get(key)
+    buf = cache.pop(key, None)  # re-inserted below: the dict's order is the order of use
     if buf is None:
-        if len(cache) >= _MAX_SCRATCH:
-            cache.clear()
-        buf = cache[key] = torch.zeros(rows, cols, dtype=dtype)
+        kept = sum(t.numel() * t.element_size() for t in cache.values())
+        need = rows * cols * dtype.itemsize
+        while cache and kept + need > MAX_SCRATCH_BYTES:
+            old = cache.pop(next(iter(cache)))
+            kept -= old.numel() * old.element_size()
+        with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+            buf = torch.zeros(rows, cols, dtype=dtype)
+    cache[key] = buf
     return buf
 
 
