@@ -65,10 +65,12 @@ HALF_GEMV = True
 # ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
 # cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
 HALF_MIN_ELEMS = 96 * 1024
-# Elements per intra-op thread of a float16 tile (rows: a power of two, at most 128). M=1, 2 threads
-# (rows per tile): 7168x2048 2.52 ms (128), 2.94 (256); 2048x7168 2.21 (128), 2.33 (64), 2.68 (32);
-# 1 thread: 7168x2048 4.23 (128), 4.49 (64); 2048x7168 4.16 (64), 4.25 (32).
-HALF_TILE_ELEMS = 1 << 19
+# Elements per intra-op thread of a float16 tile: whole 128-row blocks (one at least where this
+# budget holds half a block), else a power of two. M=1, 2 threads, ms (rows per tile): 7168x2048
+# 2.42 (128), 2.32 (256), 2.29 (512), 2.77 (1024); 2048x2048 0.76 (128), 0.72 (256), 0.77 (512);
+# 576x1536 0.230 (128), 0.234 (256), 0.239 (512); 1536x576 0.302 (128), 0.258 (256), 0.244 (512),
+# 0.245 (768), 0.290 (1024); 2048x7168 2.13 (128), 2.33 (64).
+HALF_TILE_ELEMS = 1 << 18
 
 # int16 mask keeping bit 15 (sign) and bits 13..7 (FP8 exponent and mantissa): 0xBF80.
 _MASK = -16512
@@ -286,10 +288,12 @@ def _tiles(p: CpuFp8Weight, rows: int) -> list[tuple[int, int, torch.Tensor]]:
 
 
 def _half_gemv_rows(n: int, k: int) -> int:
-    """Rows of a float16 tile: whole 128-row blocks (at most the weight's), else a power of two."""
+    """Rows of a float16 tile: whole 128-row blocks, as many in every tile (the weight's whole blocks
+    split into the fewest tiles within the budget), else a power of two."""
     rows = max(1, HALF_TILE_ELEMS * torch.get_num_threads() // k)
-    if rows >= GROUP_SIZE and n >= GROUP_SIZE:
-        return min(rows, n) // GROUP_SIZE * GROUP_SIZE
+    if rows >= GROUP_SIZE // 2 and n >= GROUP_SIZE:
+        blocks = n // GROUP_SIZE
+        return _cdiv(blocks, _cdiv(blocks, max(1, rows // GROUP_SIZE))) * GROUP_SIZE
     return min(GROUP_SIZE, 1 << (rows.bit_length() - 1))
 
 
