@@ -18,6 +18,11 @@ What makes it fast, without a BF16/fp32 copy of the weight:
   That float16 is the FP8 value times 2^-8 (e4m3fn: exponent bias 7 against 15) or 2^-7
   (e4m3fnuz: bias 8), subnormals included; the power of two goes into the activation scales.
   Tiles of rows are decoded into buffers that stay in cache, kept per thread between calls.
+* **Tiles that follow the intra-op threads.** An elementwise op gives each thread a contiguous
+  run of the tile's rows; the GEMMs read the rows that the same core decoded: float16 tiles of
+  several 128-row blocks are decoded interleaved (each block's GEMV splits its rows as the
+  decode split the tile), and the fp32 path's tiles of blocks come in multiples of the thread
+  count.
 * **Scales folded where they cost least.** 'tensor': one scalar on the activations. 'block' with
   few rows of x: on the activations, once per 128-row block (a batched GEMM over the blocks, or
   a GEMV per block on the float16 path). 'row', and 'block' with many rows: one multiply over
