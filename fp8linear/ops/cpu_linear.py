@@ -243,13 +243,16 @@ MAX_SCRATCH_BYTES = 48 << 20
 PAD_SCRATCH_MAX_M = 64
 
 
-def _scratch(rows: int, cols: int, dtype: torch.dtype, use: str = "tile") -> torch.Tensor:
-    """A zero-initialised (rows, cols) buffer kept for this thread (per `use`: 'tile' or 'x')."""
+def _scratch(rows: int, cols: int, dtype: torch.dtype, use: str = "tile", k: int | None = None) -> torch.Tensor:
+    """A zero-initialised (rows, cols) buffer kept for this thread (per `use`: 'tile' or 'x').
+
+    `k`: for a buffer whose columns past k must stay zero (callers write only [:, :k]): one buffer
+    per k, so that a call with a larger k and the same width leaves nothing there."""
     cache = getattr(_SCRATCH, use, None)
     if cache is None:
         cache = {}
         setattr(_SCRATCH, use, cache)
-    key = (rows, cols, dtype)
+    key = (rows, cols, dtype, k)
     buf = cache.pop(key, None)  # re-inserted below: the dict's order is the order of use
     if buf is None:
         kept = sum(t.numel() * t.element_size() for t in cache.values())
@@ -409,7 +412,7 @@ def cpu_fp8_linear(
     m = x2d.shape[0]
     n, k, groups = p.n, p.k, p.groups
     kp = groups * GROUP_SIZE
-    pad_buf = _scratch(m, kp, torch.float32, "x") if kp != k and m <= PAD_SCRATCH_MAX_M else None
+    pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None
     grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
     bias_f = bias.float() if bias is not None else None
     if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"
@@ -426,8 +429,8 @@ def cpu_fp8_linear(
     row_scaled = not xfold and p.row_scale is not None
     tw = kp if row_scaled else k
     rows = _tile_rows(n, tw, xfold, m)
-    h = _scratch(rows, tw, torch.int16)
-    f = _scratch(rows, tw, torch.float32)
+    h = _scratch(rows, tw, torch.int16, k=k if tw != k else None)
+    f = _scratch(rows, tw, torch.float32, k=k if tw != k else None)
     n_pad = _cdiv(n, GROUP_SIZE) * GROUP_SIZE if xfold and rows >= GROUP_SIZE else n
     # outputs: y_t (N, M) ("N-major"), y_m (M, N), or per-block y_blk (N/128, M, 128) for the batched
     # GEMMs of M <= 8; the bias is added at the end except on the N-major path

@@ -432,3 +432,18 @@ def test_first_call_in_inference_mode_then_outside():
     with torch.inference_mode():
         y_inf = cpu_fp8_linear(x, w_q, w_s, "block")
     assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), y_inf)  # kept buffers stay writable
+
+
+@pytest.mark.parametrize("m", [1, 2, 40])
+@pytest.mark.parametrize("granularity", GRANS)
+def test_scratch_reuse_across_k_of_one_padded_width(m, granularity):
+    """K=192 then K=130 (both padded to 256): the second call's padding holds no value of the first."""
+    gen = torch.Generator().manual_seed(m)
+    calls = []
+    for k in (192, 130):
+        w_q, w_s = quantize_weight_ref(torch.randn(300, k, generator=gen) / 12, granularity, torch.float8_e4m3fn)
+        calls.append((torch.randn(m, k, generator=gen).bfloat16() * 100, w_q, w_s))
+    cpu_linear._SCRATCH.__dict__.clear()
+    alone = cpu_fp8_linear(*calls[1], granularity)
+    cpu_fp8_linear(*calls[0], granularity)
+    assert torch.equal(cpu_fp8_linear(*calls[1], granularity), alone)
