@@ -337,18 +337,19 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
     largest activation in [2**-1, 1) / 2**max(0, log2(Kp) - 14), so no product or output overflows.
     """
     kp, k = grid.shape[1] * GROUP_SIZE, p.k
-    if p.block_scale is not None:
-        a = grid * (x_s * p.block_scale_x).unsqueeze(-1)  # (NB, 1, G, 128)
-    else:
-        a = grid * (x_s * p.act_scale).unsqueeze(-1)  # (1, G, 128)
-    amax = a.abs().amax().item()
+    # the scales of the activations: (NB, 1, G) per 128-row block ('block'), else (1, G)
+    sc = x_s * (p.block_scale_x if p.block_scale is not None else p.act_scale)
+    # the largest |grid * sc| from each group's largest |grid| (rounding is monotonic: the same value)
+    amax = (grid.abs().amax(dim=-1) * sc.abs()).amax().item()
     if not math.isfinite(amax):
         return None  # NaN/Inf rows: the fp32 path gives the reference's NaNs
     e = math.frexp(amax)[1] + max(0, (kp - 1).bit_length() - 14)
     if abs(e) > 100:  # 2**e or 2**-e would leave fp32's normal range
         return None
-    a16 = torch.empty(a.shape[0], k, dtype=torch.float16)  # the first K columns (the rest is padding)
-    torch.mul(a.view(-1, kp)[:, :k], 2.0 ** -e, out=a16)
+    # one row per block: grid * (sc * 2**-e) in fp32, rounded to float16 (K columns used, Kp made)
+    a16p = torch.empty(sc.numel() // sc.shape[-1], kp, dtype=torch.float16)
+    torch.mul(grid, (sc * 2.0 ** -e).unsqueeze(-1), out=a16p.view(*sc.shape, GROUP_SIZE))
+    a16 = a16p[:, :k] if k != kp else a16p
     n = p.n
     rows = _half_gemv_rows(n, k)
     h = _scratch(rows, k, torch.int16)
@@ -361,7 +362,7 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
             _decode_bits(codes, h if r == rows else h[:r])
             torch.mm(a16, hv_t if r == rows else hv_t[:, :r], out=y16[:, n0:n1])
     else:  # 'block': one GEMV per 128-row block (or per tile inside one) with that block's row
-        a_rows = a16.view(-1, 1, k).unbind(0)
+        a_rows = a16.unsqueeze(1).unbind(0)  # (1, K) each
         views: dict[int, tuple] = {}  # blocks in a tile -> (h as (128, blocks, K), each block's rows .t())
         for n0, n1, codes, nb in _half_tiles(p, rows):
             r = n1 - n0
