@@ -381,7 +381,10 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
                     torch.mm(a_rows[b0 + b], w_t, out=y16[:, j:j + GROUP_SIZE])
                 continue
             _decode_bits(codes, h if r == rows else h[:r])
-            for j in range(0, r, GROUP_SIZE):  # a tile inside one block, or a last tile's blocks
+            if r == rows and rows <= GROUP_SIZE:  # one block, or a tile inside one
+                torch.mm(a_rows[n0 // GROUP_SIZE], hv_t, out=y16[:, n0:n1])
+                continue
+            for j in range(0, r, GROUP_SIZE):  # a last tile's blocks
                 j1 = min(r, j + GROUP_SIZE)
                 torch.mm(a_rows[(n0 + j) // GROUP_SIZE], hv_t[:, j:j1], out=y16[:, n0 + j:n0 + j1])
     y = torch.empty(1, n, dtype=torch.bfloat16)
