@@ -448,7 +448,9 @@ def cpu_fp8_linear(
         s_blk = x_s * p.block_scale_x
         a_all = None
         if rows >= GROUP_SIZE and s_blk.numel() * GROUP_SIZE <= A_ALL_MAX:  # all blocks' activations at once
-            a_all = (grid * s_blk.unsqueeze(-1)).view(s_blk.shape[0], m, kp)[..., :tw]
+            a_all = (grid * s_blk.unsqueeze(-1)).view(s_blk.shape[0], m, kp)
+            if tw != kp:
+                a_all = a_all[..., :tw]
     else:
         xd = grid.mul_((x_s * p.act_scale).unsqueeze(-1))  # (M, G, 128) dequantized activations (* 2**shift)
     if xfold and rows >= GROUP_SIZE:
@@ -506,19 +508,17 @@ def cpu_fp8_linear(
             else:
                 torch.addmm(bias_f[n0:n1].view(r, 1), fr, xd2.t(), out=y_out[n0:n1])
     if m_major:
-        if y_blk is not None and m > 1:  # (N/128, M, 128) -> (M, N), in one or two copies
+        if y_blk is not None and m > 1:  # (N/128, M, 128) -> (M, N) in one copy (or add, in fp32)
             y = torch.empty(m, n, dtype=x2d.dtype)
-            full = n // GROUP_SIZE
-            parts = [(y[:, :full * GROUP_SIZE].view(m, full, GROUP_SIZE), y_blk[:full].transpose(0, 1),
-                      None if bias_f is None else bias_f[:full * GROUP_SIZE].view(full, GROUP_SIZE))]
-            if n != full * GROUP_SIZE:
-                parts.append((y[:, full * GROUP_SIZE:], y_blk[full, :, :n - full * GROUP_SIZE],
-                              None if bias_f is None else bias_f[full * GROUP_SIZE:]))
-            for dst, src, b in parts:
-                if b is None:
-                    dst.copy_(src)
-                else:  # in fp32, rounded once to x's dtype
-                    torch.add(src, b, out=dst)
+            if n == n_pad:
+                dst, src = y.view(m, n_pad // GROUP_SIZE, GROUP_SIZE), y_blk.transpose(0, 1)
+                b = None if bias_f is None else bias_f.view(-1, GROUP_SIZE)
+            else:  # to (M, N_pad) first: one fp32 copy costs less than copying the last block apart
+                dst, src, b = y, y_blk.transpose(0, 1).reshape(m, n_pad)[:, :n], bias_f
+            if b is None:
+                dst.copy_(src)
+            else:
+                torch.add(src, b, out=dst)
             if p.nan_rows is not None:
                 y[:, p.nan_rows] = float("nan")
             return y
