@@ -4,8 +4,9 @@ One "token" runs, for each of the 30 layers, the model's 7 linears at M rows (--
 main job decodes 2 prompts at once: M=2) (q 576x576,
 k/v 192x576, o 576x576, gate/up 1536x576, down 576x1536; N x K); attention, norms and the
 LM head are left out, so this bounds the linears' share of a decode step. FP8 runs through
-`cpu_fp8_linear` (weights prepared once, as a layer would keep them) and, for scale, the
-reference path on a few layers. Rounds interleave BF16 and FP8; medians are printed.
+`cpu_fp8_linear` (weights prepared once), through `Fp8BlockLinear` modules (what a model runs:
+their per-shape plan calls `cpu_fp8_linear`) and, for scale, the reference path on a few layers.
+Rounds interleave BF16 and FP8; medians are printed.
 
     python benchmarks/cpu_decode.py [--threads 2] [--m 1] [--layers 30] [--granularity block] [--rounds 7]
 """
@@ -29,7 +30,9 @@ LINEARS = (("q", HIDDEN, HIDDEN, "h"), ("k", KV, HIDDEN, "h"), ("v", KV, HIDDEN,
 
 
 def build(layers: int, granularity: str):
-    bf16, fp8 = [], []
+    from fp8linear.module import Fp8BlockLinear
+
+    bf16, fp8, mods = [], [], []
     for _ in range(layers):
         for _name, n, k, src in LINEARS:
             w = torch.randn(n, k) / math.sqrt(k)
@@ -39,7 +42,8 @@ def build(layers: int, granularity: str):
             w_q, w_s = quantize_weight_ref(w, granularity, torch.float8_e4m3fn)
             bf16.append((lin, src))
             fp8.append((w_q, w_s, prepare_cpu_weight(w_q, w_s, granularity), src))
-    return bf16, fp8
+            mods.append((Fp8BlockLinear.from_linear(lin, granularity=granularity), src))
+    return bf16, fp8, mods
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref-layers", type=int, default=2, help="layers the reference path is timed on (scaled up)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    bf16, fp8 = build(args.layers, args.granularity)
+    bf16, fp8, mods = build(args.layers, args.granularity)
     h = torch.randn(args.m, HIDDEN, dtype=torch.bfloat16)
     a = torch.randn(args.m, INTER, dtype=torch.bfloat16)
     gran = args.granularity
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         for w_q, w_s, prep, src in fp8:
             cpu_fp8_linear(h if src == "h" else a, w_q, w_s, gran, None, prep)
 
+    def step_module():
+        for mod, src in mods:
+            mod(h if src == "h" else a)
+
     ref_part = fp8[: args.ref_layers * len(LINEARS)]
 
     def step_ref():
@@ -73,21 +81,23 @@ def main(argv: list[str] | None = None) -> int:
             x_q, x_s = quantize_activation_ref(x, w_q.dtype)
             block_fp8_matmul_ref(x_q, x_s, w_q, w_s, x.dtype, None)
 
-    times = {"bf16": [], "fp8": [], "ref": []}
+    times = {"bf16": [], "fp8": [], "module": [], "ref": []}
     with torch.inference_mode():
-        step_bf16(), step_fp8(), step_ref()
+        step_bf16(), step_fp8(), step_module(), step_ref()
         for _ in range(args.rounds):
-            for name, fn in (("bf16", step_bf16), ("fp8", step_fp8), ("ref", step_ref)):
+            for name, fn in (("bf16", step_bf16), ("fp8", step_fp8), ("module", step_module), ("ref", step_ref)):
                 t0 = time.perf_counter()
                 fn()
                 dt = time.perf_counter() - t0
                 times[name].append(dt * (args.layers / args.ref_layers if name == "ref" else 1))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     ratio = statistics.median(b / f for b, f in zip(times["bf16"], times["fp8"]))
+    ratio_mod = statistics.median(b / f for b, f in zip(times["bf16"], times["module"]))
     print(f"SmolLM2-135M-shaped linears, {args.layers} layers x {len(LINEARS)}, M={args.m}, {gran}, "
           f"{args.threads} threads, torch {torch.__version__}")
     print(f"  bf16 nn.Linear   {med['bf16']:8.2f} ms/token")
     print(f"  fp8 cpu_linear   {med['fp8']:8.2f} ms/token   (bf16/fp8 time: {ratio:.2f}x BF16 speed)")
+    print(f"  fp8 modules      {med['module']:8.2f} ms/token   (bf16/fp8 time: {ratio_mod:.2f}x BF16 speed)")
     print(f"  fp8 reference    {med['ref']:8.2f} ms/token   (timed on {args.ref_layers} layers, scaled)")
     return 0
 

@@ -7,6 +7,7 @@ and of the per-round ratios (fp8 / bf16). The thread count is fixed (torch.set_n
     python benchmarks/cpu_linear.py [--threads 2] [--m 1,4,16,128,512] [--shapes 2048:7168 ...]
                                     [--granularity block] [--rounds 7] [--json out.json]
     python benchmarks/cpu_linear.py --tile-sweep      # M=1 time per TILE_ELEMS value (elements per thread)
+    python benchmarks/cpu_linear.py --half-tile-sweep # M=1, bf16 x: time per HALF_TILE_ELEMS value (float16 path)
 
 The reference path (dequantize the whole weight, then an fp32 GEMM) is slow: it is timed with
 fewer calls per round and skipped above --ref-max-m.
@@ -82,25 +83,27 @@ def bench_shape(n: int, k: int, m: int, granularity: str, rounds: int, budget_s:
     return row
 
 
-def tile_sweep(shapes: list[tuple[int, int]], rounds: int, budget_s: float) -> list[dict]:
+def tile_sweep(shapes: list[tuple[int, int]], rounds: int, budget_s: float, name: str = "TILE_ELEMS",
+               exponents: range = range(16, 23)) -> list[dict]:
+    """M=1 (bf16 x, 'block') time per value of cpu_linear.`name` (elements per intra-op thread)."""
     rows = []
-    saved = cpu_linear.TILE_ELEMS
+    saved = getattr(cpu_linear, name)
     try:
         for n, k in shapes:
             w_q, w_s = quantize_weight_ref(torch.randn(n, k) / math.sqrt(k), "block", torch.float8_e4m3fn)
             prep = prepare_cpu_weight(w_q, w_s, "block")
             x = torch.randn(1, k).bfloat16()
-            tiles = [1 << e for e in range(16, 23)]
+            tiles = [1 << e for e in exponents]
             times: dict[int, list[float]] = {t: [] for t in tiles}
             for _ in range(rounds):
                 for t in tiles:
-                    cpu_linear.TILE_ELEMS = t
+                    setattr(cpu_linear, name, t)
                     times[t].append(per_call_s(lambda: cpu_fp8_linear(x, w_q, w_s, "block", None, prep), budget_s))
             for t in tiles:
-                rows.append({"n": n, "k": k, "tile_elems": t, "fp8_ms": statistics.median(times[t]) * 1e3})
-                print(f"{n:>5d}x{k:<5d} tile 2^{int(math.log2(t)):<2d} {rows[-1]['fp8_ms']:8.3f} ms", flush=True)
+                rows.append({"n": n, "k": k, name.lower(): t, "fp8_ms": statistics.median(times[t]) * 1e3})
+                print(f"{n:>5d}x{k:<5d} {name} 2^{int(math.log2(t)):<2d} {rows[-1]['fp8_ms']:8.3f} ms", flush=True)
     finally:
-        cpu_linear.TILE_ELEMS = saved
+        setattr(cpu_linear, name, saved)
     return rows
 
 
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-ms", type=float, default=30.0, help="time per method per round")
     p.add_argument("--ref-max-m", type=int, default=512, help="time the reference path up to this M")
     p.add_argument("--tile-sweep", action="store_true", help="M=1 time per TILE_ELEMS value instead")
+    p.add_argument("--half-tile-sweep", action="store_true", help="M=1, bf16 x: time per HALF_TILE_ELEMS value instead")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
           f"granularity {args.granularity}  TILE_ELEMS {cpu_linear.TILE_ELEMS}")
     if args.tile_sweep:
         rows = tile_sweep(shapes, args.rounds, args.budget_ms / 1e3)
+    elif args.half_tile_sweep:
+        rows = tile_sweep(shapes, args.rounds, args.budget_ms / 1e3, "HALF_TILE_ELEMS", range(16, 22))
     else:
         ms = [int(v) for v in args.m.split(",")]
         print(f"{'N x K':>11s} {'M':>4s} {'bf16 ms':>9s} {'ref ms':>9s} {'fp8 ms':>9s} {'fp8/bf16':>8s} "

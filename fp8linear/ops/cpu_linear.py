@@ -18,6 +18,11 @@ What makes it fast, without a BF16/fp32 copy of the weight:
   That float16 is the FP8 value times 2^-8 (e4m3fn: exponent bias 7 against 15) or 2^-7
   (e4m3fnuz: bias 8), subnormals included; the power of two goes into the activation scales.
   Tiles of rows are decoded into buffers that stay in cache, kept per thread between calls.
+* **Tiles that follow the intra-op threads.** An elementwise op gives each thread a contiguous
+  run of the tile's rows; the GEMMs read the rows that the same core decoded: float16 tiles of
+  several 128-row blocks are decoded interleaved (each block's GEMV splits its rows as the
+  decode split the tile), and the fp32 path's tiles of blocks come in multiples of the thread
+  count.
 * **Scales folded where they cost least.** 'tensor': one scalar on the activations. 'block' with
   few rows of x: on the activations, once per 128-row block (a batched GEMM over the blocks, or
   a GEMV per block on the float16 path). 'row', and 'block' with many rows: one multiply over
@@ -65,10 +70,12 @@ HALF_GEMV = True
 # ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
 # cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
 HALF_MIN_ELEMS = 96 * 1024
-# Elements per intra-op thread of a float16 tile (rows: a power of two, at most 128). M=1, 2 threads
-# (rows per tile): 7168x2048 2.52 ms (128), 2.94 (256); 2048x7168 2.21 (128), 2.33 (64), 2.68 (32);
-# 1 thread: 7168x2048 4.23 (128), 4.49 (64); 2048x7168 4.16 (64), 4.25 (32).
-HALF_TILE_ELEMS = 1 << 19
+# Elements per intra-op thread of a float16 tile: whole 128-row blocks (one at least where this
+# budget holds half a block), else a power of two. M=1, 2 threads, ms (rows per tile): 7168x2048
+# 2.42 (128), 2.32 (256), 2.29 (512), 2.77 (1024); 2048x2048 0.76 (128), 0.72 (256), 0.77 (512);
+# 576x1536 0.230 (128), 0.234 (256), 0.239 (512); 1536x576 0.302 (128), 0.258 (256), 0.244 (512),
+# 0.245 (768), 0.290 (1024); 2048x7168 2.13 (128), 2.33 (64).
+HALF_TILE_ELEMS = 1 << 18
 
 # int16 mask keeping bit 15 (sign) and bits 13..7 (FP8 exponent and mantissa): 0xBF80.
 _MASK = -16512
@@ -173,7 +180,7 @@ class CpuFp8Weight:
         if self.tensor_scale is not None:
             self.act_scale = self.act_scale * self.tensor_scale
         self.block_scale_x = self.block_scale.view(-1, 1, self.groups) * self.x_factor if granularity == "block" else None
-        self.tiles: dict[int, list] = {}  # tile rows -> [(n0, n1, codes[n0:n1])], see _tiles
+        self.tiles: dict = {}  # tile rows (or ("half", rows)) -> the tiles, see _tiles and _half_tiles
         codes = weight.view(torch.uint8)
         bad = (codes & 0x7F) == 0x7F if weight.dtype == torch.float8_e4m3fn else codes == 0x80
         rows = bad.any(dim=1).nonzero().flatten()
@@ -228,23 +235,34 @@ def _decode(p: CpuFp8Weight, n0: int, n1: int, h: torch.Tensor, f: torch.Tensor)
 # (the last tile of the batched GEMM) keep whatever a previous call decoded there: finite values
 # whose outputs are dropped.
 _SCRATCH = threading.local()
-_MAX_SCRATCH = 6
+# Per thread and use, buffers are kept up to this many bytes (the least recently used dropped first):
+# a model's layers need several tile shapes (SmolLM2 decode: 8, prefill: more), and a buffer made
+# again costs a pass over its bytes (zeros) each call: 10% of a SmolLM2 decode step at 6 entries.
+MAX_SCRATCH_BYTES = 48 << 20
 # the padded copy of x (K not a multiple of 128) uses a kept buffer up to this M
 PAD_SCRATCH_MAX_M = 64
 
 
-def _scratch(rows: int, cols: int, dtype: torch.dtype, use: str = "tile") -> torch.Tensor:
-    """A zero-initialised (rows, cols) buffer kept for this thread (per `use`: 'tile' or 'x')."""
+def _scratch(rows: int, cols: int, dtype: torch.dtype, use: str = "tile", k: int | None = None) -> torch.Tensor:
+    """A zero-initialised (rows, cols) buffer kept for this thread (per `use`: 'tile' or 'x').
+
+    `k`: for a buffer whose columns past k must stay zero (callers write only [:, :k]): one buffer
+    per k, so that a call with a larger k and the same width leaves nothing there."""
     cache = getattr(_SCRATCH, use, None)
     if cache is None:
         cache = {}
         setattr(_SCRATCH, use, cache)
-    key = (rows, cols, dtype)
-    buf = cache.get(key)
+    key = (rows, cols, dtype, k)
+    buf = cache.pop(key, None)  # re-inserted below: the dict's order is the order of use
     if buf is None:
-        if len(cache) >= _MAX_SCRATCH:
-            cache.clear()
-        buf = cache[key] = torch.zeros(rows, cols, dtype=dtype)
+        kept = sum(t.numel() * t.element_size() for t in cache.values())
+        need = rows * cols * dtype.itemsize
+        while cache and kept + need > MAX_SCRATCH_BYTES:
+            old = cache.pop(next(iter(cache)))
+            kept -= old.numel() * old.element_size()
+        with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+            buf = torch.zeros(rows, cols, dtype=dtype)
+    cache[key] = buf
     return buf
 
 
@@ -256,7 +274,14 @@ def _tile_rows(n: int, kp: int, xfold: bool, m: int) -> int:
     if not xfold:
         return min(rows, n)
     if rows >= GROUP_SIZE:  # whole 128-row blocks, a batched GEMM over them
-        return min(rows // GROUP_SIZE * GROUP_SIZE, _cdiv(n, GROUP_SIZE) * GROUP_SIZE)
+        blocks, threads, n_blocks = rows / GROUP_SIZE, torch.get_num_threads(), _cdiv(n, GROUP_SIZE)
+        if blocks >= n_blocks:  # one tile
+            return n_blocks * GROUP_SIZE
+        # a multiple of the thread count where it comes to one at least (rounded to the nearest): each
+        # thread's share of the elementwise decode is then whole blocks of the batched GEMM's share.
+        # 1536x576, M=2, 2 threads: 197 us at 4 blocks, 229 at 2, 271 at 3 (the budget's 3.55).
+        blocks = max(threads, round(blocks / threads) * threads) if blocks >= threads else int(blocks)
+        return min(blocks, n_blocks) * GROUP_SIZE
     return min(1 << (rows.bit_length() - 1), n)  # a power of two: tiles never straddle a block
 
 
@@ -270,10 +295,37 @@ def _tiles(p: CpuFp8Weight, rows: int) -> list[tuple[int, int, torch.Tensor]]:
     return plan
 
 
-def _half_gemv_rows(kp: int) -> int:
-    """Rows of a float16 tile: a power of two up to one 128-row block."""
-    rows = max(1, HALF_TILE_ELEMS * torch.get_num_threads() // kp)
+def _half_gemv_rows(n: int, k: int) -> int:
+    """Rows of a float16 tile: whole 128-row blocks, as many in every tile (the weight's whole blocks
+    split into the fewest tiles within the budget), else a power of two."""
+    rows = max(1, HALF_TILE_ELEMS * torch.get_num_threads() // k)
+    if rows >= GROUP_SIZE // 2 and n >= GROUP_SIZE:
+        blocks = n // GROUP_SIZE
+        return _cdiv(blocks, _cdiv(blocks, max(1, rows // GROUP_SIZE))) * GROUP_SIZE
     return min(GROUP_SIZE, 1 << (rows.bit_length() - 1))
+
+
+def _half_tiles(p: CpuFp8Weight, rows: int) -> list[tuple[int, int, torch.Tensor, int]]:
+    """(n0, n1, codes, nb) per float16 tile, made once per weight and tile size. A tile of nb >= 2
+    whole blocks comes as its codes viewed (128, nb, K), to be decoded interleaved (row i of block b
+    at row i * nb + b): each intra-op thread's share of the elementwise decode (a contiguous run of
+    rows) is then the share that it takes of every block's GEMV (split by rows), so the GEMVs read
+    what the same core decoded. Other tiles: codes[n0:n1], nb = 0."""
+    key = ("half", rows)
+    plan = p.tiles.get(key)
+    if plan is None:
+        if len(p.tiles) >= 4:
+            p.tiles.clear()
+        plan = []
+        for n0 in range(0, p.n, rows):
+            n1 = min(p.n, n0 + rows)
+            codes, nb = p.codes[n0:n1], (n1 - n0) // GROUP_SIZE
+            if nb >= 2 and (n1 - n0) % GROUP_SIZE == 0:
+                plan.append((n0, n1, codes.unflatten(0, (nb, GROUP_SIZE)).transpose(0, 1), nb))
+            else:
+                plan.append((n0, n1, codes, 0))
+        p.tiles[key] = plan
+    return plan
 
 
 def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: torch.Tensor | None):
@@ -284,23 +336,25 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
     rounds each output to float16 (11 bits), then * 2**e (+ bias) in fp32 -> bf16. e puts the
     largest activation in [2**-1, 1) / 2**max(0, log2(Kp) - 14), so no product or output overflows.
     """
-    kp = grid.shape[1] * GROUP_SIZE
-    if p.block_scale is not None:
-        a = grid * (x_s * p.block_scale_x).unsqueeze(-1)  # (NB, 1, G, 128)
-    else:
-        a = grid * (x_s * p.act_scale).unsqueeze(-1)  # (1, G, 128)
-    amax = a.abs().amax().item()
+    kp, k = grid.shape[1] * GROUP_SIZE, p.k
+    # the scales of the activations: (NB, 1, G) per 128-row block ('block'), else (1, G)
+    sc = x_s * (p.block_scale_x if p.block_scale is not None else p.act_scale)
+    # the largest |grid * sc| from each group's largest |grid| (rounding is monotonic: the same value)
+    amax = (grid.abs().amax(dim=-1) * sc.abs()).amax().item()
     if not math.isfinite(amax):
         return None  # NaN/Inf rows: the fp32 path gives the reference's NaNs
     e = math.frexp(amax)[1] + max(0, (kp - 1).bit_length() - 14)
     if abs(e) > 100:  # 2**e or 2**-e would leave fp32's normal range
         return None
-    a16 = torch.empty(a.shape[0], kp, dtype=torch.float16)
-    torch.mul(a.view(-1, kp), 2.0 ** -e, out=a16)
+    # one row per block: grid * (sc * 2**-e) in fp32, rounded to float16 (K columns used, Kp made)
+    a16p = torch.empty(sc.numel() // sc.shape[-1], kp, dtype=torch.float16)
+    torch.mul(grid, (sc * 2.0 ** -e).unsqueeze(-1), out=a16p.view(*sc.shape, GROUP_SIZE))
+    a16 = a16p[:, :k] if k != kp else a16p
     n = p.n
-    rows = _half_gemv_rows(kp)
-    h = _scratch(rows, kp, torch.int16)
-    hv_t = h.view(torch.float16).t()
+    rows = _half_gemv_rows(n, k)
+    h = _scratch(rows, k, torch.int16)
+    hv = h.view(torch.float16)
+    hv_t = hv.t()
     y16 = torch.empty(1, n, dtype=torch.float16)
     if p.block_scale is None:  # 'tensor': one activation row for every tile
         for n0, n1, codes in _tiles(p, rows):
@@ -308,19 +362,30 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
             _decode_bits(codes, h if r == rows else h[:r])
             torch.mm(a16, hv_t if r == rows else hv_t[:, :r], out=y16[:, n0:n1])
     else:  # 'block': one GEMV per 128-row block (or per tile inside one) with that block's row
-        step = min(rows, GROUP_SIZE)
-        a_rows = a16.view(-1, 1, kp).unbind(0)
-        full = [(j, j + step, hv_t[:, j:j + step]) for j in range(0, rows, step)]  # a full tile's blocks
-        for n0, n1, codes in _tiles(p, rows):
+        a_rows = a16.unsqueeze(1).unbind(0)  # (1, K) each
+        views: dict[int, tuple] = {}  # blocks in a tile -> (h as (128, blocks, K), each block's rows .t())
+        for n0, n1, codes, nb in _half_tiles(p, rows):
             r = n1 - n0
-            if r == rows:
-                _decode_bits(codes, h)
-                for j, j1, w_t in full:
-                    torch.mm(a_rows[(n0 + j) // GROUP_SIZE], w_t, out=y16[:, n0 + j:n0 + j1])
+            if nb:  # interleaved: row i of the tile's block b at row i * nb + b (`codes` is (128, nb, K))
+                v = views.get(nb)
+                if v is None:
+                    hb = h[:r]
+                    v = views[nb] = (hb.view(GROUP_SIZE, nb, k), [hb.view(torch.float16)[b::nb].t() for b in range(nb)])
+                v[0].copy_(codes)  # int8 -> int16, then the two bit ops of _decode_bits
+                hb = h[:r]
+                hb.mul_(_I16_128)
+                hb.bitwise_and_(_I16_MASK)
+                b0 = n0 // GROUP_SIZE
+                for b, w_t in enumerate(v[1]):
+                    j = n0 + b * GROUP_SIZE
+                    torch.mm(a_rows[b0 + b], w_t, out=y16[:, j:j + GROUP_SIZE])
                 continue
-            _decode_bits(codes, h[:r])
-            for j in range(0, r, step):
-                j1 = min(r, j + step)
+            _decode_bits(codes, h if r == rows else h[:r])
+            if r == rows and rows <= GROUP_SIZE:  # one block, or a tile inside one
+                torch.mm(a_rows[n0 // GROUP_SIZE], hv_t, out=y16[:, n0:n1])
+                continue
+            for j in range(0, r, GROUP_SIZE):  # a last tile's blocks
+                j1 = min(r, j + GROUP_SIZE)
                 torch.mm(a_rows[(n0 + j) // GROUP_SIZE], hv_t[:, j:j1], out=y16[:, n0 + j:n0 + j1])
     y = torch.empty(1, n, dtype=torch.bfloat16)
     y32 = y16.float()
@@ -351,7 +416,7 @@ def cpu_fp8_linear(
     m = x2d.shape[0]
     n, k, groups = p.n, p.k, p.groups
     kp = groups * GROUP_SIZE
-    pad_buf = _scratch(m, kp, torch.float32, "x") if kp != k and m <= PAD_SCRATCH_MAX_M else None
+    pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None
     grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
     bias_f = bias.float() if bias is not None else None
     if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"
@@ -363,13 +428,16 @@ def cpu_fp8_linear(
     # Up to a few rows of x: y (M, N) = x @ tile.T runs 3-4x faster in MKL than y.T = tile @ x.T
     # (at M=1 too for the batched GEMM over blocks: 13 us against 41 us for 3 blocks of 128x640).
     m_major = m <= M_MAJOR_MAX_M
-    rows = _tile_rows(n, kp, xfold, m)
-    h = _scratch(rows, kp, torch.int16)
-    f = _scratch(rows, kp, torch.float32)
+    # Tiles are K wide (the GEMMs read the first K columns of the padded activations), except where
+    # the tile is multiplied by its row-expanded scales, which need whole 128-column groups.
+    row_scaled = not xfold and p.row_scale is not None
+    tw = kp if row_scaled else k
+    rows = _tile_rows(n, tw, xfold, m)
+    h = _scratch(rows, tw, torch.int16, k=k if tw != k else None)
+    f = _scratch(rows, tw, torch.float32, k=k if tw != k else None)
     n_pad = _cdiv(n, GROUP_SIZE) * GROUP_SIZE if xfold and rows >= GROUP_SIZE else n
-    # outputs: y_t (N, M) ("N-major"), or y_m (M, N) with the bias added at the end
     # outputs: y_t (N, M) ("N-major"), y_m (M, N), or per-block y_blk (N/128, M, 128) for the batched
-    # GEMMs of M = 2..8; the bias is added at the end except on the N-major path
+    # GEMMs of M <= 8; the bias is added at the end except on the N-major path
     y_blk = y_out = None
     if xfold and rows >= GROUP_SIZE and m_major:
         y_blk = torch.empty(n_pad // GROUP_SIZE, m, GROUP_SIZE, dtype=torch.float32)
@@ -381,6 +449,8 @@ def cpu_fp8_linear(
         a_all = None
         if rows >= GROUP_SIZE and s_blk.numel() * GROUP_SIZE <= A_ALL_MAX:  # all blocks' activations at once
             a_all = (grid * s_blk.unsqueeze(-1)).view(s_blk.shape[0], m, kp)
+            if tw != kp:
+                a_all = a_all[..., :tw]
     else:
         xd = grid.mul_((x_s * p.act_scale).unsqueeze(-1))  # (M, G, 128) dequantized activations (* 2**shift)
     if xfold and rows >= GROUP_SIZE:
@@ -399,8 +469,8 @@ def cpu_fp8_linear(
             if a_all is not None:
                 a = a_all[b0:b0 + blocks]
             else:
-                a = (grid * s_blk[b0:b0 + blocks].unsqueeze(-1)).view(blocks, m, kp)
-            fb = f[: blocks * GROUP_SIZE].view(blocks, GROUP_SIZE, kp)
+                a = (grid * s_blk[b0:b0 + blocks].unsqueeze(-1)).view(blocks, m, kp)[..., :tw]
+            fb = f[: blocks * GROUP_SIZE].view(blocks, GROUP_SIZE, tw)
             if m_major:
                 torch.bmm(a, fb.transpose(1, 2), out=y_blk[b0:b0 + blocks])
                 continue
@@ -426,10 +496,10 @@ def cpu_fp8_linear(
             if xfold:  # a power-of-two tile inside one 128-row block: its scales on the activations
                 if n0 // GROUP_SIZE != block:
                     block = n0 // GROUP_SIZE
-                    xd2 = (grid * s_blk[block].unsqueeze(-1)).view(m, kp)
+                    xd2 = (grid * s_blk[block].unsqueeze(-1)).view(m, kp)[:, :tw]
             else:
-                xd2 = xd.view(m, kp)
-                if p.row_scale is not None:
+                xd2 = xd.view(m, kp)[:, :tw]
+                if row_scaled:
                     fr.view(r, groups, GROUP_SIZE).mul_(p.row_scale[n0:n1])
             if m_major:
                 torch.mm(xd2, fr_t, out=y_out[:, n0:n1])
@@ -438,22 +508,35 @@ def cpu_fp8_linear(
             else:
                 torch.addmm(bias_f[n0:n1].view(r, 1), fr, xd2.t(), out=y_out[n0:n1])
     if m_major:
+        if y_blk is not None and m > 1:  # (N/128, M, 128) -> (M, N) in one copy (or add, in fp32)
+            y = torch.empty(m, n, dtype=x2d.dtype)
+            if n == n_pad:
+                dst, src = y.view(m, n_pad // GROUP_SIZE, GROUP_SIZE), y_blk.transpose(0, 1)
+                b = None if bias_f is None else bias_f.view(-1, GROUP_SIZE)
+            else:  # to (M, N_pad) first: one fp32 copy costs less than copying the last block apart
+                dst, src, b = y, y_blk.transpose(0, 1).reshape(m, n_pad)[:, :n], bias_f
+            if b is None:
+                dst.copy_(src)
+            else:
+                torch.add(src, b, out=dst)
+            if p.nan_rows is not None:
+                y[:, p.nan_rows] = float("nan")
+            return y
         if y_blk is not None:
-            y_m = y_blk.view(m, n_pad) if m == 1 else y_blk.transpose(0, 1)  # (M, N/128, 128) for M > 1
+            y_m = y_blk.view(m, n_pad)
             if n_pad != n:
-                y_m = y_m.reshape(m, n_pad)[:, :n]
+                y_m = y_m[:, :n]
         else:
             y_m = y_out[:, :n] if n_pad != n else y_out
-        if x2d.dtype == torch.float32 and y_m.is_contiguous() and y_m.dim() == 2:
+        if x2d.dtype == torch.float32 and y_m.is_contiguous():
             if bias_f is not None:
                 y_m += bias_f
         else:
             y = torch.empty(m, n, dtype=x2d.dtype)
-            y_v = y.view(y_m.shape)
             if bias_f is None:
-                y_v.copy_(y_m)
+                y.copy_(y_m)
             else:  # in fp32, rounded once to x's dtype
-                torch.add(y_m, bias_f.view(y_m.shape[1:]), out=y_v)
+                torch.add(y_m, bias_f, out=y)
             y_m = y
         if p.nan_rows is not None:
             y_m[:, p.nan_rows] = float("nan")

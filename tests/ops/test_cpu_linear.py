@@ -347,3 +347,103 @@ def test_calls_from_two_threads():
     for t in threads:
         t.join()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+# --- tile layouts that follow the intra-op threads --------------------------------------------------
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("n,k,blocks", [(1100, 576, 8), (640, 130, 2), (300, 300, 64), (2112, 300, 3)])
+def test_half_gemv_interleaved_tiles(n, k, blocks, fp8_dtype, granularity, threads, monkeypatch):
+    """Float16 tiles of several 128-row blocks, decoded interleaved (row i of block b at i * blocks + b),
+    with a last tile of other length: same numerics as the fp32 path, any thread count."""
+    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    monkeypatch.setattr(cpu_linear, "HALF_TILE_ELEMS", blocks * 128 * k // threads)  # per thread
+    torch.set_num_threads(threads)
+    rows = cpu_linear._half_gemv_rows(n, k)
+    assert rows == min(blocks * 128, n // 128 * 128) and rows >= 256  # tiles of 2 blocks or more
+    gen = torch.Generator().manual_seed(n + k + threads)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=gen) / math.sqrt(k), granularity, fp8_dtype)
+    bias = torch.randn(n, generator=gen)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)
+    assert rel_err(y, _ref64(x_q, x_s, w_q, w_s, bias)) < GEMM_TOL[torch.bfloat16]
+    assert rel_err(y, _fp32_path(monkeypatch, x, w_q, w_s, granularity, bias)) < 2e-3
+    # each output comes from its own weight row: a NaN code in row 1 of the first tile's block 1
+    w_bad = w_q.clone()
+    w_bad.view(torch.uint8)[129, 3] = 0x80 if fp8_dtype == torch.float8_e4m3fnuz else 0x7F
+    y_bad = cpu_fp8_linear(x, w_bad, w_s, granularity, bias)
+    assert y_bad[0, 129].isnan() and y_bad.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m", [2, 8, 30])
+def test_block_tiles_follow_threads(threads, m):
+    """'block' with few rows of x: tiles of whole 128-row blocks, their count a multiple of the
+    thread count where the tile budget holds at least one block per thread; numerics unchanged."""
+    torch.set_num_threads(threads)
+    for n, k in [(1536, 576), (576, 1536), (1100, 300), (640, 130)]:
+        rows = cpu_linear._tile_rows(n, k, True, m)
+        n_blocks = -(-n // 128)
+        budget_blocks = cpu_linear.TILE_ELEMS * threads // k / 128
+        if budget_blocks < 1:  # tiles inside one block
+            assert rows < 128 and rows & (rows - 1) == 0
+            continue
+        assert rows % 128 == 0 and 128 <= rows <= n_blocks * 128
+        if rows < n_blocks * 128 and budget_blocks >= threads:
+            assert (rows // 128) % threads == 0
+    gen = torch.Generator().manual_seed(m * threads)
+    x = torch.randn(m, 576, generator=gen)
+    w_q, w_s = quantize_weight_ref(torch.randn(1536 + 70, 576, generator=gen) / 24, "block", torch.float8_e4m3fnuz)
+    bias = torch.randn(1536 + 70, generator=gen)
+    x_q, x_s = quantize_activation_ref(x, torch.float8_e4m3fnuz)
+    ref = _ref64(x_q, x_s, w_q, w_s, bias)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = cpu_fp8_linear(x.to(dtype), w_q, w_s, "block", bias)
+        assert y.shape == ref.shape and y.dtype == dtype and y.is_contiguous()
+        if dtype == torch.float32:
+            assert rel_err(y, ref) < GEMM_TOL[torch.float32]
+
+
+# --- scratch buffers: bounded by bytes, usable in and out of inference mode --------------------------
+def test_scratch_eviction_keeps_results(monkeypatch):
+    shapes = [(192, 576), (576, 576), (1536, 576), (576, 1536), (300, 130)]
+    gen = torch.Generator().manual_seed(5)
+    cases = []
+    for n, k in shapes:
+        w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=gen) / math.sqrt(k), "block", torch.float8_e4m3fn)
+        cases.append((torch.randn(2, k, generator=gen), w_q, w_s))
+    cpu_linear._SCRATCH.__dict__.clear()
+    want = [cpu_fp8_linear(x, w_q, w_s, "block") for x, w_q, w_s in cases]
+    monkeypatch.setattr(cpu_linear, "MAX_SCRATCH_BYTES", 600_000)  # holds about one tile's buffers
+    cpu_linear._SCRATCH.__dict__.clear()
+    for _ in range(2):
+        for (x, w_q, w_s), y in zip(cases, want):
+            assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), y)
+            kept = [t.numel() * t.element_size() for t in cpu_linear._SCRATCH.tile.values()]
+            assert sum(kept) <= max(600_000, max(kept))  # a buffer above the bound is kept alone
+
+
+def test_first_call_in_inference_mode_then_outside():
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 200), "block", torch.float8_e4m3fn)
+    x = torch.randn(2, 200, dtype=torch.bfloat16)
+    cpu_linear._SCRATCH.__dict__.clear()
+    with torch.inference_mode():
+        y_inf = cpu_fp8_linear(x, w_q, w_s, "block")
+    assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), y_inf)  # kept buffers stay writable
+
+
+@pytest.mark.parametrize("m", [1, 2, 40])
+@pytest.mark.parametrize("granularity", GRANS)
+def test_scratch_reuse_across_k_of_one_padded_width(m, granularity):
+    """K=192 then K=130 (both padded to 256): the second call's padding holds no value of the first."""
+    gen = torch.Generator().manual_seed(m)
+    calls = []
+    for k in (192, 130):
+        w_q, w_s = quantize_weight_ref(torch.randn(300, k, generator=gen) / 12, granularity, torch.float8_e4m3fn)
+        calls.append((torch.randn(m, k, generator=gen).bfloat16() * 100, w_q, w_s))
+    cpu_linear._SCRATCH.__dict__.clear()
+    alone = cpu_fp8_linear(*calls[1], granularity)
+    cpu_fp8_linear(*calls[0], granularity)
+    assert torch.equal(cpu_fp8_linear(*calls[1], granularity), alone)
