@@ -65,9 +65,10 @@ def sync(device: torch.device) -> None:
 def timed_generation_pair(models: dict, prompt: torch.Tensor, new_tokens: int, repeats: int = 5) -> dict:
     """Per model: (prefill tokens/s, decode tokens/s, generated ids) for greedy generation at this batch.
 
-    The models are timed side by side: each round calls every model once, so slow phases of the
-    machine (this example's eager runs are bound by the host CPU, whose speed was seen to drift
-    by 30% between runs) hit all of them. Medians of `repeats` rounds after a warm-up.
+    The models are timed side by side: each round calls every model once, first one model first,
+    then the other, so slow phases of the machine (this example's eager runs are bound by the host
+    CPU, whose speed was seen to drift by 30% between runs) and whatever the first caller of a
+    shape pays hit all of them. Medians of `repeats` rounds after a warm-up.
     Prefill = generate(max_new_tokens=1); decode = (full generation - prefill) / (new_tokens - 1).
     """
     kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
@@ -86,10 +87,11 @@ def timed_generation_pair(models: dict, prompt: torch.Tensor, new_tokens: int, r
     pre = {name: [] for name in models}
     full = {name: [] for name in models}
     outs = {}
-    for _ in range(repeats):
-        for name, model in models.items():
+    for r in range(repeats):
+        order = list(models.items())[::(-1) ** r]  # which model goes first alternates round by round
+        for name, model in order:
             pre[name].append(timed(lambda: model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)))
-        for name, model in models.items():
+        for name, model in order:
             full[name].append(timed(lambda: outs.__setitem__(name, model.generate(prompt, max_new_tokens=new_tokens, **kw))))
     result = {}
     for name in models:
