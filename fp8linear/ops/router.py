@@ -98,9 +98,9 @@ ONE_LAUNCH_MAX_WEIGHT = 48 * 2**20
 # Eager callers send GEMMs to cuBLAS blockwise only from this M*N*K up. A plan's `torch._scaled_mm`
 # call costs 45-90 us of host time (H100 host, torch 2.11), more than our directly launched kernels;
 # below the cut the GEMM finishes before the host does. H100, benchmarks/eager_cublas_ab.py (eager
-# wall time, plans on our kernels / plans on cuBLAS, one run): 0.57-0.87 at M*N*K 0.2e10-1.55e10
-# (2112x7168 M=1024 0.87, 7168x2048 M=1024 0.57), 1.11 at 7168x18432 M=128 (1.69e10), and
-# 1.10-2.27 from 2.2e10 up; one case is lost by the cut: 24576x1536 M=512 (1.93e10), 0.84.
+# wall time, plans on our kernels / plans on cuBLAS, one run, plans with one scratch allocation and
+# raw addresses): 0.98-1.02 at M*N*K 0.55e10-1.55e10 (2112x7168, 7168x2048, 1536x7168 at M 512 and
+# 1024), 1.21 at 24576x1536 M=512 (1.93e10) and 1.27-2.28 from 2.2e10 up.
 EAGER_CUBLAS_MIN_MNK = 16 * 10**9
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
