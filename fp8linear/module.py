@@ -130,6 +130,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         self._split_k_counters: torch.Tensor | None = None
         self._plans: dict = {}
         self._seen: set = set()  # input signatures run once without a plan (GPU)
+        self._cublas_weight_scale: torch.Tensor | None = None  # shared by the cuBLAS plans (see _cublas_scale)
         self.init_split_k_counters()
 
     @property
@@ -214,20 +215,20 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
 
     def __setattr__(self, name: str, value) -> None:
         if name in _PLANNED_FROM and "_plans" in self.__dict__:
-            self._plans.clear()
-            self.__dict__.get("_seen", set()).clear()
+            self.clear_plans()
         super().__setattr__(name, value)
 
     def __getstate__(self):
         # Plans hold closures and compiled kernels: neither pickles nor deep-copies; a copy makes its own.
         state = super().__getstate__()
-        return {**state, "_plans": {}, "_seen": set()}
+        return {**state, "_plans": {}, "_seen": set(), "_cublas_weight_scale": None}
 
     def clear_plans(self) -> None:
         """Forget the launch plans (done on replacement, loading and moves; call it after changing
         ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout)."""
         self._plans.clear()
         self.__dict__.setdefault("_seen", set()).clear()
+        self.__dict__["_cublas_weight_scale"] = None  # the plans' shared copy in cuBLAS's layout
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -349,7 +350,18 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         args, w_s, granularity = self._route_args(x)
         # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
         return LinearPlan(route_linear(*args, eager=True), x, self.weight, w_s, granularity, self.bias, counters,
-                          capture_route=route_linear(*args))
+                          capture_route=route_linear(*args), cublas_scale=lambda: self._cublas_scale(w_s, granularity))
+
+    def _cublas_scale(self, w_s: torch.Tensor, granularity: str) -> torch.Tensor:
+        """The weight scale in cuBLAS's layout, made once and shared by this layer's cuBLAS plans
+        (for 128x128 weights whose K/128 is not a multiple of 4 it is a copy expanded to 1x128:
+        N*K/128 floats, which one copy per plan would multiply by the plans kept)."""
+        cached = self.__dict__.get("_cublas_weight_scale")
+        if cached is None:
+            from .ops.cublas_gemm import cublas_weight_scale
+
+            cached = self.__dict__["_cublas_weight_scale"] = cublas_weight_scale(self.weight, w_s, granularity)
+        return cached
 
     def extra_repr(self) -> str:
         return (

@@ -73,19 +73,26 @@ class LinearPlan:
     (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
     The weight, scales, bias and `counters` are held by reference: a plan stays valid while
     they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
-    another layout), and must be made again when they are replaced.
+    another layout), and must be made again when they are replaced. `cublas_scale`: a callable
+    giving the weight scale in cuBLAS's layout (:func:`~fp8linear.ops.cublas_gemm.cublas_weight_scale`),
+    so that the plans of one layer share one copy; without it a cuBLAS plan makes its own.
     """
 
     __slots__ = ("route", "run", "calls", "capture_calls")
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                 bias: torch.Tensor | None, counters: torch.Tensor | None, capture_route: Route | None = None) -> None:
+                 bias: torch.Tensor | None, counters: torch.Tensor | None, capture_route: Route | None = None,
+                 cublas_scale: Callable[[], torch.Tensor] | None = None) -> None:
         self.route = route
-        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters)
+        if cublas_scale is None:
+            def cublas_scale() -> torch.Tensor:
+                return cublas_weight_scale(w_q, w_s, granularity)
+        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_scale)
         capture_calls: tuple[KernelCall, ...] = ()
         if capture_route is not None and capture_route != route and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
-            capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters)
+            capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters,
+                                                       cublas_scale)
             eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
 
             def run(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +109,8 @@ class LinearPlan:
 
     @staticmethod
     def _prepare(route: Route, x_in: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                 bias: torch.Tensor | None, counters: torch.Tensor | None) -> tuple[Callable, tuple[KernelCall, ...]]:
+                 bias: torch.Tensor | None, counters: torch.Tensor | None,
+                 cublas_scale: Callable[[], torch.Tensor]) -> tuple[Callable, tuple[KernelCall, ...]]:
         k = x_in.shape[-1]
         x = x_in.reshape(-1, k)
         m, n = x.shape[0], w_q.shape[0]
@@ -119,7 +127,7 @@ class LinearPlan:
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
             grid, args, options = act_quant_args(x, x_q0, x_s0)
             quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
-            w_t, scale_b = w_q.t(), cublas_weight_scale(w_q, w_s, granularity)  # made once: the weight's layout
+            w_t, scale_b = w_q.t(), cublas_scale()  # the weight scale in cuBLAS's layout, made once per layer
             padded = x_q0.shape[0] != m
 
             def run_cublas(x: torch.Tensor) -> torch.Tensor:

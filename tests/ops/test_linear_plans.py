@@ -123,6 +123,31 @@ def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
     assert (x4.shape, x4.dtype, x4.device) in layer._plans
 
 
+def test_cublas_plans_of_a_layer_share_one_weight_scale(monkeypatch):
+    """cuBLAS plans read the weight scale in cuBLAS's layout (for K/128 not a multiple of 4, a copy
+    expanded to 1x128): one per layer, made by the first such plan, dropped with the plans."""
+    from fp8linear.ops import cublas_gemm, router
+    from fp8linear.ops.router import Route
+
+    monkeypatch.setattr(router, "route_linear", lambda *a, **kw: Route("cublas"))
+    made = []
+    real = cublas_gemm.cublas_weight_scale
+    monkeypatch.setattr(cublas_gemm, "cublas_weight_scale", lambda *a: made.append(1) or real(*a))
+    layer = _layer(256, 1408, "block", False)  # 11 K groups: the expanded copy
+    plans = [layer._make_plan(torch.randn(m, 1408, device=KERNEL_DEVICE, dtype=torch.bfloat16), None)
+             for m in (96, 160, 333)]
+    assert all(p.route.kernel == "cublas" for p in plans) and len(made) == 1
+    expected = real(layer.weight, layer.weight_scale_inv, "block")
+    assert expected.shape == (11, 256)  # each block scale over its 128 rows: cuBLAS's 1x128 grid
+    assert torch.equal(layer._cublas_weight_scale, expected)
+    layer.clear_plans()
+    assert layer._cublas_weight_scale is None
+    layer._make_plan(torch.randn(96, 1408, device=KERNEL_DEVICE, dtype=torch.bfloat16), None)
+    assert len(made) == 2
+    layer.weight_scale_inv = torch.nn.Parameter(layer.weight_scale_inv.detach() * 2, requires_grad=False)
+    assert layer._cublas_weight_scale is None  # a replaced scale drops the copy with the plans
+
+
 def test_a_plan_pins_no_buffer_it_was_built_with():
     """A prepared launch keeps its fixed tensors (weight, scales, counters), not the output and
     scratch buffers the plan was built with: those are fresh per call."""
