@@ -37,7 +37,7 @@ KINDS = ("self_attn", "gate", "experts", "shared_experts", "mlp", "input_layerno
 
 def kind_of(name: str) -> str | None:
     last = name.rsplit(".", 1)[-1]
-    if last == "mlp" and ".mlp" in name and "layers.0." not in name:
+    if last == "mlp" and "layers.0." not in name:
         return None  # the MoE block: its parts are timed instead
     return last if last in KINDS else None
 

@@ -24,6 +24,7 @@ device addresses in the slots (:attr:`KernelCall.direct`), e.g. into one scratch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -131,10 +132,7 @@ class Scratch:
         offsets, end = [], 0
         for shape, dtype in self.specs:
             offsets.append(end)
-            numel = 1
-            for d in shape:
-                numel *= d
-            end += -(-numel * dtype.itemsize // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+            end += -(-math.prod(shape) * dtype.itemsize // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
         self.offsets = tuple(offsets)
         self.nbytes = max(end, 1)
 
@@ -142,13 +140,8 @@ class Scratch:
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
     def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = []
-        for (shape, dtype), off in zip(self.specs, self.offsets):
-            numel = 1
-            for d in shape:
-                numel *= d
-            out.append(buf[off:off + numel * dtype.itemsize].view(dtype).view(shape))
-        return tuple(out)
+        return tuple(buf[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                     for (shape, dtype), off in zip(self.specs, self.offsets))
 
     def addresses(self, buf: torch.Tensor) -> tuple[int, ...]:
         base = buf.data_ptr()
