@@ -6,14 +6,9 @@ Three parts, each printed as a table (one run, CUDA-graph replays over operand s
   tile slow, and does padding M to a whole tile pay?);
 - ``sweep``: every split-K / tiled config in a wide space on the cases where FP8 was slower than
   BF16 in `fp8linear bench --grid`, best first against BF16 and per-tensor cuBLAS;
-- ``host``: per-call host cost of the pieces of an eager forward (allocations, launches, lookups);
-- ``forward``: where the whole forward's time goes beyond the GEMM's: act_quant alone (both
-  layouts), the routed GEMM on quantized inputs, the forward, on the cases where forward - GEMM
-  was largest in the grid;
-- ``fused``: the tiled kernel quantizing x itself (one launch) in several tiles against the routed
-  forward (two launches) and BF16, over N from 192 to 32768 and M from 16 to 4096.
+- ``host``: per-call host cost of the pieces of an eager forward (allocations, launches, lookups).
 
-    python benchmarks/midm_probe.py [--parts edge sweep host forward fused] [--json out.json]
+    python benchmarks/midm_probe.py [--parts edge sweep host] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,9 +32,6 @@ _GRAPH_US = 1500.0
 SWEEP_CASES = [(2112, 7168, 200), (2112, 7168, 77), (2112, 7168, 333), (2048, 7168, 200), (1536, 7168, 320),
                (1536, 7168, 333), (1024, 4096, 333), (1024, 8192, 333), (3584, 3584, 77), (4096, 4096, 77),
                (8192, 29568, 320), (3584, 18944, 640), (576, 7168, 512), (1024, 4096, 160)]
-# (N, K, M): forward - GEMM largest against the bytes act_quant moves (H100 grid).
-FORWARD_CASES = [(32768, 512, 200), (576, 576, 77), (192, 576, 333), (2112, 7168, 333), (24576, 1536, 512),
-                 (7168, 2048, 1024), (7168, 18432, 1024), (512, 3584, 4096), (7168, 16384, 4096)]
 EDGE_SHAPES = [(2112, 7168), (1536, 7168)]
 EDGE_MS = [128, 136, 192, 200, 208, 240, 256]
 
@@ -131,65 +123,6 @@ def sweep(device: torch.device, out: dict) -> None:
               f"{len(ranked)} configs) best: " + ", ".join(f"{lab} {v:.1f}" for v, lab in ranked[:6]))
 
 
-def forward(device: torch.device, out: dict) -> None:
-    from fp8linear.functional import fp8_linear
-    from fp8linear.ops.router import route_linear
-
-    print("\n== forward: act_quant, GEMM and forward (us) ==")
-    for n, k, m in FORWARD_CASES:
-        w, w_q, w_s, x, x_q, x_s = _operands(n, k, m, device)
-        xc_q, xc_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
-        route = route_linear(device, m, n, k, "block", w_q.dtype, x.dtype, None, True, True)
-        counters = splitk_counters(n, device)
-        fns = {
-            "bf16": (lambda a, b: a @ b.t(), (x, w)),
-            "quant": (lambda a: act_quant(a, torch.float8_e4m3fn), (x,)),
-            "quant_cublas": (lambda a: act_quant(a, torch.float8_e4m3fn, cublas_layout=True), (x,)),
-            "gemm_ours": (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None,
-                                                              counters=counters), (x_q, x_s, w_q, w_s)),
-            "fwd_triton": (lambda a, b, sb: fp8_linear(a, b, sb, backend="triton", counters=counters), (x, w_q, w_s)),
-            "fwd": (lambda a, b, sb: fp8_linear(a, b, sb, counters=counters), (x, w_q, w_s)),
-        }
-        if route.kernel == "cublas":
-            fns["gemm_cublas"] = (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None,
-                                                                      allow_cublas=True), (xc_q, xc_s, w_q, w_s))
-        us = _time(fns, device)
-        out.setdefault("forward", []).append({"n": n, "k": k, "m": m, "route": route.kernel, "us": us})
-        gb = m * k * 3 / 1e3  # act_quant's bytes moved, in kB -> GB/s = kB/us
-        print(f"{n}x{k} M={m} ({route.kernel}): " + "  ".join(f"{lab} {v:.1f}" for lab, v in us.items())
-              + f"  | quant {gb / us['quant']:.0f} GB/s")
-
-
-FUSED_SHAPES = [(192, 576), (576, 576), (1536, 576), (512, 3584), (576, 7168), (1024, 4096), (2112, 7168),
-                (4096, 4096), (7168, 2048), (32768, 512)]
-FUSED_MS = [16, 77, 333, 1024, 4096]
-FUSED_CONFIGS = {f"f{bm}x{bn}w{w}s{st}": GemmConfig(bm, bn, 128, num_warps=w, num_stages=st)
-                 for bm, bn, w, st in ((16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4),
-                                       (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 4))}
-
-
-def fused(device: torch.device, out: dict) -> None:
-    from fp8linear.functional import fp8_linear
-    from fp8linear.ops.gemm import fused_tiled_gemm
-    from fp8linear.ops.router import route_linear
-
-    print("\n== fused: tiled kernel quantizing x itself vs the routed forward (us) ==")
-    for (n, k), m in itertools.product(FUSED_SHAPES, FUSED_MS):
-        w, w_q, w_s, x, x_q, x_s = _operands(n, k, m, device)
-        route = route_linear(device, m, n, k, "block", w_q.dtype, x.dtype, None, True, True)
-        counters = splitk_counters(n, device)
-        fns = {"bf16": (lambda a, b: a @ b.t(), (x, w)),
-               "fwd": (lambda a, b, sb: fp8_linear(a, b, sb, counters=counters), (x, w_q, w_s))}
-        for label, cfg in FUSED_CONFIGS.items():
-            fns[label] = ((lambda c: lambda a, b, sb: fused_tiled_gemm(a, b, sb, "block", None, c))(cfg), (x, w_q, w_s))
-        us = _time(fns, device)
-        best = min((v, lab) for lab, v in us.items() if lab.startswith("f") and lab != "fwd")
-        out.setdefault("fused", []).append({"n": n, "k": k, "m": m, "route": route.kernel, "us": us})
-        print(f"{n:5d}x{k:5d} M={m:4d} bf16 {us['bf16']:7.1f} fwd({route.kernel:6s}) {us['fwd']:7.1f} "
-              f"best fused {best[1]:14s} {best[0]:7.1f}  fused/fwd {best[0] / us['fwd']:.2f} fused/bf16 "
-              f"{best[0] / us['bf16']:.2f}")
-
-
 def _host_us(fn, calls: int = 200) -> float:
     for _ in range(20):
         fn()
@@ -264,14 +197,14 @@ def _capture_args(call, plan, x):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward", "fused"])
+    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host"])
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__)
     out: dict = {}
     for part in a.parts:
-        {"edge": edge, "sweep": sweep, "host": host, "forward": forward, "fused": fused}[part](device, out)
+        {"edge": edge, "sweep": sweep, "host": host}[part](device, out)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

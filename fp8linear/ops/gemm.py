@@ -31,17 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
-from ..reference import AMAX_FLOOR
+from ..formats import GROUP_SIZE
 from .configs import GemmConfig, launch_options
 from .cublas_gemm import cublas_fp8_gemm
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
-from .quant import quantize_groups
 from .router import TensorDescriptor, Route, route_gemm, tma_ok
 from .splitk_gemm import SplitKConfig, sm_count, splitk_fp8_gemm
 
-__all__ = ["block_fp8_gemm", "fused_tiled_gemm", "run_gemm_route", "tiled_args"]
+__all__ = ["block_fp8_gemm", "run_gemm_route", "tiled_args"]
 
 
 @triton.jit
@@ -60,14 +58,10 @@ def _block_fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr,
     M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
-    qmax, amax_floor,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr, USE_PDL: tl.constexpr,
-    QUANT_X: tl.constexpr, MIN_EXP: tl.constexpr,
 ):
-    """`QUANT_X`: x is the unquantized input (bf16/fp16/fp32) and each K step quantizes its x tile
-    (one 1x128 group per row, BLOCK_K == 128) as act_quant would, in registers; xs_ptr is unused."""
     wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -92,11 +86,7 @@ def _block_fp8_gemm_kernel(
         x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
         k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
-        if QUANT_X:  # the bytes and scales act_quant writes (rows past M: zeros, floor scale, unstored)
-            x_q, x_s = quantize_groups(x.to(tl.float32), qmax, amax_floor, MIN_EXP)
-            x = x_q.to(w_ptr.dtype.element_ty)
-        else:
-            x_s = tl.load(xs_ptrs + k_group, mask=m_ok, other=0.0)
+        x_s = tl.load(xs_ptrs + k_group, mask=m_ok, other=0.0)
         w_s = tl.load(ws_ptrs + k_group * stride_wsk)
         acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
         x_ptrs += BLOCK_K
@@ -135,49 +125,24 @@ def _block_fp8_gemm_persistent_kernel(
         store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, safe_n, M, N, stride_ym, HAS_BIAS)
 
 
-def tiled_args(x_q: torch.Tensor, x_s: torch.Tensor | None, w_q: torch.Tensor, w_s: torch.Tensor, y: torch.Tensor,
+def tiled_args(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, y: torch.Tensor,
                granularity: str, bias: torch.Tensor | None, cfg: GemmConfig, pdl: bool) -> tuple[tuple[int], dict, dict]:
-    """(grid, kernel arguments, launch options) of the tiled GEMM writing y (M, N). With `x_s`
-    None, `x_q` is the unquantized input and the kernel quantizes it (``QUANT_X``; the config's
-    block_k must be 128)."""
+    """(grid, kernel arguments, launch options) of the tiled GEMM writing y (M, N)."""
     m, k = x_q.shape
     n = w_q.shape[0]
-    quant_x = x_s is None
-    if quant_x and cfg.block_k != GROUP_SIZE:
-        raise ValueError(f"quantizing x in the GEMM needs block_k == {GROUP_SIZE}, got {cfg.block_k}")
     ws_group_n, stride_wsn, stride_wsk = weight_scale_layout(w_s, granularity)
     args = dict(
-        x_ptr=x_q, xs_ptr=x_q if quant_x else x_s, w_ptr=w_q, ws_ptr=w_s, y_ptr=y,
-        bias_ptr=bias if bias is not None else y,
+        x_ptr=x_q, xs_ptr=x_s, w_ptr=w_q, ws_ptr=w_s, y_ptr=y, bias_ptr=bias if bias is not None else y,
         M=m, N=n, K=k,
-        stride_xm=x_q.stride(0), stride_xsm=0 if quant_x else x_s.stride(0), stride_wn=w_q.stride(0),
-        stride_wsn=stride_wsn, stride_wsk=stride_wsk, stride_ym=y.stride(0),
-        qmax=activation_max(w_q.dtype), amax_floor=AMAX_FLOOR,
+        stride_xm=x_q.stride(0), stride_xsm=x_s.stride(0), stride_wn=w_q.stride(0), stride_wsn=stride_wsn,
+        stride_wsk=stride_wsk, stride_ym=y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
-        QUANT_X=quant_x, MIN_EXP=fp8_min_exponent(w_q.dtype),
     )
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),
                         **launch_options(cfg)}
-
-
-def fused_tiled_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                     bias: torch.Tensor | None, cfg: GemmConfig) -> torch.Tensor:
-    """y (M, N) in x.dtype for a validated, K-contiguous, unquantized x (M, K): the tiled kernel
-    quantizing each x tile itself (one launch; the quantized values and scales of act_quant, the
-    accumulation of the two-launch tiled GEMM with the same config, so y is bit-identical to it)."""
-    m, k = x.shape
-    n = w_q.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    grid, args, options = tiled_args(x, None, w_q, w_s, y, granularity, bias, cfg, False)
-    _block_fp8_gemm_kernel[grid](**args, **options)
-    return y
 
 
 def _persistent_gemm(x_q, x_s, w_q, w_s, y, granularity, bias, cfg: GemmConfig) -> None:
