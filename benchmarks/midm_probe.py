@@ -6,9 +6,12 @@ Three parts, each printed as a table (one run, CUDA-graph replays over operand s
   tile slow, and does padding M to a whole tile pay?);
 - ``sweep``: every split-K / tiled config in a wide space on the cases where FP8 was slower than
   BF16 in `fp8linear bench --grid`, best first against BF16 and per-tensor cuBLAS;
-- ``host``: per-call host cost of the pieces of an eager forward (allocations, launches, lookups).
+- ``host``: per-call host cost of the pieces of an eager forward (allocations, launches, lookups);
+- ``forward``: where the whole forward's time goes beyond the GEMM's: act_quant alone (both
+  layouts), the routed GEMM on quantized inputs, the forward, on the cases where forward - GEMM
+  was largest in the grid.
 
-    python benchmarks/midm_probe.py [--parts edge sweep host] [--json out.json]
+    python benchmarks/midm_probe.py [--parts edge sweep host forward] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ _GRAPH_US = 1500.0
 SWEEP_CASES = [(2112, 7168, 200), (2112, 7168, 77), (2112, 7168, 333), (2048, 7168, 200), (1536, 7168, 320),
                (1536, 7168, 333), (1024, 4096, 333), (1024, 8192, 333), (3584, 3584, 77), (4096, 4096, 77),
                (8192, 29568, 320), (3584, 18944, 640), (576, 7168, 512), (1024, 4096, 160)]
+# (N, K, M): forward - GEMM largest against the bytes act_quant moves (H100 grid).
+FORWARD_CASES = [(32768, 512, 200), (576, 576, 77), (192, 576, 333), (2112, 7168, 333), (24576, 1536, 512),
+                 (7168, 2048, 1024), (7168, 18432, 1024), (512, 3584, 4096), (7168, 16384, 4096)]
 EDGE_SHAPES = [(2112, 7168), (1536, 7168)]
 EDGE_MS = [128, 136, 192, 200, 208, 240, 256]
 
@@ -123,6 +129,35 @@ def sweep(device: torch.device, out: dict) -> None:
               f"{len(ranked)} configs) best: " + ", ".join(f"{lab} {v:.1f}" for v, lab in ranked[:6]))
 
 
+def forward(device: torch.device, out: dict) -> None:
+    from fp8linear.functional import fp8_linear
+    from fp8linear.ops.router import route_linear
+
+    print("\n== forward: act_quant, GEMM and forward (us) ==")
+    for n, k, m in FORWARD_CASES:
+        w, w_q, w_s, x, x_q, x_s = _operands(n, k, m, device)
+        xc_q, xc_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+        route = route_linear(device, m, n, k, "block", w_q.dtype, x.dtype, None, True, True)
+        counters = splitk_counters(n, device)
+        fns = {
+            "bf16": (lambda a, b: a @ b.t(), (x, w)),
+            "quant": (lambda a: act_quant(a, torch.float8_e4m3fn), (x,)),
+            "quant_cublas": (lambda a: act_quant(a, torch.float8_e4m3fn, cublas_layout=True), (x,)),
+            "gemm_ours": (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None,
+                                                              counters=counters), (x_q, x_s, w_q, w_s)),
+            "fwd_triton": (lambda a, b, sb: fp8_linear(a, b, sb, backend="triton", counters=counters), (x, w_q, w_s)),
+            "fwd": (lambda a, b, sb: fp8_linear(a, b, sb, counters=counters), (x, w_q, w_s)),
+        }
+        if route.kernel == "cublas":
+            fns["gemm_cublas"] = (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None,
+                                                                      allow_cublas=True), (xc_q, xc_s, w_q, w_s))
+        us = _time(fns, device)
+        out.setdefault("forward", []).append({"n": n, "k": k, "m": m, "route": route.kernel, "us": us})
+        gb = m * k * 3 / 1e3  # act_quant's bytes moved, in kB -> GB/s = kB/us
+        print(f"{n}x{k} M={m} ({route.kernel}): " + "  ".join(f"{lab} {v:.1f}" for lab, v in us.items())
+              + f"  | quant {gb / us['quant']:.0f} GB/s")
+
+
 def _host_us(fn, calls: int = 200) -> float:
     for _ in range(20):
         fn()
@@ -197,14 +232,14 @@ def _capture_args(call, plan, x):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host"])
+    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward"])
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__)
     out: dict = {}
     for part in a.parts:
-        {"edge": edge, "sweep": sweep, "host": host}[part](device, out)
+        {"edge": edge, "sweep": sweep, "host": host, "forward": forward}[part](device, out)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
