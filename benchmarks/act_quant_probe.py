@@ -1,11 +1,12 @@
 """Where act_quant's time goes: the shipped kernel against variants that drop one piece each.
 
-Small inputs (77x576) take about as long as a whole small GEMM under CUDA graphs (H100: 4.8 us),
-so this probe times, per (M, K), in one run (CUDA-graph replays, inputs rotated past L2):
+Per (M, K), in one run (CUDA-graph replays, inputs rotated past L2):
 
 - ``shipped``: :func:`fp8linear.ops.quant.act_quant` with its launch rule;
 - ``copy``: load and cast to FP8 with a constant scale (the floor of any quantization kernel);
-- ``no_div_rn``: x * (1 / scale) instead of the correctly rounded division (not bit-exact);
+- ``div_rn``: a correctly rounded fp32 division per element (``tl.math.div_rn``) instead of the
+  shipped fp64 product with one reciprocal per group;
+- ``fp32_recip``: x * fp32(1 / scale) (not bit-exact: the floor of the division's cost);
 - ``no_nan``: without the NaN check's second reduction;
 - ``hw_round``: the hardware FP8 conversion instead of round_to_fp8_grid;
 - ``rows{R}w{W}``: the shipped quantization with R rows per program and W warps.
@@ -33,7 +34,7 @@ _GRAPH_US = 1500.0
 
 @triton.jit
 def _variant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, qmax, amax_floor,
-                    MIN_EXP: tl.constexpr, BLOCK_M: tl.constexpr, COPY: tl.constexpr, DIV_RN: tl.constexpr,
+                    MIN_EXP: tl.constexpr, BLOCK_M: tl.constexpr, COPY: tl.constexpr, DIVIDE: tl.constexpr,
                     NAN_CHECK: tl.constexpr, GRID_ROUND: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -50,7 +51,9 @@ def _variant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, qmax, amax_floor,
             amax = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), amax)
         amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
-        if DIV_RN:
+        if DIVIDE == 0:  # shipped (fp8linear.ops.quant.quantize_groups)
+            q = (x.to(tl.float64) * (1.0 / scale.to(tl.float64))[:, None]).to(tl.float32)
+        elif DIVIDE == 1:
             q = tl.math.div_rn(x, scale[:, None])
         else:
             q = x * (1.0 / scale)[:, None]
@@ -62,13 +65,13 @@ def _variant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, qmax, amax_floor,
     tl.store(s_ptr + offs_m * tl.cdiv(K, 128) + pid_g, scale, mask=offs_m < M)
 
 
-def _variant(block_m: int, warps: int, copy=False, div_rn=True, nan_check=True, grid_round=True):
+def _variant(block_m: int, warps: int, copy=False, divide=0, nan_check=True, grid_round=True):
     def run(x):
         m, k = x.shape
         x_q, x_s = act_quant_outputs(m, k, torch.float8_e4m3fn, x.device)
         _variant_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, 128))](
             x, x_q, x_s, m, k, x.stride(0), activation_max(torch.float8_e4m3fn), AMAX_FLOOR,
-            MIN_EXP=fp8_min_exponent(torch.float8_e4m3fn), BLOCK_M=block_m, COPY=copy, DIV_RN=div_rn,
+            MIN_EXP=fp8_min_exponent(torch.float8_e4m3fn), BLOCK_M=block_m, COPY=copy, DIVIDE=divide,
             NAN_CHECK=nan_check, GRID_ROUND=grid_round, num_warps=warps)
         return x_q, x_s
     return run
@@ -86,7 +89,8 @@ def main() -> None:
         rows = 16 if m > 64 else 4
         fns = {"shipped": lambda x: act_quant(x, torch.float8_e4m3fn),
                "copy": _variant(rows, 4, copy=True),
-               "no_div_rn": _variant(rows, 4, div_rn=False),
+               "div_rn": _variant(rows, 4, divide=1),
+               "fp32_recip": _variant(rows, 4, divide=2),
                "no_nan": _variant(rows, 4, nan_check=False),
                "hw_round": _variant(rows, 4, grid_round=False)}
         for r, w in ((1, 1), (4, 1), (4, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):

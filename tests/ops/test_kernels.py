@@ -63,6 +63,32 @@ def test_act_quant_bit_exact(m, k, in_dtype, fp8_dtype):
     assert same_bits(x_s, r_s)
 
 
+def _every_finite_bf16() -> torch.Tensor:
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    return x[torch.isfinite(x)]
+
+
+@pytest.mark.parametrize("case", ["every_bf16", "wide_fp32"])
+def test_act_quant_division_bit_exact_on_hard_inputs(case):
+    """x / scale is computed in fp64 from one reciprocal per group (quant.quantize_groups): every
+    finite bf16 value, in groups of three different mixes, and fp32 values with full 24-bit
+    mantissas over 2**-40..2**40, quantize to the reference's bits."""
+    g = torch.Generator().manual_seed(7)
+    if case == "every_bf16":
+        v = _every_finite_bf16()
+        x = torch.cat([v[torch.randperm(v.numel(), generator=g)] for _ in range(3)])
+        x = x[: x.numel() // 128 * 128].reshape(-1, 128)
+    else:
+        rows = 1024 if HAS_CUDA else 96
+        x = torch.randn(rows, 1024, generator=g) * torch.exp2(torch.randint(-40, 41, (rows, 1024), generator=g).float())
+    x = x.to(KERNEL_DEVICE)
+    x_q, x_s = quantize_activation(x, fp8_dtype=torch.float8_e4m3fn, backend="triton")
+    r_q, r_s = quantize_activation_ref(x, torch.float8_e4m3fn)
+    assert same_bits(x_s, r_s)
+    assert same_bits(x_q, r_q)
+
+
 def test_act_quant_leading_dims_and_strides():
     x = torch.randn(2, 300, 7, device=KERNEL_DEVICE).transpose(1, 2)  # (2, 7, 300), K not unit-stride
     x_q, x_s = quantize_activation(x, backend="triton")
