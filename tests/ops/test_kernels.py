@@ -36,7 +36,7 @@ if HAS_CUDA:
 else:  # interpreter: small but ragged in every dimension
     # M <= 64 takes the split-K kernel; larger M the tiled kernel, persistent TMA when K % 16 == 0.
     GEMM_SHAPES = [(1, 128, 128), (3, 300, 300), (20, 576, 256), (33, 130, 576), (80, 200, 300), (96, 136, 256)]
-    QUANT_SHAPES = [(1, 128), (3, 300), (17, 576), (40, 1000), (70, 256)]  # 1-, 4- and 16-row programs
+    QUANT_SHAPES = [(1, 128), (3, 300), (17, 576), (40, 1000), (70, 256)]  # 1- and 4-row programs
 
 
 
@@ -87,6 +87,20 @@ def test_act_quant_division_bit_exact_on_hard_inputs(case):
     r_q, r_s = quantize_activation_ref(x, torch.float8_e4m3fn)
     assert same_bits(x_s, r_s)
     assert same_bits(x_q, r_q)
+
+
+@pytest.mark.parametrize("m,k", [(70, 256), (100, 300)])
+def test_act_quant_16_row_programs_bit_exact(m, k, monkeypatch):
+    """Inputs above quant._SMALL_INPUT_ELEMENTS take 16-row programs (a partly filled last one here)."""
+    from fp8linear.ops import quant
+
+    monkeypatch.setattr(quant, "_SMALL_INPUT_ELEMENTS", 0)
+    grid, _, _ = quant.act_quant_args(torch.empty(m, k), torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, 3))
+    assert grid[0] == -(-m // 16)
+    x = (torch.randn(m, k, device=KERNEL_DEVICE) * 3).to(torch.bfloat16)
+    x_q, x_s = quantize_activation(x, backend="triton")
+    r_q, r_s = quantize_activation_ref(x, torch.float8_e4m3fn)
+    assert same_bits(x_q, r_q) and same_bits(x_s, r_s)
 
 
 def test_act_quant_leading_dims_and_strides():
