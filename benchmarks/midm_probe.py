@@ -9,9 +9,12 @@ Three parts, each printed as a table (one run, CUDA-graph replays over operand s
 - ``host``: per-call host cost of the pieces of an eager forward (allocations, launches, lookups);
 - ``forward``: where the whole forward's time goes beyond the GEMM's: act_quant alone (both
   layouts), the routed GEMM on quantized inputs, the forward, on the cases where forward - GEMM
-  was largest in the grid.
+  was largest in the grid;
+- ``newm``: eager host cost of a layer whose M is new at every call (transformers' DeepSeek
+  attention projects the whole cached sequence through kv_b_proj each decode step): the first,
+  second and third call of each M against BF16, and a cProfile of first calls.
 
-    python benchmarks/midm_probe.py [--parts edge sweep host forward] [--json out.json]
+    python benchmarks/midm_probe.py [--parts edge sweep host forward newm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -158,6 +161,41 @@ def forward(device: torch.device, out: dict) -> None:
               + f"  | quant {gb / us['quant']:.0f} GB/s")
 
 
+def newm(device: torch.device, out: dict) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from fp8linear import Fp8BlockLinear
+
+    print("\n== newm: host us per call, a new M each call (kv_b_proj 32768x512, M from 2049) ==")
+    lin = torch.nn.Linear(512, 32768, bias=False, device=device, dtype=torch.bfloat16)
+    fp8 = Fp8BlockLinear.from_linear(lin)
+    ms = list(range(2049, 2049 + 48))
+    xs = {m: torch.randn(1, m, 512, device=device, dtype=torch.bfloat16) for m in ms + [m + 100 for m in ms]}
+    res = {}
+    for label, fn, seq in (("bf16 F.linear", lin, ms), ("fp8 1st call", fp8, ms), ("fp8 2nd call", fp8, ms),
+                           ("fp8 3rd call", fp8, ms)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for m in seq:
+            fn(xs[m])
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        res[label] = (t1 - t0) / len(seq) * 1e6
+    out["newm"] = res
+    for label, v in res.items():
+        print(f"{label:20s} {v:8.1f}")
+    pr = cProfile.Profile()
+    pr.enable()
+    for m in ms:
+        fp8(xs[m + 100])
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+    print("\n".join(line[:160] for line in buf.getvalue().splitlines()[:40]))
+
+
 def _host_us(fn, calls: int = 200) -> float:
     for _ in range(20):
         fn()
@@ -232,14 +270,14 @@ def _capture_args(call, plan, x):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward"])
+    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward", "newm"])
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__)
     out: dict = {}
     for part in a.parts:
-        {"edge": edge, "sweep": sweep, "host": host, "forward": forward}[part](device, out)
+        {"edge": edge, "sweep": sweep, "host": host, "forward": forward, "newm": newm}[part](device, out)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
