@@ -130,7 +130,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         self._split_k_counters: torch.Tensor | None = None
         self._plans: dict = {}
         self._seen: set = set()  # input signatures run once without a plan (GPU)
-        self._cublas_weight_scale: torch.Tensor | None = None  # shared by the cuBLAS plans (see _cublas_scale)
+        self._cublas_linear = None  # the cuBLAS route for any M, shared by the cuBLAS plans (see _cublas_runner)
         self.init_split_k_counters()
 
     @property
@@ -221,14 +221,14 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def __getstate__(self):
         # Plans hold closures and compiled kernels: neither pickles nor deep-copies; a copy makes its own.
         state = super().__getstate__()
-        return {**state, "_plans": {}, "_seen": set(), "_cublas_weight_scale": None}
+        return {**state, "_plans": {}, "_seen": set(), "_cublas_linear": None}
 
     def clear_plans(self) -> None:
         """Forget the launch plans (done on replacement, loading and moves; call it after changing
         ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout)."""
         self._plans.clear()
         self.__dict__.setdefault("_seen", set()).clear()
-        self.__dict__["_cublas_weight_scale"] = None  # the plans' shared copy in cuBLAS's layout
+        self.__dict__["_cublas_linear"] = None  # holds the weight scale in cuBLAS's layout
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -339,6 +339,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         args, w_s, granularity = self._route_args(x)
         eager = not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         route = route_linear(*args, eager=eager)
+        if route.kernel == "cublas":  # the layer's cuBLAS route serves any M without a plan
+            return self._cublas_runner(w_s, granularity)(x)
         k = x.shape[-1]
         y = run_linear_route(route, x.reshape(-1, k), self.weight, w_s, granularity, self.bias, counters)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -350,18 +352,20 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         args, w_s, granularity = self._route_args(x)
         # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
         return LinearPlan(route_linear(*args, eager=True), x, self.weight, w_s, granularity, self.bias, counters,
-                          capture_route=route_linear(*args), cublas_scale=lambda: self._cublas_scale(w_s, granularity))
+                          capture_route=route_linear(*args),
+                          cublas_linear=lambda: self._cublas_runner(w_s, granularity))
 
-    def _cublas_scale(self, w_s: torch.Tensor, granularity: str) -> torch.Tensor:
-        """The weight scale in cuBLAS's layout, made once and shared by this layer's cuBLAS plans
-        (for 128x128 weights whose K/128 is not a multiple of 4 it is a copy expanded to 1x128:
-        N*K/128 floats, which one copy per plan would multiply by the plans kept)."""
-        cached = self.__dict__.get("_cublas_weight_scale")
-        if cached is None:
-            from .ops.cublas_gemm import cublas_weight_scale
+    def _cublas_runner(self, w_s: torch.Tensor, granularity: str):
+        """This layer's :class:`fp8linear.ops.linear.CublasLinear`, made once: every cuBLAS-routed
+        shape runs it, planned or not, so a new M costs no plan, and the weight scale is held once
+        in cuBLAS's layout (for 128x128 weights whose K/128 is not a multiple of 4 an expanded
+        N*K/128-float copy)."""
+        runner = self.__dict__.get("_cublas_linear")
+        if runner is None:
+            from .ops.linear import CublasLinear
 
-            cached = self.__dict__["_cublas_weight_scale"] = cublas_weight_scale(self.weight, w_s, granularity)
-        return cached
+            runner = self.__dict__["_cublas_linear"] = CublasLinear(self.weight, w_s, granularity, self.bias)
+        return runner
 
     def extra_repr(self) -> str:
         return (

@@ -98,16 +98,20 @@ class KernelCall:
         return self.compiled is not None
 
     def __call__(self, *tensors: torch.Tensor | int) -> None:
+        self.launch(self.grid, *tensors)
+
+    def launch(self, grid: tuple[int, int, int], *tensors: torch.Tensor | int) -> None:
+        """Launch on another `grid` (three ints): for slots that change the work per call, such as a
+        row count, which the kernel must then not specialize on (``do_not_specialize``)."""
         values = self.values.copy()
         for i, t in zip(self.slot_index, tensors):
             values[i] = t
         c = self.compiled
         if c is not None:
-            g = self.grid
-            c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device_index), c.function,
+            c.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index), c.function,
                   c.packed_metadata, None, None, None, *values)
             return
-        c = self.kernel[self.grid](*values, **self.options)
+        c = self.kernel[grid](*values, **self.options)
         device = tensors[0].device if tensors else None
         if device is not None and device.type == "cuda" and c is not None and _direct(c) and not _launch_hooks_set():
             self.compiled = c

@@ -26,11 +26,11 @@ from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, Scratch, aligned
-from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outputs
+from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_launch, act_quant_outputs
 from .router import Route, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
-__all__ = ["LinearPlan", "fp8_linear_tokens", "run_linear_route"]
+__all__ = ["CublasLinear", "LinearPlan", "fp8_linear_tokens", "run_linear_route"]
 
 
 def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
@@ -60,6 +60,55 @@ def fp8_linear_tokens(
     return run_linear_route(route, x, w_q, w_s, granularity, bias, counters)
 
 
+class CublasLinear:
+    """One weight's cuBLAS blockwise route for inputs of any M: act_quant straight into cuBLAS's
+    layout (M padded to a multiple of 4, M-major scales), then ``torch._scaled_mm``.
+
+    ``Fp8BlockLinear`` keeps one per layer and every cuBLAS-routed shape runs it, so an M the layer
+    has not met costs no plan: transformers' DeepSeek attention projects the whole cached sequence
+    through kv_b_proj at every decode step, a new M each time. The quantization is launched through
+    one prepared :class:`~fp8linear.ops.launch.KernelCall` per launch configuration, with the grid
+    and M given per call; the weight scale is converted to cuBLAS's layout once. Results are those
+    of :func:`run_linear_route` on the cuBLAS route, bit for bit. Inputs: contiguous (..., K),
+    16-byte aligned (the caller checks), of one dtype.
+    """
+
+    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls")
+
+    def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None) -> None:
+        self.w_t = w_q.t()
+        self.scale_b = cublas_weight_scale(w_q, w_s, granularity)
+        self.bias = bias
+        self.n, self.k = w_q.shape
+        self.fp8_dtype = w_q.dtype
+        self.quant_calls: dict[tuple[int, int], KernelCall] = {}  # (rows per program, warps) -> launch
+
+    def quant_call(self, x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor) -> KernelCall:
+        """The prepared act_quant launch for x (..., K) into x_q, x_s (made on first use)."""
+        block_m, num_warps = act_quant_launch(x_q.shape[0], self.k)
+        quant = self.quant_calls.get((block_m, num_warps))
+        if quant is None:
+            grid, args, options = act_quant_args(x.view(-1, self.k), x_q, x_s)
+            quant = self.quant_calls[(block_m, num_warps)] = KernelCall(
+                _act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr", "M", "M_IN", "stride_sg"))
+        return quant
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.k
+        m = x.numel() // k
+        x_q, x_s = act_quant_outputs(m, k, self.fp8_dtype, x.device, cublas_layout=True)
+        rows = x_q.shape[0]
+        block_m, num_warps = act_quant_launch(rows, k)
+        quant = self.quant_calls.get((block_m, num_warps)) or self.quant_call(x, x_q, x_s)
+        grid = (-(-rows // block_m), -(-k // GROUP_SIZE), 1)
+        if quant.direct:
+            quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
+        else:
+            quant.launch(grid, x, x_q, x_s, rows, m, rows)
+        y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias, out_dtype=torch.bfloat16)
+        return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
+
+
 class LinearPlan:
     """The FP8 linear for inputs of one shape (M, K) and dtype on one weight, prepared once.
 
@@ -73,26 +122,26 @@ class LinearPlan:
     (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
     The weight, scales, bias and `counters` are held by reference: a plan stays valid while
     they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
-    another layout), and must be made again when they are replaced. `cublas_scale`: a callable
-    giving the weight scale in cuBLAS's layout (:func:`~fp8linear.ops.cublas_gemm.cublas_weight_scale`),
-    so that the plans of one layer share one copy; without it a cuBLAS plan makes its own.
+    another layout), and must be made again when they are replaced. `cublas_linear`: a callable
+    giving the layer's :class:`CublasLinear`, which its cuBLAS plans share (one weight scale in
+    cuBLAS's layout, one prepared quantization launch); without it a cuBLAS plan makes its own.
     """
 
     __slots__ = ("route", "run", "calls", "capture_calls")
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, counters: torch.Tensor | None, capture_route: Route | None = None,
-                 cublas_scale: Callable[[], torch.Tensor] | None = None) -> None:
+                 cublas_linear: Callable[[], CublasLinear] | None = None) -> None:
         self.route = route
-        if cublas_scale is None:
-            def cublas_scale() -> torch.Tensor:
-                return cublas_weight_scale(w_q, w_s, granularity)
-        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_scale)
+        if cublas_linear is None:
+            def cublas_linear() -> CublasLinear:
+                return CublasLinear(w_q, w_s, granularity, bias)
+        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_linear)
         capture_calls: tuple[KernelCall, ...] = ()
         if capture_route is not None and capture_route != route and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
             capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters,
-                                                       cublas_scale)
+                                                       cublas_linear)
             eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
 
             def run(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +159,7 @@ class LinearPlan:
     @staticmethod
     def _prepare(route: Route, x_in: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, counters: torch.Tensor | None,
-                 cublas_scale: Callable[[], torch.Tensor]) -> tuple[Callable, tuple[KernelCall, ...]]:
+                 cublas_linear: Callable[[], CublasLinear]) -> tuple[Callable, tuple[KernelCall, ...]]:
         k = x_in.shape[-1]
         x = x_in.reshape(-1, k)
         m, n = x.shape[0], w_q.shape[0]
@@ -124,19 +173,9 @@ class LinearPlan:
             return unprepared, ()
         fp8_dtype = w_q.dtype
         if route.kernel == "cublas":
+            runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
-            grid, args, options = act_quant_args(x, x_q0, x_s0)
-            quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
-            w_t, scale_b = w_q.t(), cublas_scale()  # the weight scale in cuBLAS's layout, made once per layer
-            padded = x_q0.shape[0] != m
-
-            def run_cublas(x: torch.Tensor) -> torch.Tensor:
-                x_q, x_s = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
-                quant(x, x_q, x_s)
-                y = torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
-                return (y[:m] if padded else y).view(out_shape)
-
-            return run_cublas, (quant,)
+            return runner, (runner.quant_call(x, x_q0, x_s0),)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         groups = triton.cdiv(k, GROUP_SIZE)
         quant_bufs = [((m, k), fp8_dtype), ((m, groups), torch.float32)]

@@ -11,7 +11,7 @@ from ..reference import AMAX_FLOOR
 from .cublas_gemm import CUBLAS_ROW_ALIGN
 from .pdl import release_dependents
 
-__all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "act_quant_args", "act_quant_outputs", "cublas_rows", "quantize_groups",
+__all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "act_quant_args", "act_quant_launch", "act_quant_outputs", "cublas_rows", "quantize_groups",
            "round_to_fp8_grid"]
 
 
@@ -54,7 +54,9 @@ def quantize_groups(x, qmax, amax_floor, MIN_EXP: tl.constexpr):
     return round_to_fp8_grid(q, MIN_EXP), scale
 
 
-@triton.jit
+# What depends on M unspecialized: a layer's cuBLAS route reuses one compiled launch for every M
+# (fp8linear.ops.linear.CublasLinear; M-major scales have a column stride of M).
+@triton.jit(do_not_specialize=["M", "M_IN", "stride_sg"])
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr,
     M, M_IN, K,
@@ -102,13 +104,7 @@ def act_quant_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
     """(grid, kernel arguments, launch options) quantizing x (M_in, K) into x_q, x_s (M >= M_in rows)."""
     m_in, k = x.shape
     m = x_q.shape[0]
-    # Rows per program: 16 (4 KB of bf16) saturates HBM at prefill; decode-sized inputs take fewer
-    # rows so no program works on padding (H100, K=7168, do_bench incl. launch: M=1 4.7 vs 7.2 us
-    # with 1 row / 1 warp; M=16 5.1 vs 5.6 us with 4 rows; M=4096 42.2 vs 42.4 us, unchanged), and
-    # so do inputs up to SMALL_INPUT_ELEMENTS, where more, smaller programs finish sooner
-    # (benchmarks/act_quant_probe.py, H100, CUDA graphs, 4 rows against 16: 77x576 1.74 vs 1.89 us,
-    # 200x512 1.68 vs 1.86, 512x1536 3.13 vs 3.20, 333x7168 5.95 vs 5.80, 1024x7168 13.6 vs 10.6).
-    block_m, num_warps = (1, 1) if m == 1 else ((4, 4) if m <= 64 or m * k <= _SMALL_INPUT_ELEMENTS else (16, 4))
+    block_m, num_warps = act_quant_launch(m, k)
     fp8_dtype = x_q.dtype
     args = dict(
         x_ptr=x, q_ptr=x_q, s_ptr=x_s, M=m, M_IN=m_in, K=k,
@@ -117,6 +113,17 @@ def act_quant_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
         MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE, RELEASE_EARLY=release_early,
     )
     return (triton.cdiv(m, block_m), triton.cdiv(k, GROUP_SIZE)), args, {"num_warps": num_warps}
+
+
+def act_quant_launch(m: int, k: int) -> tuple[int, int]:
+    """(rows per program, warps) of act_quant for an (m, k) output."""
+    # Rows per program: 16 (4 KB of bf16) saturates HBM at prefill; decode-sized inputs take fewer
+    # rows so no program works on padding (H100, K=7168, do_bench incl. launch: M=1 4.7 vs 7.2 us
+    # with 1 row / 1 warp; M=16 5.1 vs 5.6 us with 4 rows; M=4096 42.2 vs 42.4 us, unchanged), and
+    # so do inputs up to SMALL_INPUT_ELEMENTS, where more, smaller programs finish sooner
+    # (benchmarks/act_quant_probe.py, H100, CUDA graphs, 4 rows against 16: 77x576 1.74 vs 1.89 us,
+    # 200x512 1.68 vs 1.86, 512x1536 3.13 vs 3.20, 333x7168 5.95 vs 5.80, 1024x7168 13.6 vs 10.6).
+    return (1, 1) if m == 1 else ((4, 4) if m <= 64 or m * k <= _SMALL_INPUT_ELEMENTS else (16, 4))
 
 
 def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = False,

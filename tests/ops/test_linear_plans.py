@@ -123,29 +123,34 @@ def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
     assert (x4.shape, x4.dtype, x4.device) in layer._plans
 
 
-def test_cublas_plans_of_a_layer_share_one_weight_scale(monkeypatch):
-    """cuBLAS plans read the weight scale in cuBLAS's layout (for K/128 not a multiple of 4, a copy
-    expanded to 1x128): one per layer, made by the first such plan, dropped with the plans."""
-    from fp8linear.ops import cublas_gemm, router
+def test_cublas_plans_of_a_layer_share_one_cublas_linear(monkeypatch):
+    """cuBLAS plans run the layer's one CublasLinear (the weight scale in cuBLAS's layout, for K/128
+    not a multiple of 4 a copy expanded to 1x128; one prepared quantization per launch config),
+    made by the first such plan or routed call, dropped with the plans."""
+    from fp8linear.ops import linear, router
+    from fp8linear.ops.cublas_gemm import cublas_weight_scale
     from fp8linear.ops.router import Route
 
     monkeypatch.setattr(router, "route_linear", lambda *a, **kw: Route("cublas"))
     made = []
-    real = cublas_gemm.cublas_weight_scale
-    monkeypatch.setattr(cublas_gemm, "cublas_weight_scale", lambda *a: made.append(1) or real(*a))
+    real = linear.CublasLinear
+    monkeypatch.setattr(linear, "CublasLinear", lambda *a: made.append(1) or real(*a))
     layer = _layer(256, 1408, "block", False)  # 11 K groups: the expanded copy
     plans = [layer._make_plan(torch.randn(m, 1408, device=KERNEL_DEVICE, dtype=torch.bfloat16), None)
              for m in (96, 160, 333)]
     assert all(p.route.kernel == "cublas" for p in plans) and len(made) == 1
-    expected = real(layer.weight, layer.weight_scale_inv, "block")
+    runner = layer._cublas_linear
+    assert all(p.run is runner for p in plans)
+    assert len(runner.quant_calls) == 1  # 96-333 rows of 1408: one launch config
+    expected = cublas_weight_scale(layer.weight, layer.weight_scale_inv, "block")
     assert expected.shape == (11, 256)  # each block scale over its 128 rows: cuBLAS's 1x128 grid
-    assert torch.equal(layer._cublas_weight_scale, expected)
+    assert torch.equal(runner.scale_b, expected)
     layer.clear_plans()
-    assert layer._cublas_weight_scale is None
+    assert layer._cublas_linear is None
     layer._make_plan(torch.randn(96, 1408, device=KERNEL_DEVICE, dtype=torch.bfloat16), None)
     assert len(made) == 2
     layer.weight_scale_inv = torch.nn.Parameter(layer.weight_scale_inv.detach() * 2, requires_grad=False)
-    assert layer._cublas_weight_scale is None  # a replaced scale drops the copy with the plans
+    assert layer._cublas_linear is None  # a replaced scale drops it with the plans
 
 
 def test_a_plan_pins_no_buffer_it_was_built_with():
@@ -369,3 +374,34 @@ def test_eager_plans_keep_small_prefill_gemms_off_cublas(monkeypatch):
     assert kernel(512, 2112, 7168, eager=True) != "cublas"  # 7.7e9 multiply-adds
     assert kernel(128, 7168, 18432, eager=True) == "cublas"  # 1.7e10: the GPU sets the pace
     assert kernel(4096, 2112, 7168, eager=True) == "cublas"
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_linear_serves_any_m_bit_identical():
+    """A layer's CublasLinear runs M it has not met (both quantization launch configs, M % 4 in
+    0..3) with the bits of the cuBLAS route run unprepared, launching directly after the first
+    call of each config; new shapes routed to cuBLAS run it without a plan."""
+    from fp8linear.ops.cublas_gemm import cublas_device_ok
+    from fp8linear.ops.linear import run_linear_route
+    from fp8linear.ops.router import Route
+
+    if not cublas_device_ok(torch.device("cuda")):
+        pytest.skip("cuBLAS blockwise FP8 needs Hopper, CUDA >= 12.9 and torch >= 2.11")
+    torch.manual_seed(0)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(512, 4096, device="cuda", dtype=torch.bfloat16))
+    runner = layer._cublas_runner(layer.weight_scale_inv, "block")
+    for m in (1, 2, 3, 4, 5, 77, 1024, 2049, 4097, 4100, 6):
+        x = torch.randn(2, m, 512, device="cuda", dtype=torch.bfloat16)
+        y = runner(x)
+        ref = run_linear_route(Route("cublas"), x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block",
+                               layer.bias)
+        assert y.shape == (2, m, 4096) and same_bits(y, ref.view_as(y))
+    assert len(runner.quant_calls) == 2 and all(c.direct for c in runner.calls)
+    layer.clear_plans()
+    for m in range(2049, 2053):  # the whole-sequence projection of a growing cache: routed, no plans
+        x = torch.randn(1, m, 512, device="cuda", dtype=torch.bfloat16)
+        y = layer(x)
+        ref = run_linear_route(Route("cublas"), x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block",
+                               layer.bias)
+        assert same_bits(y, ref.view_as(y))
+    assert not layer._plans and layer._cublas_linear is not None
