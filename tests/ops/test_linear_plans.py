@@ -377,10 +377,11 @@ def test_eager_plans_keep_small_prefill_gemms_off_cublas(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_cublas_linear_serves_any_m_bit_identical():
+def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
     """A layer's CublasLinear runs M it has not met (both quantization launch configs, M % 4 in
     0..3) with the bits of the cuBLAS route run unprepared, launching directly after the first
     call of each config; new shapes routed to cuBLAS run it without a plan."""
+    from fp8linear.ops import router
     from fp8linear.ops.cublas_gemm import cublas_device_ok
     from fp8linear.ops.linear import run_linear_route
     from fp8linear.ops.router import Route
@@ -398,6 +399,7 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical():
         assert y.shape == (2, m, 4096) and same_bits(y, ref.view_as(y))
     assert len(runner.quant_calls) == 2 and all(c.direct for c in runner.calls)
     layer.clear_plans()
+    monkeypatch.setattr(router, "route_linear", lambda *a, **kw: Route("cublas"))
     for m in range(2049, 2053):  # the whole-sequence projection of a growing cache: routed, no plans
         x = torch.randn(1, m, 512, device="cuda", dtype=torch.bfloat16)
         y = layer(x)
