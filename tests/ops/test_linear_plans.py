@@ -397,7 +397,7 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
         ref = run_linear_route(Route("cublas"), x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block",
                                layer.bias)
         assert y.shape == (2, m, 4096) and same_bits(y, ref.view_as(y))
-    assert len(runner.quant_calls) == 2 and all(c.direct for c in runner.calls)
+    assert len(runner.quant_calls) == 2 and all(c.direct for c in runner.quant_calls.values())
     layer.clear_plans()
     monkeypatch.setattr(router, "route_linear", lambda *a, **kw: Route("cublas"))
     for m in range(2049, 2053):  # the whole-sequence projection of a growing cache: routed, no plans
