@@ -10,11 +10,13 @@ Three parts, each printed as a table (one run, CUDA-graph replays over operand s
 - ``forward``: where the whole forward's time goes beyond the GEMM's: act_quant alone (both
   layouts), the routed GEMM on quantized inputs, the forward, on the cases where forward - GEMM
   was largest in the grid;
+- ``shortk``: 128x128 weights whose K/128 is not a multiple of 4 (K=576, 640, 384, 256) on cuBLAS
+  as 1x128 weights with the expanded scale grid held (made once per layer), against our kernel and BF16;
 - ``newm``: eager host cost of a layer whose M is new at every call (transformers' DeepSeek
   attention projects the whole cached sequence through kv_b_proj each decode step): the first,
   second and third call of each M against BF16, and a cProfile of first calls.
 
-    python benchmarks/midm_probe.py [--parts edge sweep host forward newm] [--json out.json]
+    python benchmarks/midm_probe.py [--parts edge sweep host forward shortk newm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -161,6 +163,35 @@ def forward(device: torch.device, out: dict) -> None:
               + f"  | quant {gb / us['quant']:.0f} GB/s")
 
 
+SHORTK_SHAPES = [(1536, 576), (576, 576), (192, 576), (7168, 640), (4096, 384), (7168, 256), (2048, 1408)]
+SHORTK_MS = [512, 1024, 2048, 4096, 8192]
+
+
+def shortk(device: torch.device, out: dict) -> None:
+    from fp8linear.ops.cublas_gemm import cublas_weight_scale
+
+    print("\n== shortk: cuBLAS with the expanded 1x128 scale grid held vs ours vs BF16 (us) ==")
+    for (n, k), m in itertools.product(SHORTK_SHAPES, SHORTK_MS):
+        w, w_q, w_s, x, x_q, x_s = _operands(n, k, m, device)
+        xc_q, xc_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+        scale_b = cublas_weight_scale(w_q, w_s, "block")
+        w_t = w_q.t()
+        fns = {"bf16": (lambda a, b: a @ b.t(), (x, w)),
+               "ours": (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None),
+                        (x_q, x_s, w_q, w_s)),
+               "cublas_held": (lambda a, sa: torch._scaled_mm(a, w_t, scale_a=sa, scale_b=scale_b,
+                                                              out_dtype=torch.bfloat16), (xc_q, xc_s))}
+        us = _time(fns, device)
+        y = torch._scaled_mm(xc_q, w_t, scale_a=xc_s, scale_b=scale_b, out_dtype=torch.bfloat16)
+        ref = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None)
+        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+        out.setdefault("shortk", []).append({"n": n, "k": k, "m": m, "us": us, "rel_diff": err})
+        print(f"{n:5d}x{k:4d} M={m:5d} bf16 {us['bf16']:7.1f} ours {us['ours']:7.1f} cublas_held "
+              f"{us['cublas_held']:7.1f}  cublas/ours {us['cublas_held'] / us['ours']:.2f} "
+              f"ours/bf16 {us['ours'] / us['bf16']:.2f} cublas/bf16 {us['cublas_held'] / us['bf16']:.2f} "
+              f"(rel diff {err:.1e})")
+
+
 def newm(device: torch.device, out: dict) -> None:
     import cProfile
     import io
@@ -275,14 +306,14 @@ def _capture_args(call, plan, x):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward", "newm"])
+    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward", "shortk", "newm"])
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__)
     out: dict = {}
     for part in a.parts:
-        {"edge": edge, "sweep": sweep, "host": host, "forward": forward, "newm": newm}[part](device, out)
+        {"edge": edge, "sweep": sweep, "host": host, "forward": forward, "shortk": shortk, "newm": newm}[part](device, out)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
