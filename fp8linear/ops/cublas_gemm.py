@@ -20,9 +20,9 @@ tests/test_cublas_gemm.py check these rules against the reference):
 - 128x128 weights: scale_b = ``w_s.t()`` of the contiguous (N/128, K/128) grid. With K/128 not a
   multiple of 4 (K=256, 2304, 384, 640) cuBLAS *accepts* that layout and returns garbage
   (relative error 0.09 to 1e3). Such weights run as 1x128 weights instead: each 128x128 block's
-  scale repeated over its 128 rows is the same dequantization, exactly (a (K/128, N) grid made
-  per call, ~1.5 us). That pays where K is long enough (K >= CUBLAS_EXPANDED_MIN_K); shorter K
-  stays on our kernel;
+  scale repeated over its 128 rows is the same dequantization, exactly (a (K/128, N) grid that
+  ``Fp8BlockLinear`` makes once per layer, :class:`fp8linear.ops.linear.CublasLinear`, and the
+  functional path per call, ~1.5 us), from K = CUBLAS_EXPANDED_MIN_K up;
 - 1x128 weights: scale_b = the (K/128, N) transpose, contiguous (a small copy per call);
 - N a multiple of 16; ``float8_e4m3fn`` only; bf16 output (the only one verified), bias fused.
 """
@@ -44,11 +44,14 @@ _ALIGN_KN = 16
 CUBLAS_ROW_ALIGN = 4
 # The 128x128 scale grid's row (K/128 fp32 values) must be 16-byte aligned (see module docstring).
 _BLOCK_SCALE_ROW_ALIGN = 4
-# 128x128 weights whose K/128 is not a multiple of 4 go to cuBLAS as 1x128 weights from this K up.
-# H100, CUDA graphs, M=1024/2048/4096, ours vs cuBLAS with the expanded grid made per call:
-# 7168x2304 50.8/89.9/184.2 vs 47.2/85.1/164.5 us; 4096x1152 15.2/28.4/57.2 vs 14.9/28.1/55.1;
-# 7168x640 20.4/31.5/61.6 vs 20.4/31.8/61.1 (a tie); 7168x256 13.4/19.0/35.3 vs 14.6/21.6/36.3.
-CUBLAS_EXPANDED_MIN_K = 1024
+# 128x128 weights whose K/128 is not a multiple of 4 may go to cuBLAS as 1x128 weights from this K
+# up (the router decides by measurement where it runs them). H100, CUDA graphs, cuBLAS with the
+# expanded grid held against ours (benchmarks/midm_probe.py --parts shortk), M=512/2048/8192:
+# 1536x576 5.0/11.0/26.7 vs 5.0/11.7/34.7 us; 7168x640 9.8/30.4/101.1 vs 12.3/33.0/115.7;
+# 4096x384 5.5/15.6/46.5 vs 7.7/14.6/48.6; 7168x256 6.9/20.6/64.8 vs 8.4/19.9/68.0. With the
+# grid made per call (the functional path) 7168x640 and 7168x256 tied or lost at M=1024-4096;
+# K=128 (one group) stays on our kernel.
+CUBLAS_EXPANDED_MIN_K = 256
 # Blockwise scaling in torch._scaled_mm was verified with this torch (2.11 + CUDA 13.0, H100).
 _MIN_TORCH = (2, 11)
 _MIN_CUDA = (12, 9)

@@ -52,8 +52,10 @@ def test_act_quant_cublas_layout(m, k):
         (576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
         (7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 18: as 1x128
         (4096, 1152, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 9: as 1x128
-        (7168, 640, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # short K: ours
-        (7168, 256, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),
+        (7168, 640, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 5: as 1x128
+        (1536, 576, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (7168, 256, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
+        (7168, 128, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # one K group: ours
         (7168, 2304, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),  # row scales are fine
         (300, 2048, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # N % 16
         (512, 300, "row", torch.float8_e4m3fn, torch.bfloat16, None, False),  # K % 16
@@ -127,7 +129,7 @@ def test_block_fp8_matmul_hands_each_path_its_scale_layout(to_cublas, monkeypatc
 CUBLAS_CASES = [
     (m, n, k, gran)
     for m, n, k in [(128, 1536, 7168), (130, 2112, 512), (1027, 7168, 2048), (4096, 576, 7168), (257, 4096, 2304),
-                    (1030, 2112, 576), (1030, 2112, 1152), (1024, 4000, 2304)]
+                    (1030, 2112, 576), (1030, 2112, 1152), (1024, 4000, 2304), (2051, 1536, 576), (1024, 7168, 640)]
     for gran in ("block", "row")
 ]
 
