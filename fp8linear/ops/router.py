@@ -10,9 +10,10 @@ Every choice between kernels is made here and nowhere else:
   eager callers only from EAGER_CUBLAS_MIN_MNK, below which ``torch._scaled_mm``'s host cost
   exceeds the GPU time saved;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
-  outside CUDA-graph capture), 2 to SMALL_M_MAX tokens, a weight below ONE_LAUNCH_MAX_WEIGHT
-  elements, NVIDIA GPUs (and the CPU interpreter) -> activation quantization and the split-K GEMM
-  in one launch (:mod:`fp8linear.ops.fused_decode`);
+  outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
+  the CPU interpreter); 2 to SMALL_M_MAX tokens, or up to ONE_LAUNCH_MAX_M where the GEMM would
+  run on our split-K or tiled kernel (with that config) -> activation quantization and the split-K
+  GEMM in one launch (:mod:`fp8linear.ops.fused_decode`);
 - ``splitk``: too few output tiles to fill the GPU and K long enough to split
   (:mod:`fp8linear.ops.splitk_gemm`; decode rules up to SMALL_M_MAX rows, MID_SPLIT_TILE above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
@@ -46,7 +47,7 @@ from .cublas_gemm import cublas_accepts, cublas_device_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
 from .pdl import use_pdl
 from .route_table import lookup_route
-from .splitk_gemm import SplitKConfig, sm_count, splitk_config
+from .splitk_gemm import SplitKConfig, counters_fit, sm_count, splitk_config
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -59,6 +60,7 @@ __all__ = [
     "GROUPED_WIDE_TILE_MAX_ROWS",
     "grouped_config",
     "LONG_SPLITK_K",
+    "ONE_LAUNCH_MAX_M",
     "ONE_LAUNCH_MAX_WEIGHT",
     "PERSISTENT_CONFIG",
     "PERSISTENT_MAX_K",
@@ -95,6 +97,11 @@ LONG_SPLITK_K = 8192
 # geometric mean: its GEMM programs wait for the quantized x instead of streaming weights), so graphs
 # and torch.compile get the two launches.
 ONE_LAUNCH_MAX_WEIGHT = 48 * 2**20
+# Eager callers take the one-launch kernel above SMALL_M_MAX rows too, up to this many, where the
+# route would be our split-K or tiled kernel (its config run in one launch): there as well the
+# host sets the pace (eager, two launches and two allocations: 35-41 us of host time per call
+# against 29-35 us for a BF16 nn.Linear, H100, benchmarks/midm_probe.py --parts host).
+ONE_LAUNCH_MAX_M = 1024
 # Eager callers send GEMMs to cuBLAS blockwise only from this M*N*K up. A plan's `torch._scaled_mm`
 # call costs 45-90 us of host time (H100 host, torch 2.11), more than our directly launched kernels;
 # below the cut the GEMM finishes before the host does. H100, benchmarks/eager_cublas_ab.py (eager
@@ -219,7 +226,11 @@ def _decode_config(device: torch.device, m: int, n: int, k: int, granularity: st
     split = splitk_config(m, n, k, device)
     if split is not None:
         return split
-    cfg = select_config(device, m, n, k, granularity)
+    return _one_split(select_config(device, m, n, k, granularity))
+
+
+def _one_split(cfg: GemmConfig) -> SplitKConfig | None:
+    """A tiled config as the split-K program's single split, where that program runs its tile."""
     if cfg.block_k != GROUP_SIZE or cfg.block_m > GROUP_SIZE or cfg.block_n > GROUP_SIZE or cfg.num_warps > 8:
         return None
     return SplitKConfig(block_m=cfg.block_m, block_n=cfg.block_n, split_k=1, num_warps=cfg.num_warps,
@@ -249,11 +260,17 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     cublas_ok = (allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
                  and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))
     pdl = use_pdl(device, m)
-    if eager and 1 <= m <= SMALL_M_MAX and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device):
+    one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
+    if one_launch and 1 <= m <= SMALL_M_MAX:
         cfg = _decode_config(device, m, n, k, granularity)
         if cfg is not None:
             return Route("decode", cfg)
-    return _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
+    route = _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
+    if one_launch and SMALL_M_MAX < m <= ONE_LAUNCH_MAX_M and route.kernel in ("splitk", "tiled"):
+        cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
+        if cfg is not None and counters_fit(m, n, cfg):
+            return Route("decode", cfg)
+    return route
 
 
 def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,

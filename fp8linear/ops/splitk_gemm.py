@@ -28,7 +28,7 @@ from .configs import SMALL_M_MAX, launch_options, splitk_num_stages
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
 
-__all__ = ["SplitKConfig", "sm_count", "splitk_args", "splitk_buffers", "splitk_config", "splitk_fp8_gemm", "splitk_counters"]
+__all__ = ["SplitKConfig", "counters_fit", "sm_count", "splitk_args", "splitk_buffers", "splitk_config", "splitk_fp8_gemm", "splitk_counters"]
 
 # Split-K gives each output tile the fewest splits that make at least this many programs per SM
 # (H100 sweep: 2 beat 1 and 4; rounding the split up rather than to nearest, so N=7168 at M=16-64
@@ -190,6 +190,13 @@ def splitk_counters(n: int, device: torch.device | str) -> torch.Tensor:
     # enough for any tile shape SplitKConfig allows (block_m, block_n >= 16), + (ready, done)
     return torch.zeros(triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16) + _SYNC_COUNTERS, dtype=torch.int32,
                        device=device)
+
+
+def counters_fit(m: int, n: int, cfg: SplitKConfig) -> bool:
+    """Whether a :func:`splitk_counters` of an N-column weight has a tile counter for every output
+    tile of an (m, n) split-K launch with `cfg` (it is sized for SMALL_M_MAX rows of 16x16 tiles)."""
+    return cfg.split_k == 1 or triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m) <= (
+        triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16))
 
 
 def splitk_buffers(m: int, n: int, cfg: SplitKConfig, k: int, device: torch.device,

@@ -16,9 +16,10 @@ from conftest import KERNEL_DEVICE
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 
 # (M, N, K, route on the interpreter's 4-SM "GPU"): one token -> fused GEMV; up to 64 tokens -> the
-# one-launch decode kernel, split (long K) or not (short K); more rows -> tiled.
-CASES = [(1, 130, 300, "gemv"), (3, 130, 4224, "decode"), (77, 136, 256, "tiled"), (5, 64, 300, "decode"),
-         (17, 96, 4352, "decode")]
+# one-launch decode kernel, split (long K) or not (short K); up to ONE_LAUNCH_MAX_M rows on our kernels
+# -> that kernel too; more rows -> tiled (two launches).
+CASES = [(1, 130, 300, "gemv"), (3, 130, 4224, "decode"), (77, 136, 256, "decode"), (5, 64, 300, "decode"),
+         (17, 96, 4352, "decode"), (1030, 136, 256, "tiled")]
 
 
 def _layer(n: int, k: int, granularity: str, bias: bool, device: str = KERNEL_DEVICE) -> Fp8BlockLinear:
@@ -72,8 +73,10 @@ def test_plan_matches_routed_path_bit_for_bit(m, n, k, kernel, bias, granularity
 
 
 @pytest.mark.parametrize("workspace", ["none", "too small", "layer's"])
-@pytest.mark.parametrize("m,n,k", [(2, 130, 4224), (33, 64, 300)])
+@pytest.mark.parametrize("m,n,k", [(2, 130, 4224), (33, 64, 300), (70, 64, 4224), (77, 136, 256), (200, 130, 4224)])
 def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
+    """Eager routes of up to ONE_LAUNCH_MAX_M rows on our kernels run in one launch (quantizing
+    programs first, in chunks of QUANT_CHUNK_ROWS rows above it), with the two launches' bits."""
     from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
     from fp8linear.ops.fused_decode import fused_decode_gemm
     from fp8linear.ops.router import route_linear
@@ -103,6 +106,11 @@ def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
     assert router.route_linear(*args, eager=True).kernel == "decode"
     big = (dev, 8, 18432, 7168) + args[4:]
     assert router.route_linear(*big, eager=True).kernel != "decode"  # GPU-bound: two launches win
+    for m in (65, 333, router.ONE_LAUNCH_MAX_M):  # above decode sizes, where our kernels run the GEMM
+        mid = (dev, m) + args[2:]
+        assert router.route_linear(*mid).kernel in ("splitk", "tiled")
+        assert router.route_linear(*mid, eager=True).kernel == "decode"
+    assert router.route_linear(dev, router.ONE_LAUNCH_MAX_M + 1, *args[2:], eager=True).kernel != "decode"
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert not router._one_launch_decode_ok(dev)  # no in-launch wait on ROCm
 
