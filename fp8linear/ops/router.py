@@ -11,9 +11,9 @@ Every choice between kernels is made here and nowhere else:
   exceeds the GPU time saved;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
-  the CPU interpreter); 2 to SMALL_M_MAX tokens, or up to ONE_LAUNCH_MAX_M where the GEMM would
-  run on our split-K or tiled kernel (with that config) -> activation quantization and the split-K
-  GEMM in one launch (:mod:`fp8linear.ops.fused_decode`);
+  the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
+  where the GEMM would run on our split-K or tiled kernel (with that config) -> activation
+  quantization and the split-K GEMM in one launch (:mod:`fp8linear.ops.fused_decode`);
 - ``splitk``: too few output tiles to fill the GPU and K long enough to split
   (:mod:`fp8linear.ops.splitk_gemm`; decode rules up to SMALL_M_MAX rows, MID_SPLIT_TILE above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
@@ -60,7 +60,7 @@ __all__ = [
     "GROUPED_WIDE_TILE_MAX_ROWS",
     "grouped_config",
     "LONG_SPLITK_K",
-    "ONE_LAUNCH_MAX_M",
+    "ONE_LAUNCH_MAX_MNK",
     "ONE_LAUNCH_MAX_WEIGHT",
     "PERSISTENT_CONFIG",
     "PERSISTENT_MAX_K",
@@ -97,11 +97,14 @@ LONG_SPLITK_K = 8192
 # geometric mean: its GEMM programs wait for the quantized x instead of streaming weights), so graphs
 # and torch.compile get the two launches.
 ONE_LAUNCH_MAX_WEIGHT = 48 * 2**20
-# Eager callers take the one-launch kernel above SMALL_M_MAX rows too, up to this many, where the
-# route would be our split-K or tiled kernel (its config run in one launch): there as well the
-# host sets the pace (eager, two launches and two allocations: 35-41 us of host time per call
-# against 29-35 us for a BF16 nn.Linear, H100, benchmarks/midm_probe.py --parts host).
-ONE_LAUNCH_MAX_M = 1024
+# Eager callers take the one-launch kernel above SMALL_M_MAX rows too, up to this M*N*K, where the
+# route would be our split-K or tiled kernel (its config run in one launch): there the host sets
+# the pace (two launches and two allocations: 35-41 us of host time, H100), and the kernel's
+# in-launch wait (1.2-2.3x the two launches' GPU time above decode sizes) stays below it. H100,
+# benchmarks/decode_ab.py, nine DeepSeek-V3 shapes x M 96/200/333/512, eager wall time one / two
+# launches: 0.70-0.88 in every case up to 4e9 (e.g. 7168x2048 M=200 32.6 vs 46.3 us), 0.82-1.47
+# above it (24576x1536 M=333 77.9 vs 53.0, 2048x7168 M=512 55.0 vs 47.3).
+ONE_LAUNCH_MAX_MNK = 4 * 10**9
 # Eager callers send GEMMs to cuBLAS blockwise only from this M*N*K up. A plan's `torch._scaled_mm`
 # call costs 45-90 us of host time (H100 host, torch 2.11), more than our directly launched kernels;
 # below the cut the GEMM finishes before the host does. H100, benchmarks/eager_cublas_ab.py (eager
@@ -266,7 +269,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         if cfg is not None:
             return Route("decode", cfg)
     route = _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
-    if one_launch and SMALL_M_MAX < m <= ONE_LAUNCH_MAX_M and route.kernel in ("splitk", "tiled"):
+    if one_launch and m > SMALL_M_MAX and m * n * k <= ONE_LAUNCH_MAX_MNK and route.kernel in ("splitk", "tiled"):
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
             return Route("decode", cfg)

@@ -16,10 +16,10 @@ from conftest import KERNEL_DEVICE
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 
 # (M, N, K, route on the interpreter's 4-SM "GPU"): one token -> fused GEMV; up to 64 tokens -> the
-# one-launch decode kernel, split (long K) or not (short K); up to ONE_LAUNCH_MAX_M rows on our kernels
-# -> that kernel too; more rows -> tiled (two launches).
+# one-launch decode kernel, split (long K) or not (short K); more rows on our kernels (up to
+# ONE_LAUNCH_MAX_MNK) -> that kernel too; beyond -> tiled (two launches).
 CASES = [(1, 130, 300, "gemv"), (3, 130, 4224, "decode"), (77, 136, 256, "decode"), (5, 64, 300, "decode"),
-         (17, 96, 4352, "decode"), (1030, 136, 256, "tiled")]
+         (17, 96, 4352, "decode")]
 
 
 def _layer(n: int, k: int, granularity: str, bias: bool, device: str = KERNEL_DEVICE) -> Fp8BlockLinear:
@@ -75,8 +75,8 @@ def test_plan_matches_routed_path_bit_for_bit(m, n, k, kernel, bias, granularity
 @pytest.mark.parametrize("workspace", ["none", "too small", "layer's"])
 @pytest.mark.parametrize("m,n,k", [(2, 130, 4224), (33, 64, 300), (70, 64, 4224), (77, 136, 256), (200, 130, 4224)])
 def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
-    """Eager routes of up to ONE_LAUNCH_MAX_M rows on our kernels run in one launch (quantizing
-    programs first, in chunks of QUANT_CHUNK_ROWS rows above it), with the two launches' bits."""
+    """Eager routes on our kernels up to ONE_LAUNCH_MAX_MNK run in one launch (quantizing programs
+    first, in chunks of QUANT_CHUNK_ROWS rows above it), with the two launches' bits."""
     from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
     from fp8linear.ops.fused_decode import fused_decode_gemm
     from fp8linear.ops.router import route_linear
@@ -98,6 +98,21 @@ def test_one_launch_decode_kernel_matches_two_launches(m, n, k, workspace):
         assert not ws.any()
 
 
+def test_two_launch_plan_matches_routed_calls(monkeypatch):
+    """Above ONE_LAUNCH_MAX_MNK eager plans quantize, then launch our GEMM: the same bits as the
+    routed functional path."""
+    from fp8linear.ops import router
+
+    monkeypatch.setattr(router, "ONE_LAUNCH_MAX_MNK", 0)
+    layer = _layer(136, 256, "block", True)
+    xs = [torch.randn(2, 77, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    (plan,) = layer._plans.values()
+    assert plan.route.kernel == "tiled" and len(plan.calls) == 2
+    for x, y in zip(xs, ys):
+        assert same_bits(y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="triton"))
+
+
 def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
     from fp8linear.ops import router
 
@@ -106,11 +121,12 @@ def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
     assert router.route_linear(*args, eager=True).kernel == "decode"
     big = (dev, 8, 18432, 7168) + args[4:]
     assert router.route_linear(*big, eager=True).kernel != "decode"  # GPU-bound: two launches win
-    for m in (65, 333, router.ONE_LAUNCH_MAX_M):  # above decode sizes, where our kernels run the GEMM
+    m_max = router.ONE_LAUNCH_MAX_MNK // (576 * 7168)
+    for m in (65, 333, m_max):  # above decode sizes, where our kernels run the GEMM, up to ONE_LAUNCH_MAX_MNK
         mid = (dev, m) + args[2:]
         assert router.route_linear(*mid).kernel in ("splitk", "tiled")
         assert router.route_linear(*mid, eager=True).kernel == "decode"
-    assert router.route_linear(dev, router.ONE_LAUNCH_MAX_M + 1, *args[2:], eager=True).kernel != "decode"
+    assert router.route_linear(dev, m_max + 1, *args[2:], eager=True).kernel != "decode"
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert not router._one_launch_decode_ok(dev)  # no in-launch wait on ROCm
 
@@ -335,10 +351,13 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
         unprepared = run_linear_route(plan.route, x.flatten(0, 1), layer.weight, w_s, granularity, layer.bias,
                                       splitk_counters(layer.out_features, "cuda"))
         assert same_bits(y, unprepared.view_as(y))
-        if plan.route.kernel == "decode":  # the same bits as the two-launch path (act_quant, then the GEMM)
+        if plan.route.kernel == "decode":  # the same bits as act_quant, then the split-K GEMM of its config
+            from fp8linear.ops.splitk_gemm import splitk_fp8_gemm
+
             x_q, x_s = quantize_activation(x)
-            assert same_bits(y, block_fp8_matmul(x_q.flatten(0, 1), x_s.flatten(0, 1), layer.weight,
-                                                 layer.weight_scale_inv, bias=layer.bias).view_as(y))
+            two = splitk_fp8_gemm(x_q.flatten(0, 1), x_s.flatten(0, 1), layer.weight, w_s, granularity,
+                                  torch.bfloat16, layer.bias, plan.route.config)
+            assert same_bits(y, two.view_as(y))
         ref = x.double() @ dequantize_weight(layer.weight, layer.weight_scale_inv, torch.float64).t() + layer.bias.double()
         assert rel_err(y, ref) < FP8_LINEAR_TOL
     static_x = xs[0].clone()
