@@ -322,6 +322,26 @@ def test_scratch_buffers_are_aligned_disjoint_and_where_their_addresses_say(spec
         assert int((buf == i).sum()) == v.numel() * v.element_size()
 
 
+def test_kernel_call_launches_other_grids_with_per_call_rows():
+    """KernelCall.launch: one prepared act_quant launch serves inputs of other M (grid, M and the
+    M-major scales' stride given per call), with act_quant's bytes and scales (CublasLinear's use)."""
+    from fp8linear.ops.launch import KernelCall
+    from fp8linear.ops.quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outputs, cublas_rows
+
+    k = 300
+    x0 = torch.randn(5, k, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    q0, s0 = act_quant_outputs(5, k, torch.float8_e4m3fn, x0.device, cublas_layout=True)
+    _, args, options = act_quant_args(x0, q0, s0)
+    call = KernelCall(_act_quant_kernel, (1, 1), args, options, ("x_ptr", "q_ptr", "s_ptr", "M", "M_IN", "stride_sg"))
+    for m in (5, 3, 9, 2):  # 4-row programs throughout (small inputs)
+        x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+        x_q, x_s = act_quant_outputs(m, k, torch.float8_e4m3fn, x.device, cublas_layout=True)
+        rows = cublas_rows(m)
+        call.launch((-(-rows // 4), -(-k // 128), 1), x, x_q, x_s, rows, m, rows)
+        r_q, r_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+        assert same_bits(x_q, r_q) and same_bits(x_s, r_s)
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
