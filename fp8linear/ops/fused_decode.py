@@ -122,11 +122,12 @@ def fused_decode_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, w_q
     return (num_q + num_gemm,), args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def split_counters(counters: torch.Tensor | None, tiles: int,
-                    device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+def split_counters(counters: torch.Tensor | None, m: int, n: int, cfg: SplitKConfig,
+                   device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(split-K tile counters, (ready, done) counters) of a :func:`~fp8linear.ops.splitk_gemm.splitk_counters`
-    (its last SYNC_COUNTERS entries are the latter) with room for `tiles` tile counters; without
-    one, or one too small, (None, fresh zeros)."""
+    (its last SYNC_COUNTERS entries are the latter) with room for the tile counters of an (m, n)
+    launch with `cfg` (none without a split); without one, or one too small, (None, fresh zeros)."""
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m) if cfg.split_k > 1 else 0
     if counters is None or counters.numel() < tiles + SYNC_COUNTERS:
         return None, torch.zeros(SYNC_COUNTERS, dtype=torch.int32, device=device)
     return counters[:-SYNC_COUNTERS], counters[-SYNC_COUNTERS:]
@@ -144,8 +145,7 @@ def fused_decode_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, gra
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    tile_counters, sync = split_counters(counters, tiles if cfg.split_k > 1 else 0, x.device)
+    tile_counters, sync = split_counters(counters, m, n, cfg, x.device)
     split, count, part_shape = splitk_buffers(m, n, cfg, k, x.device, tile_counters)
     part = torch.empty(part_shape, dtype=torch.float32, device=x.device) if part_shape else None
     x_q, x_s = act_quant_outputs(m, k, w_q.dtype, x.device)  # the layout act_quant writes

@@ -180,8 +180,7 @@ class LinearPlan:
         groups = triton.cdiv(k, GROUP_SIZE)
         quant_bufs = [((m, k), fp8_dtype), ((m, groups), torch.float32)]
         if route.kernel == "decode":
-            tiles = triton.cdiv(n, route.config.block_n) * triton.cdiv(m, route.config.block_m)
-            tile_counters, sync = split_counters(counters, tiles if route.config.split_k > 1 else 0, device)
+            tile_counters, sync = split_counters(counters, m, n, route.config, device)
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, tile_counters)
             if tile_counters is None:
                 return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared

@@ -187,16 +187,19 @@ def splitk_counters(n: int, device: torch.device | str) -> torch.Tensor:
     and spares each call a memset launch (H100, CUDA graphs: 1.2-1.4 us of a 6.5-55 us GEMM).
     Calls running at the same time on different streams must not share one.
     """
-    # enough for any tile shape SplitKConfig allows (block_m, block_n >= 16), + (ready, done)
-    return torch.zeros(triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16) + _SYNC_COUNTERS, dtype=torch.int32,
-                       device=device)
+    return torch.zeros(_tile_counters(n) + _SYNC_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _tile_counters(n: int) -> int:
+    """Tile counters a :func:`splitk_counters` holds: enough for SMALL_M_MAX rows in any tile shape
+    SplitKConfig allows (block_m, block_n >= 16)."""
+    return triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16)
 
 
 def counters_fit(m: int, n: int, cfg: SplitKConfig) -> bool:
     """Whether a :func:`splitk_counters` of an N-column weight has a tile counter for every output
     tile of an (m, n) split-K launch with `cfg` (it is sized for SMALL_M_MAX rows of 16x16 tiles)."""
-    return cfg.split_k == 1 or triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m) <= (
-        triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16))
+    return cfg.split_k == 1 or triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m) <= _tile_counters(n)
 
 
 def splitk_buffers(m: int, n: int, cfg: SplitKConfig, k: int, device: torch.device,
