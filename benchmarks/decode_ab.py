@@ -4,6 +4,7 @@
 the two layers' bursts interleaved), on the DeepSeek-V3 shapes.
 
     python benchmarks/decode_ab.py [--m 2 8 16 32 64]
+    python benchmarks/decode_ab.py --gemv   # M=1: the fused GEMV ("one") against the decode kernel ("two")
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fp8linear import Fp8BlockLinear, quantize_weight
 from fp8linear.tools.shapes import DSV3_SHAPES
 from fp8linear.tools.timing import rotation_sets, time_graph
 from fp8linear.tools.bench_eager import interleaved_wall_us
-from fp8linear.ops import router
+from fp8linear.ops import fused_gemv, router
 from fp8linear.ops.linear import run_linear_route
 from fp8linear.ops.splitk_gemm import splitk_counters
 
@@ -25,12 +26,26 @@ from fp8linear.ops.splitk_gemm import splitk_counters
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", nargs="+", type=int, default=[2, 8, 16, 32, 64])
+    p.add_argument("--gemv", action="store_true",
+                   help="M=1 only: 'one' is the fused GEMV, 'two' the one-launch decode kernel")
     args = p.parse_args()
     dev = torch.device("cuda")
     router.ONE_LAUNCH_MAX_WEIGHT = 1 << 62  # A/B every shape, also those the router keeps on two launches
     router.ONE_LAUNCH_MAX_MNK = 1 << 62  # and every M asked for
     real_ok = router._one_launch_decode_ok
-    print(f"{torch.cuda.get_device_name()}; us per call; one = fused decode kernel, two = act_quant + GEMM")
+    if args.gemv:
+        args.m = [1]
+        fused_gemv.FUSED_GEMV_MAX_WEIGHT = 0  # the router's eager rule alone decides
+
+    def set_rule(one: bool) -> None:
+        """Make route_linear(eager=True) pick the method `one` (True) or `two` (False)."""
+        if args.gemv:
+            router.EAGER_GEMV_MAX_WEIGHT = 1 << 62 if one else 0
+        else:
+            router._one_launch_decode_ok = real_ok if one else (lambda device: False)
+
+    names = ("fused GEMV", "fused decode kernel") if args.gemv else ("fused decode kernel", "act_quant + GEMM")
+    print(f"{torch.cuda.get_device_name()}; us per call; one = {names[0]}, two = {names[1]}")
     print(f"{'shape':>12s} {'M':>3s} {'graph one':>9s} {'graph two':>9s} {'ratio':>6s} {'eager one':>9s} {'eager two':>9s} {'ratio':>6s}")
     ratios_g, ratios_e = [], []
     for n, k, _ in DSV3_SHAPES:
@@ -42,14 +57,16 @@ def main() -> None:
             res, layers = {}, {}
             xs = [s[0] for s in sets]
             for name, one in (("one", True), ("two", False)):
-                route = router.route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, None, True, True, eager=one)
+                set_rule(one)
+                route = router.route_linear(dev, m, n, k, "block", w_q.dtype, x.dtype, None, True, True,
+                                            eager=one or args.gemv)
                 fn = lambda x, w_q, w_s, r=route: run_linear_route(r, x, w_q, w_s, "block", None, ws)  # noqa: E731
                 res[name] = [time_graph(fn, sets)]  # GPU time of this route, whatever graphs would pick
-                router._one_launch_decode_ok = real_ok if one else (lambda device: False)
                 layers[name] = Fp8BlockLinear.from_quantized(w_q, w_s)
                 layers[name](x)
                 layers[name](x)  # a shape's second call makes its plan: its eager route, under this rule
-            router._one_launch_decode_ok = real_ok
+                print(f"  {name}: {route.kernel} {route.config}")
+            set_rule(True)
             eager = interleaved_wall_us(layers, xs)
             for name in res:
                 res[name].append(eager[name])

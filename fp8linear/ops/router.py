@@ -2,8 +2,9 @@
 
 Every choice between kernels is made here and nowhere else:
 
-- ``gemv``: one token and a weight below FUSED_GEMV_MAX_WEIGHT elements, activations not yet
-  quantized -> the fused quantize + GEMV kernel (:mod:`fp8linear.ops.fused_gemv`), one launch;
+- ``gemv``: one token and a weight below FUSED_GEMV_MAX_WEIGHT elements (eager callers on NVIDIA:
+  EAGER_GEMV_MAX_WEIGHT), activations not yet quantized -> the fused quantize + GEMV kernel
+  (:mod:`fp8linear.ops.fused_gemv`), one launch;
 - ``cublas``: on Hopper under backend "auto", GEMMs cuBLAS blockwise FP8 computes correctly
   (:mod:`fp8linear.ops.cublas_gemm`) where it is the faster kernel: as this GPU's routes table
   measured (:mod:`fp8linear.ops.route_table`), else by the tile-count rule (CUBLAS_MIN_TILES_PER_SM);
@@ -57,6 +58,7 @@ except ImportError:  # pragma: no cover - older Triton: the tiled kernel serves 
 __all__ = [
     "KERNELS",
     "EAGER_CUBLAS_MIN_MNK",
+    "EAGER_GEMV_MAX_WEIGHT",
     "GROUPED_WIDE_TILE_MAX_ROWS",
     "grouped_config",
     "LONG_SPLITK_K",
@@ -97,6 +99,11 @@ LONG_SPLITK_K = 8192
 # geometric mean: its GEMM programs wait for the quantized x instead of streaming weights), so graphs
 # and torch.compile get the two launches.
 ONE_LAUNCH_MAX_WEIGHT = 48 * 2**20
+# Eager single tokens take the fused GEMV up to this weight size, past FUSED_GEMV_MAX_WEIGHT (where
+# under CUDA graphs it and the split-K kernels tie, 18.5 us at 24576x1536 on H100): eagerly the
+# GEMV's plan launches one kernel with one allocation, the one-launch decode kernel's two
+# allocations and a counters argument (planned host time 14.5 against 38.5 us, H100).
+EAGER_GEMV_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # Eager callers take the one-launch kernel above SMALL_M_MAX rows too, up to this M*N*K, where the
 # route would be our split-K or tiled kernel (its config run in one launch): there the host sets
 # the pace (two launches and two allocations: 35-41 us of host time, H100), and the kernel's
@@ -258,7 +265,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     caller launches eagerly (not in a CUDA graph or compiled region), where host time per call
     counts as much as GPU time (see ONE_LAUNCH_MAX_WEIGHT and EAGER_CUBLAS_MIN_MNK).
     """
-    if use_fused_gemv(m, n, k):
+    if use_fused_gemv(m, n, k) or (eager and m == 1 and n * k < EAGER_GEMV_MAX_WEIGHT and torch.version.hip is None):
         return Route("gemv", gemv_config(m, n, k))
     cublas_ok = (allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
                  and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))

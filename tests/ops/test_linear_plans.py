@@ -131,6 +131,23 @@ def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
     assert not router._one_launch_decode_ok(dev)  # no in-launch wait on ROCm
 
 
+@pytest.mark.parametrize("n,k", [(24576, 1536), (7168, 4096)])
+def test_eager_single_tokens_take_the_gemv_on_larger_weights(monkeypatch, n, k):
+    """Between FUSED_GEMV_MAX_WEIGHT and EAGER_GEMV_MAX_WEIGHT one eager token runs the fused GEMV;
+    graphs, larger weights and ROCm keep their routes."""
+    from fp8linear.ops import fused_gemv, router
+
+    dev = torch.device(KERNEL_DEVICE)
+    assert fused_gemv.FUSED_GEMV_MAX_WEIGHT <= n * k < router.EAGER_GEMV_MAX_WEIGHT
+    args = (dev, 1, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None, True, True)
+    assert router.route_linear(*args, eager=True).kernel == "gemv"
+    assert router.route_linear(*args).kernel != "gemv"
+    assert router.route_linear(dev, 2, *args[2:], eager=True).kernel != "gemv"  # one token only
+    assert router.route_linear(dev, 1, 18432, 7168, *args[4:], eager=True).kernel != "gemv"  # GPU-bound
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert router.route_linear(*args, eager=True).kernel != "gemv"
+
+
 def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
     from fp8linear import module
 
@@ -390,6 +407,36 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
         assert same_bits(static_y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias))
     if layer._split_k_counters is not None:
         assert not layer._split_k_counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(24576, 1536), (7168, 4096)])
+def test_gpu_eager_single_token_gemv_plan(n, k):
+    """One eager token on a weight past FUSED_GEMV_MAX_WEIGHT: the plan launches the fused GEMV
+    directly, bit-identical to that route unprepared and within the float64 reference's bound;
+    a CUDA graph captures the functional route."""
+    from fp8linear.ops.linear import run_linear_route
+
+    torch.manual_seed(n + k)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
+    xs = [torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    (plan,) = layer._plans.values()
+    assert plan.route.kernel == "gemv" and len(plan.calls) == 1 and plan.calls[0].compiled is not None
+    for x, y in zip(xs, ys):
+        unprepared = run_linear_route(plan.route, x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block",
+                                      layer.bias, None)
+        assert same_bits(y, unprepared.view_as(y))
+        ref = x.double() @ dequantize_weight(layer.weight, layer.weight_scale_inv, torch.float64).t() + layer.bias.double()
+        assert rel_err(y, ref) < FP8_LINEAR_TOL
+    static_x = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    for x in xs:
+        static_x.copy_(x)
+        graph.replay()
+        assert same_bits(static_y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias))
 
 
 def test_launch_hooks_are_recognised_in_every_form():
