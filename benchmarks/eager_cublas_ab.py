@@ -28,7 +28,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; eager wall us per call (GPU us under graphs)")
     print(f"{'shape':>12s} {'M':>5s} {'bf16':>14s} {'cublas':>14s} {'triton':>14s} {'tri/cub':>7s} {'tri/bf16':>8s}")
     ratios = []
-    real = router.cublas_device_ok
+    real, cut = router.cublas_device_ok, router.EAGER_CUBLAS_MIN_MNK
     for n, k in SHAPES:
         lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         for m in args.m:
@@ -36,9 +36,13 @@ def main() -> None:
             layers = {}
             for name, ok in (("cublas", real), ("triton", lambda device: False)):
                 router.cublas_device_ok = ok
+                router.EAGER_CUBLAS_MIN_MNK = 0  # cuBLAS wherever it is allowed, below the router's cut too
                 layers[name] = Fp8BlockLinear.from_linear(lin, "block")
-                layers[name](xs[0])  # plans now, under this rule
-            router.cublas_device_ok = real
+                layers[name](xs[0])
+                layers[name](xs[0])  # a shape's second call makes its plan: under this rule
+                if name == "cublas" and layers[name]._cublas_linear is None:
+                    raise RuntimeError(f"{n}x{k} M={m}: cuBLAS does not take this GEMM")
+            router.cublas_device_ok, router.EAGER_CUBLAS_MIN_MNK = real, cut
             methods = {"bf16": lin, **layers}
             with torch.inference_mode():
                 wall = interleaved_wall_us(methods, xs)
