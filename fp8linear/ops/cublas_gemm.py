@@ -36,7 +36,7 @@ import torch
 from ..formats import GROUP_SIZE
 
 __all__ = ["CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
-           "cublas_weight_scale"]
+           "cublas_row_scales", "cublas_weight_scale"]
 
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
 _ALIGN_KN = 16
@@ -132,6 +132,12 @@ def _pad_rows(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch
     s_p = x_s.new_empty((x_s.shape[1], rows))
     s_p[:, :m].copy_(x_s.t())
     return x_p, s_p.t()
+
+
+def cublas_row_scales(w_q: torch.Tensor, granularity: str) -> bool:
+    """Whether cuBLAS reads this weight's scale (:func:`cublas_weight_scale`) as 1x128 scales
+    (row-wise weights, and 128x128 weights whose K/128 is not a multiple of 4) rather than 128x128."""
+    return granularity == "row" or (granularity == "block" and _block_needs_row_scales(w_q.shape[1]))
 
 
 def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str) -> torch.Tensor:

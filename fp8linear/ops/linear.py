@@ -15,13 +15,15 @@ lookup, two allocations (the output and the scratch; one for the fused GEMV) and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import triton
 
 from ..formats import GROUP_SIZE
-from .cublas_gemm import cublas_fp8_gemm, cublas_weight_scale
+from .cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale
+from .cublaslt import lt_block_gemm
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
@@ -62,7 +64,10 @@ def fp8_linear_tokens(
 
 class CublasLinear:
     """One weight's cuBLAS blockwise route for inputs of any M: act_quant straight into cuBLAS's
-    layout (M padded to a multiple of 4, M-major scales), then ``torch._scaled_mm``.
+    layout (M padded to a multiple of 4, M-major scales), then the GEMM on cuBLASLt called directly
+    (:mod:`fp8linear.ops.cublaslt`: its descriptors and algorithm made once per M, about a tenth of
+    ``torch._scaled_mm``'s host time), or ``torch._scaled_mm`` where that is not available
+    (`direct=False`, or the environment variable ``FP8LINEAR_CUBLASLT=0`` when it is made).
 
     ``Fp8BlockLinear`` keeps one per layer and every cuBLAS-routed shape runs it, so an M the layer
     has not met costs no plan: transformers' DeepSeek attention projects the whole cached sequence
@@ -73,15 +78,20 @@ class CublasLinear:
     16-byte aligned (the caller checks), of one dtype.
     """
 
-    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls")
+    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt")
 
-    def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None) -> None:
+    def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
+                 direct: bool | None = None) -> None:
         self.w_t = w_q.t()
         self.scale_b = cublas_weight_scale(w_q, w_s, granularity)
         self.bias = bias
         self.n, self.k = w_q.shape
         self.fp8_dtype = w_q.dtype
         self.quant_calls: dict[tuple[int, int], KernelCall] = {}  # (rows per program, warps) -> launch
+        if direct is None:
+            direct = os.environ.get("FP8LINEAR_CUBLASLT", "1") != "0"
+        # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm
+        self.lt = lt_block_gemm(w_q, self.scale_b, cublas_row_scales(w_q, granularity), bias) if direct else None
 
     def quant_call(self, x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor) -> KernelCall:
         """The prepared act_quant launch for x (..., K) into x_q, x_s (made on first use)."""
@@ -105,7 +115,15 @@ class CublasLinear:
             quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
         else:
             quant.launch(grid, x, x_q, x_s, rows, m, rows)
-        y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias, out_dtype=torch.bfloat16)
+        lt = self.lt
+        if lt is not None:
+            y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
+            if not lt(x_q, x_s, y):  # no cuBLASLt algorithm for this M
+                y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias,
+                                     out_dtype=torch.bfloat16)
+        else:
+            y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias,
+                                 out_dtype=torch.bfloat16)
         return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
 
 

@@ -1,0 +1,94 @@
+"""cuBLASLt called directly (fp8linear.ops.cublaslt) for the cuBLAS route of CublasLinear.
+
+The GPU tests need cuBLAS blockwise FP8 (Hopper, torch >= 2.11) and skip elsewhere; on the CPU only
+the refusals run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8linear import dequantize_weight, quantize_weight
+from fp8linear.ops import HAS_TRITON
+
+from _utils import FP8_LINEAR_TOL, rel_err, same_bits
+from conftest import HAS_CUDA
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+HOPPER_CUBLAS = False
+if HAS_CUDA and HAS_TRITON:
+    from fp8linear.ops.cublas_gemm import cublas_device_ok
+
+    HOPPER_CUBLAS = cublas_device_ok(torch.device("cuda"))
+needs_hopper = pytest.mark.skipif(not HOPPER_CUBLAS, reason="needs cuBLAS blockwise FP8 (Hopper, torch >= 2.11)")
+
+
+def test_no_direct_gemm_off_nvidia_gpus():
+    from fp8linear.ops.cublaslt import lt_block_gemm
+
+    w_q, w_s = quantize_weight(torch.randn(256, 512), "block")
+    assert lt_block_gemm(w_q, w_s.t(), False, None) is None  # a CPU weight
+
+
+def _pair(n: int, k: int, granularity: str, bias: bool):
+    from fp8linear.ops.linear import CublasLinear
+
+    torch.manual_seed(n * 7 + k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w_q, w_s = quantize_weight(w, granularity)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    direct, via_torch = CublasLinear(w_q, w_s, granularity, b, direct=True), CublasLinear(w_q, w_s, granularity, b,
+                                                                                          direct=False)
+    assert direct.lt is not None and via_torch.lt is None
+    return w_q, w_s, b, direct, via_torch
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("n,k,granularity,bias", [
+    (2112, 7168, "block", False), (7168, 2048, "block", True), (1536, 576, "block", False),  # K/128 = 4.5: as 1x128
+    (7168, 2304, "block", False), (576, 7168, "row", False), (4096, 1152, "row", True)])
+@pytest.mark.parametrize("m", [1, 4, 77, 333, 1024, 2050])
+def test_direct_cublaslt_matches_scaled_mm_and_reference(n, k, granularity, bias, m):
+    """The same GEMM as torch._scaled_mm, bit for bit, within the float64 reference's bound, for M
+    on both sides of the padding to 4 rows, leading dimensions kept."""
+    w_q, w_s, b, direct, via_torch = _pair(n, k, granularity, bias)
+    for _ in range(2):  # a new M, then the same M from the kept plan
+        x = torch.randn(2, m, k, device="cuda", dtype=torch.bfloat16)
+        y = direct(x)
+        assert y.shape == (2, m, n) and y.dtype == torch.bfloat16
+        assert same_bits(y, via_torch(x))
+        ref = x.double() @ dequantize_weight(w_q, w_s, torch.float64).t()
+        if b is not None:
+            ref = ref + b.double()
+        assert rel_err(y, ref) < FP8_LINEAR_TOL
+    assert len(direct.lt.plans) == 1 and direct.lt.plans[-(-2 * m // 4) * 4] is not None
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_direct_cublaslt_in_cuda_graphs_and_fallback(monkeypatch):
+    """Captured in a CUDA graph, replays give the eager bits; an M cuBLASLt has no algorithm for runs
+    torch._scaled_mm."""
+    w_q, w_s, b, direct, via_torch = _pair(2048, 7168, "block", False)
+    xs = [torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    eager = [direct(x) for x in xs]
+    static_x = xs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        direct(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = direct(static_x)
+    for x, y in zip(xs, eager):
+        static_x.copy_(x)
+        graph.replay()
+        assert same_bits(static_y, y)
+    monkeypatch.setattr(type(direct.lt), "_plan", lambda self, m: None)
+    x = torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16)
+    assert same_bits(direct(x), via_torch(x))
+    assert direct.lt.plans[100] is None
