@@ -14,18 +14,22 @@ A = the weight (K x N, transposed), with 128x128 (``BLK128x128_32F``) or 1x128 (
 scales in the layout :func:`fp8linear.ops.cublas_gemm.cublas_weight_scale` makes; B = the
 activations (K x M) with 1x128 scales M-major (``VEC128_32F``); D = y (N x M) in bf16, an
 optional bf16 bias fused (``EPILOGUE_BIAS``). A workspace, where the chosen algorithm needs one,
-is allocated per call from torch's caching allocator (stream-ordered and safe under CUDA-graph
-capture).
+comes with each call's scratch from torch's caching allocator (stream-ordered, and safe under
+CUDA-graph capture).
+
+The workspace limit is torch's (``CUBLASLT_WORKSPACE_SIZE``), so cuBLASLt's heuristic picks the
+algorithm ``torch._scaled_mm`` runs: the same bits as the functional path.
 
 Where anything is missing (no libcublasLt in the process, a cuBLASLt without the blockwise scale
-modes, no algorithm for a shape) :func:`lt_block_gemm` returns None or the call returns False, and
-the caller runs ``torch._scaled_mm``; one log line says why.
+modes, no algorithm for a shape) :func:`lt_block_gemm` or :meth:`LtBlockGemm.plan` returns None and
+the caller runs ``torch._scaled_mm``; a log line says why.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import lru_cache
 
 import torch
@@ -48,8 +52,11 @@ _EPILOGUE_BIAS = 4
 _SCALE_VEC128_32F, _SCALE_BLK128X128_32F = 4, 5
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
-# The largest workspace an algorithm may ask for (cuBLAS's recommendation for Hopper).
-_MAX_WORKSPACE = 32 * 2**20
+# The largest workspace an algorithm may ask for: torch's cuBLASLt limit (CUBLASLT_WORKSPACE_SIZE,
+# KiB, default 1024), so the heuristic picks the algorithm torch._scaled_mm runs and the results are
+# the same bits as the functional path's. (H100: a 32 MiB limit lets 2112x7168 at M=64 take a
+# 1.03 MiB split-K algorithm, 17.4 against 23.6 us under CUDA graphs.)
+_TORCH_LT_WORKSPACE_KIB = 1024
 # M values a weight keeps layouts and an algorithm for (the oldest is dropped): transformers'
 # DeepSeek attention meets a new M (the cached sequence length) at every decode step.
 _MAX_PLANS = 512
@@ -65,6 +72,12 @@ class _Heuristic(ctypes.Structure):
 
 
 _P = ctypes.c_void_p
+
+
+def _workspace_limit() -> int:
+    """torch's cuBLASLt workspace limit in bytes (the environment variable it reads, in KiB)."""
+    text = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "")
+    return (int(text) if text.isdigit() else _TORCH_LT_WORKSPACE_KIB) * 1024
 
 
 def _loaded_cublaslt_path() -> str | None:
@@ -157,18 +170,19 @@ class LtBlockGemm:
     `w_q` (N, K) float8_e4m3fn, row-major; `scale_b` the weight scale in cuBLAS's layout
     (:func:`~fp8linear.ops.cublas_gemm.cublas_weight_scale`: (K/128, N/128) for 128x128 blocks, or
     (K/128, N) for 1x128 scales, `row_scales`); `bias` bf16 (N,) or None. Tensors are held by
-    reference (their addresses are in the descriptors). Call with x_q (M, K) row-major, M a
-    multiple of 4, x_s (M, K/128) M-major, and y (M, N) bf16 contiguous, all on the weight's device.
+    reference (their addresses are in the descriptors). :meth:`plan` gives the per-M part,
+    :meth:`run` enqueues one GEMM (M a multiple of 4).
     """
 
-    __slots__ = ("lib", "handle", "desc", "a_layout", "plans", "w_q", "scale_b", "bias", "n", "k", "device_index",
-                 "scale_ptr", "one", "zero")
+    __slots__ = ("lib", "handle", "desc", "a_layout", "plans", "w_q", "w_ptr", "scale_b", "bias", "n", "k",
+                 "device_index", "scale_ptr", "one", "zero")
 
     def __init__(self, w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool, bias: torch.Tensor | None) -> None:
         lib = self.lib = _lib()
         self.device_index = w_q.device.index if w_q.device.index is not None else torch.cuda.current_device()
         self.handle = _handle(self.device_index)
-        self.w_q, self.scale_b, self.bias = w_q, scale_b, bias
+        self.w_q, self.scale_b, self.bias = w_q, scale_b, bias  # held: the descriptors keep their addresses
+        self.w_ptr = w_q.data_ptr()
         self.n, self.k = w_q.shape
         desc = _P()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
@@ -191,67 +205,65 @@ class LtBlockGemm:
         self.scale_ptr = _P()  # the activation scales' address, updated per call
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def _plan(self, m: int) -> tuple | None:
+    def plan(self, m: int) -> tuple | None:
+        """(B layout, D layout, algorithm, workspace bytes) for M rows, made on first use and kept
+        (_MAX_PLANS of them); None where cuBLASLt has no algorithm for this M."""
+        plan = self.plans.get(m, False)
+        if plan is False:
+            if len(self.plans) >= _MAX_PLANS:
+                self._destroy(self.plans.pop(next(iter(self.plans))))
+            plan = self.plans[m] = self._make_plan(m)
+        return plan
+
+    def _make_plan(self, m: int) -> tuple | None:
         lib = self.lib
         b_layout = _layout(lib, _CUDA_R_8F_E4M3, self.k, m, self.k)
         d_layout = _layout(lib, _CUDA_R_16BF, self.n, m, self.n)
         pref = _P()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        limit = ctypes.c_size_t(_MAX_WORKSPACE)
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
-                                                        ctypes.sizeof(limit)), "cublasLtMatmulPreferenceSetAttribute")
+        limit = ctypes.c_size_t(_workspace_limit())
+        status = lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
+                                                          ctypes.sizeof(limit))
         result, found = _Heuristic(), ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a_layout, b_layout, d_layout, d_layout,
-                                                    pref, 1, ctypes.byref(result), ctypes.byref(found))
+        if status == 0:
+            status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a_layout, b_layout, d_layout,
+                                                        d_layout, pref, 1, ctypes.byref(result), ctypes.byref(found))
         lib.cublasLtMatmulPreferenceDestroy(pref)
         if status != 0 or found.value < 1:
-            lib.cublasLtMatrixLayoutDestroy(b_layout)
-            lib.cublasLtMatrixLayoutDestroy(d_layout)
+            self._destroy((b_layout, d_layout))
             log.info("fp8linear: cuBLASLt has no blockwise algorithm for %dx%dx%d (status %d); torch._scaled_mm runs it",
                      m, self.n, self.k, status)
             return None
         return b_layout, d_layout, result.algo, result.workspace_size
 
+    def _destroy(self, plan: tuple | None) -> None:
+        if plan is not None:
+            self.lib.cublasLtMatrixLayoutDestroy(plan[0])
+            self.lib.cublasLtMatrixLayoutDestroy(plan[1])
+
     def __del__(self) -> None:
-        lib = getattr(self, "lib", None)
-        if lib is None:
+        if getattr(self, "lib", None) is None:
             return
         for plan in getattr(self, "plans", {}).values():
-            if plan is not None:
-                lib.cublasLtMatrixLayoutDestroy(plan[0])
-                lib.cublasLtMatrixLayoutDestroy(plan[1])
+            self._destroy(plan)
         if getattr(self, "a_layout", None):
-            lib.cublasLtMatrixLayoutDestroy(self.a_layout)
+            self.lib.cublasLtMatrixLayoutDestroy(self.a_layout)
         if getattr(self, "desc", None):
-            lib.cublasLtMatmulDescDestroy(self.desc)
+            self.lib.cublasLtMatmulDescDestroy(self.desc)
 
-    def __call__(self, x_q: torch.Tensor, x_s: torch.Tensor, y: torch.Tensor) -> bool:
-        """Enqueue y = the GEMM on the current stream; False where cuBLASLt has no algorithm for this M
-        (nothing enqueued: the caller runs ``torch._scaled_mm``)."""
-        m = x_q.shape[0]
-        plan = self.plans.get(m, False)
-        if plan is False:
-            if len(self.plans) >= _MAX_PLANS:
-                old = self.plans.pop(next(iter(self.plans)))
-                if old is not None:
-                    self.lib.cublasLtMatrixLayoutDestroy(old[0])
-                    self.lib.cublasLtMatrixLayoutDestroy(old[1])
-            plan = self.plans[m] = self._plan(m)
-        if plan is None:
-            return False
+    def run(self, plan: tuple, x_q: int, x_s: int, y: int, workspace: int) -> None:
+        """Enqueue y = the GEMM of `plan`'s M on the current stream. Raw device addresses: x_q (M, K)
+        row-major, x_s (M, K/128) M-major, y (M, N) bf16, and `plan`'s workspace bytes (16-byte aligned)."""
         b_layout, d_layout, algo, ws_bytes = plan
         lib = self.lib
-        self.scale_ptr.value = x_s.data_ptr()
+        self.scale_ptr.value = x_s
         _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_B_SCALE_POINTER, ctypes.byref(self.scale_ptr), 8),
                "cublasLtMatmulDescSetAttribute(B scale)")
-        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=y.device) if ws_bytes else None
-        y_ptr = y.data_ptr()
-        _check(lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.one), self.w_q.data_ptr(), self.a_layout,
-                                  x_q.data_ptr(), b_layout, ctypes.byref(self.zero), y_ptr, d_layout, y_ptr, d_layout,
-                                  ctypes.byref(algo), workspace.data_ptr() if workspace is not None else None,
-                                  ws_bytes, torch._C._cuda_getCurrentRawStream(self.device_index)),
+        _check(lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.one), self.w_ptr, self.a_layout, x_q,
+                                  b_layout, ctypes.byref(self.zero), y, d_layout, y, d_layout, ctypes.byref(algo),
+                                  workspace if ws_bytes else None, ws_bytes,
+                                  torch._C._cuda_getCurrentRawStream(self.device_index)),
                "cublasLtMatmul")
-        return True
 
 
 def lt_block_gemm(w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool,

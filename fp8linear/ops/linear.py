@@ -28,11 +28,15 @@ from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, Scratch, aligned
-from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_launch, act_quant_outputs
+from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_launch, act_quant_outputs, cublas_rows
 from .router import Route, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
-__all__ = ["CublasLinear", "LinearPlan", "fp8_linear_tokens", "run_linear_route"]
+__all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]
+
+# Row counts a CublasLinear keeps a scratch layout for (the oldest is dropped), as many as the
+# cuBLASLt plans it keeps per M (fp8linear.ops.cublaslt).
+MAX_CUBLAS_SCRATCH_SHAPES = 512
 
 
 def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
@@ -78,7 +82,7 @@ class CublasLinear:
     16-byte aligned (the caller checks), of one dtype.
     """
 
-    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt")
+    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt", "scratch")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
                  direct: bool | None = None) -> None:
@@ -92,6 +96,7 @@ class CublasLinear:
             direct = os.environ.get("FP8LINEAR_CUBLASLT", "1") != "0"
         # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm
         self.lt = lt_block_gemm(w_q, self.scale_b, cublas_row_scales(w_q, granularity), bias) if direct else None
+        self.scratch: dict[int, Scratch] = {}  # rows -> x_q, x_s (M-major) and the cuBLASLt workspace, one buffer
 
     def quant_call(self, x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor) -> KernelCall:
         """The prepared act_quant launch for x (..., K) into x_q, x_s (made on first use)."""
@@ -106,25 +111,41 @@ class CublasLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = self.k
         m = x.numel() // k
-        x_q, x_s = act_quant_outputs(m, k, self.fp8_dtype, x.device, cublas_layout=True)
-        rows = x_q.shape[0]
+        rows = cublas_rows(m)
         block_m, num_warps = act_quant_launch(rows, k)
-        quant = self.quant_calls.get((block_m, num_warps)) or self.quant_call(x, x_q, x_s)
         grid = (-(-rows // block_m), -(-k // GROUP_SIZE), 1)
-        if quant.direct:
-            quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
-        else:
-            quant.launch(grid, x, x_q, x_s, rows, m, rows)
-        lt = self.lt
-        if lt is not None:
+        plan = self.lt.plan(rows) if self.lt is not None else None
+        if plan is not None:  # one scratch allocation, raw addresses, cuBLASLt called directly
+            scratch = self.scratch.get(rows) or self._scratch(rows, plan[3])
+            buf = scratch.allocate(x.device)
             y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
-            if not lt(x_q, x_s, y):  # no cuBLASLt algorithm for this M
-                y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias,
-                                     out_dtype=torch.bfloat16)
+            q_addr, s_addr, ws_addr = scratch.addresses(buf)
+            quant = self.quant_calls.get((block_m, num_warps))
+            if quant is not None and quant.direct:
+                quant.launch(grid, x.data_ptr(), q_addr, s_addr, rows, m, rows)
+            else:
+                x_q, x_s_t, _ = scratch.views(buf)
+                x_s = x_s_t.t()  # (rows, K/128), M-major
+                (quant or self.quant_call(x, x_q, x_s)).launch(grid, x, x_q, x_s, rows, m, rows)
+            self.lt.run(plan, q_addr, s_addr, y.data_ptr(), ws_addr)
         else:
+            x_q, x_s = act_quant_outputs(m, k, self.fp8_dtype, x.device, cublas_layout=True)
+            quant = self.quant_calls.get((block_m, num_warps)) or self.quant_call(x, x_q, x_s)
+            if quant.direct:
+                quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
+            else:
+                quant.launch(grid, x, x_q, x_s, rows, m, rows)
             y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias,
                                  out_dtype=torch.bfloat16)
         return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
+
+    def _scratch(self, rows: int, workspace_bytes: int) -> Scratch:
+        if len(self.scratch) >= MAX_CUBLAS_SCRATCH_SHAPES:
+            del self.scratch[next(iter(self.scratch))]
+        scratch = self.scratch[rows] = Scratch((((rows, self.k), self.fp8_dtype),
+                                                 ((-(-self.k // GROUP_SIZE), rows), torch.float32),
+                                                 ((max(workspace_bytes, 1),), torch.uint8)))
+        return scratch
 
 
 class LinearPlan:

@@ -88,7 +88,7 @@ def test_direct_cublaslt_in_cuda_graphs_and_fallback(monkeypatch):
         static_x.copy_(x)
         graph.replay()
         assert same_bits(static_y, y)
-    monkeypatch.setattr(type(direct.lt), "_plan", lambda self, m: None)
+    monkeypatch.setattr(type(direct.lt), "_make_plan", lambda self, m: None)
     x = torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16)
     assert same_bits(direct(x), via_torch(x))
     assert direct.lt.plans[100] is None
