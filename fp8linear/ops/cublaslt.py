@@ -2,12 +2,15 @@
 (weight, M), then one ``cublasLtMatmul`` per call.
 
 ``torch._scaled_mm`` builds its cuBLASLt descriptors and asks cuBLASLt's heuristic for an algorithm
-on every call: 60-110 us of host time per call on an H100 host (torch 2.11), several times the
-GPU time of a prefill-sized GEMM, and the reason eager layers kept small GEMMs off cuBLAS
-(:data:`fp8linear.ops.router.EAGER_CUBLAS_MIN_MNK`). :class:`LtBlockGemm` holds the weight's
-descriptors, and per M the activation and output layouts and the algorithm, so a call is one
-attribute update (the activation scales' address) and the matmul, through ``ctypes`` into the
-libcublasLt that torch itself loaded.
+on every call, and takes tensors: the quantized activations and their scales must be tensor objects
+(two allocations), and the output a third. :class:`LtBlockGemm` holds the weight's descriptors, and
+per M the activation and output layouts and the algorithm, so a call is one attribute update (the
+activation scales' address) and the matmul, through ``ctypes`` into the libcublasLt that torch
+itself loaded, on raw addresses: :class:`fp8linear.ops.linear.CublasLinear` puts the quantized
+activations, their scales and the workspace in one allocation. H100 host, torch 2.11: the whole
+eager call (act_quant + GEMM) 0.66-0.82x the wall time of the same call on ``torch._scaled_mm``
+where the host sets the pace (e.g. 7168x2048 at M=512 36.8 against 56.1 us), the same GPU time and
+the same bits (``benchmarks/cublaslt_probe.py``).
 
 The call is the one ``torch._scaled_mm`` makes (cuBLAS's column-major view of y = x @ w.T):
 A = the weight (K x N, transposed), with 128x128 (``BLK128x128_32F``) or 1x128 (``VEC128_32F``)

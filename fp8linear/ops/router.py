@@ -8,7 +8,7 @@ Every choice between kernels is made here and nowhere else:
 - ``cublas``: on Hopper under backend "auto", GEMMs cuBLAS blockwise FP8 computes correctly
   (:mod:`fp8linear.ops.cublas_gemm`) where it is the faster kernel: as this GPU's routes table
   measured (:mod:`fp8linear.ops.route_table`), else by the tile-count rule (CUBLAS_MIN_TILES_PER_SM);
-  eager callers only from EAGER_CUBLAS_MIN_MNK, below which ``torch._scaled_mm``'s host cost
+  eager callers only from EAGER_CUBLAS_MIN_MNK, below which a cuBLAS call's host cost
   exceeds the GPU time saved;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
@@ -112,13 +112,14 @@ EAGER_GEMV_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # launches: 0.70-0.88 in every case up to 4e9 (e.g. 7168x2048 M=200 32.6 vs 46.3 us), 0.82-1.47
 # above it (24576x1536 M=333 77.9 vs 53.0, 2048x7168 M=512 55.0 vs 47.3).
 ONE_LAUNCH_MAX_MNK = 4 * 10**9
-# Eager callers send GEMMs to cuBLAS blockwise only from this M*N*K up. A plan's `torch._scaled_mm`
-# call costs 45-90 us of host time (H100 host, torch 2.11), more than our directly launched kernels;
-# below the cut the GEMM finishes before the host does. H100, benchmarks/eager_cublas_ab.py (eager
-# wall time, plans on our kernels / plans on cuBLAS, one run, plans with one scratch allocation and
-# raw addresses): 0.98-1.02 at M*N*K 0.55e10-1.55e10 (2112x7168, 7168x2048, 1536x7168 at M 512 and
-# 1024), 1.21 at 24576x1536 M=512 (1.93e10) and 1.27-2.28 from 2.2e10 up.
-EAGER_CUBLAS_MIN_MNK = 16 * 10**9
+# Eager callers send GEMMs to cuBLAS blockwise only from this M*N*K up. A plan's cuBLAS call
+# (act_quant, then cuBLASLt called directly: fp8linear.ops.cublaslt) costs 35-50 us of host time
+# (H100 host, torch 2.11), more than our directly launched kernels; below the cut the GEMM finishes
+# before the host does. H100, benchmarks/eager_cublas_ab.py (eager wall time, plans on our kernels /
+# plans on cuBLAS, one run): 0.50-0.86 up to 9.7e9 (7168x2048 and 2112x7168 at M=512, 24576x1536 at
+# M=256), 0.78 at 1536x7168 M=1024 (1.13e10), 1.01 at 7168x2048 M=1024 (1.50e10), 1.43 at 2112x7168
+# M=1024 (1.55e10) and 1.19-1.99 from 1.7e10 up.
+EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,

@@ -453,7 +453,7 @@ def test_launch_hooks_are_recognised_in_every_form():
 
 
 def test_eager_plans_keep_small_prefill_gemms_off_cublas(monkeypatch):
-    """Eagerly, `torch._scaled_mm`'s host cost outweighs what cuBLAS saves below EAGER_CUBLAS_MIN_MNK;
+    """Eagerly, a cuBLAS call's host cost outweighs what cuBLAS saves below EAGER_CUBLAS_MIN_MNK;
     graphs and compiled code (eager=False) keep cuBLAS there (the rule, on a stand-in Hopper)."""
     from fp8linear.ops import router
 
@@ -467,6 +467,8 @@ def test_eager_plans_keep_small_prefill_gemms_off_cublas(monkeypatch):
     assert kernel(512, 2112, 7168, eager=False) == "cublas"
     assert kernel(512, 2112, 7168, eager=True) != "cublas"  # 7.7e9 multiply-adds
     assert kernel(128, 7168, 18432, eager=True) == "cublas"  # 1.7e10: the GPU sets the pace
+    assert kernel(1024, 1536, 7168, eager=True) != "cublas"  # 1.13e10
+    assert kernel(1024, 2112, 7168, eager=True) == "cublas"  # 1.55e10
     assert kernel(4096, 2112, 7168, eager=True) == "cublas"
 
 
