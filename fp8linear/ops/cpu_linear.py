@@ -1,4 +1,9 @@
-"""Fast CPU forward of the FP8 linear in pure PyTorch (no compiled extension, no Triton).
+"""Fast CPU forward of the FP8 linear: torch ops, and a compiled kernel at decode sizes.
+
+Up to :data:`fp8linear.ops.cpu_native.NATIVE_MAX_M` rows of x, where the system C compiler and
+the CPU allow it, :mod:`fp8linear.ops.cpu_native` runs the GEMV in one pass over the FP8 weight
+(decoded in registers); everything below describes the torch-ops path, which runs all other
+calls, and those where the kernel is not available.
 
 Same numerics contract as :mod:`fp8linear.reference`: the activations are quantized per token in
 1x128 groups to the same FP8 values and scales as ``quantize_activation_ref`` (bit-exact; the
@@ -45,6 +50,7 @@ import torch.nn.functional as F
 
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
+from . import cpu_native
 
 __all__ = ["CpuFp8Weight", "prepare_cpu_weight", "quantize_activation_grid", "cpu_fp8_linear"]
 
@@ -213,6 +219,7 @@ def _prepared_for(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granular
 # ----------------------------------------------------------------------------- forward
 # 0-d int16 operands of the decode (a Python scalar is wrapped into a new tensor on every call).
 _I16_128 = torch.tensor(128, dtype=torch.int16)
+_ONE = torch.ones(1)  # the compiled kernel's weight scale for 'tensor' weights (their scale is on x)
 _I16_MASK = torch.tensor(_MASK, dtype=torch.int16)
 
 
@@ -398,6 +405,25 @@ def _half_gemv(p: CpuFp8Weight, grid: torch.Tensor, x_s: torch.Tensor, bias_f: t
     return y
 
 
+def _m_major_output(y_m: torch.Tensor, bias_f: torch.Tensor | None, dtype: torch.dtype,
+                    p: CpuFp8Weight) -> torch.Tensor:
+    """y (M, N) in `dtype` from the fp32 sums y_m (M, N): the bias added in fp32 and rounded once,
+    NaN in the outputs of weight rows holding a NaN code."""
+    if dtype == torch.float32 and y_m.is_contiguous():
+        if bias_f is not None:
+            y_m += bias_f
+    else:
+        y = torch.empty(y_m.shape, dtype=dtype)
+        if bias_f is None:
+            y.copy_(y_m)
+        else:  # in fp32, rounded once to x's dtype
+            torch.add(y_m, bias_f, out=y)
+        y_m = y
+    if p.nan_rows is not None:
+        y_m[:, p.nan_rows] = float("nan")
+    return y_m
+
+
 def cpu_fp8_linear(
     x2d: torch.Tensor,
     weight: torch.Tensor,
@@ -419,6 +445,15 @@ def cpu_fp8_linear(
     pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None
     grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
     bias_f = bias.float() if bias is not None else None
+    if 0 < m <= cpu_native.NATIVE_MAX_M and p.codes.is_contiguous() and cpu_native.native_kernel() is not None:
+        y_m = torch.empty(m, n, dtype=torch.float32)
+        if p.granularity == "tensor":
+            ws, ws_ld, ws_gs, ws_div = _ONE, 0, 0, 1
+        else:
+            ws = p.block_scale if p.granularity == "block" else p.row_scale
+            ws_ld, ws_gs, ws_div = groups, 1, GROUP_SIZE if p.granularity == "block" else 1
+        cpu_native.native_gemv(p.codes, grid.view(m, kp), x_s * p.act_scale, ws, ws_ld, ws_gs, ws_div, y_m)
+        return _m_major_output(y_m, bias_f, x2d.dtype, p)
     if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"
             and n * kp >= HALF_MIN_ELEMS):
         y = _half_gemv(p, grid, x_s, bias_f)
@@ -528,19 +563,7 @@ def cpu_fp8_linear(
                 y_m = y_m[:, :n]
         else:
             y_m = y_out[:, :n] if n_pad != n else y_out
-        if x2d.dtype == torch.float32 and y_m.is_contiguous():
-            if bias_f is not None:
-                y_m += bias_f
-        else:
-            y = torch.empty(m, n, dtype=x2d.dtype)
-            if bias_f is None:
-                y.copy_(y_m)
-            else:  # in fp32, rounded once to x's dtype
-                torch.add(y_m, bias_f, out=y)
-            y_m = y
-        if p.nan_rows is not None:
-            y_m[:, p.nan_rows] = float("nan")
-        return y_m
+        return _m_major_output(y_m, bias_f, x2d.dtype, p)
     y_t = y_out[:n]
     if p.nan_rows is not None:
         y_t[p.nan_rows] = float("nan")

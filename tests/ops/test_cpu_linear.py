@@ -35,6 +35,15 @@ def _ref64(x_q, x_s, w_q, w_s, bias):
 
 
 @pytest.fixture(autouse=True)
+def _torch_ops_path(monkeypatch):
+    """This file tests the torch-ops path; the compiled kernel (M <= NATIVE_MAX_M) has
+    tests/ops/test_cpu_native.py."""
+    from fp8linear.ops import cpu_native
+
+    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 0)
+
+
+@pytest.fixture(autouse=True)
 def _one_thread():
     """One intra-op thread: the numerics do not depend on it, and on a shared CPU the many small
     parallel regions of a tiled call wait on descheduled threads (seconds per test)."""

@@ -1,0 +1,224 @@
+"""A compiled x86 kernel for the CPU FP8 linear at decode sizes: one pass over the FP8 weight.
+
+torch's CPU ops cannot fuse the weight decode into the GEMV, so :mod:`fp8linear.ops.cpu_linear`
+decodes tiles with three vectorised integer passes and a float16 GEMV reads them back. This
+kernel does it in registers: 16 FP8 codes are widened to int16, moved into float16 bits (``<< 7``,
+``& 0xBF80``: the FP8 value times 2^-8 for e4m3fn, 2^-7 for e4m3fnuz, subnormals included),
+converted to fp32 (F16C) and multiplied into up to NATIVE_MAX_M rows of quantized activations
+with FMA; each 128-wide group's fp32 sum is scaled by the activation and weight scales. Same
+numerics contract as the torch path (the reference's quantized products summed in fp32, in
+another order).
+
+The C source below is compiled once per machine with the system C compiler (``cc``, AVX2 + F16C +
+FMA, ``-march=native``) into a cache folder (``FP8LINEAR_CACHE``, default ``~/.cache/fp8linear``),
+written under a temporary name and renamed, and loaded with ``ctypes``; rows are split over
+torch's intra-op thread count with Python threads (``ctypes`` releases the GIL during the call).
+No compiler, a CPU without those instructions, a failed build or ``FP8LINEAR_CPU_NATIVE=0``:
+:func:`native_kernel` returns None (logged once) and the torch path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+__all__ = ["NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_kernel", "native_gemv"]
+
+log = logging.getLogger(__name__)
+
+# Rows of activations the kernel takes (one fp32 accumulator register per row and 8 lanes).
+NATIVE_MAX_M = 8
+# Weights of at least this many elements split their rows over the intra-op threads (a thread
+# hand-off costs tens of microseconds of Python; below this one thread finishes sooner).
+NATIVE_THREAD_MIN_ELEMS = 1 << 20
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float decode1(int8_t b) {
+    uint16_t h = (uint16_t)(((int16_t)b << 7) & 0xBF80);
+    return _cvtsh_ss(h);
+}
+
+/* y[m * ldy + n] = sum_g ws(n, g) * xs[m * G + g] * sum_{k in group g} xq[m * Kp + k] * dec(w[n * K + k])
+   for n in [n0, n1), m < M; ws(n, g) = ws[(n / ws_div) * ws_ld + g * ws_gs]. */
+#define GEMV_BODY(MM)                                                                              \
+    for (int64_t n = n0; n < n1; ++n) {                                                            \
+        const int8_t* wr = w + n * K;                                                              \
+        const float* wsr = ws + (n / ws_div) * ws_ld;                                              \
+        float out[MM];                                                                             \
+        for (int m = 0; m < MM; ++m) out[m] = 0.0f;                                                \
+        for (int64_t g = 0; g < G; ++g) {                                                          \
+            const int64_t k0 = g * 128;                                                            \
+            const int64_t k1 = (k0 + 128 < K) ? k0 + 128 : K;                                      \
+            __m256 acc[MM];                                                                        \
+            for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps();                             \
+            int64_t k = k0;                                                                        \
+            for (; k + 16 <= k1; k += 16) {                                                        \
+                __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wr + k)));       \
+                h = _mm256_and_si256(_mm256_slli_epi16(h, 7), mask);                               \
+                const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));                      \
+                const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));                 \
+                for (int m = 0; m < MM; ++m) {                                                     \
+                    const float* xr = xq + m * Kp + k;                                             \
+                    acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), lo, acc[m]);                     \
+                    acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), hi, acc[m]);                 \
+                }                                                                                  \
+            }                                                                                      \
+            const float wsg = wsr[g * ws_gs];                                                      \
+            for (int m = 0; m < MM; ++m) {                                                         \
+                float s = hsum8(acc[m]);                                                           \
+                for (int64_t t = k; t < k1; ++t) s += xq[m * Kp + t] * decode1(wr[t]);             \
+                out[m] += s * (xs[m * G + g] * wsg);                                               \
+            }                                                                                      \
+        }                                                                                          \
+        for (int m = 0; m < MM; ++m) y[m * ldy + n] = out[m];                                      \
+    }
+
+#define GEMV_FN(MM)                                                                                \
+    static void gemv_##MM(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const float* xq,     \
+                          int64_t Kp, const float* xs, int64_t G, const float* ws, int64_t ws_ld,  \
+                          int64_t ws_gs, int64_t ws_div, float* y, int64_t ldy) {                  \
+        const __m256i mask = _mm256_set1_epi16((short)0xBF80);                                     \
+        GEMV_BODY(MM)                                                                              \
+    }
+
+GEMV_FN(1) GEMV_FN(2) GEMV_FN(3) GEMV_FN(4) GEMV_FN(5) GEMV_FN(6) GEMV_FN(7) GEMV_FN(8)
+
+int fp8_gemv_rows(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const float* xq, int64_t M,
+                  int64_t Kp, const float* xs, int64_t G, const float* ws, int64_t ws_ld, int64_t ws_gs,
+                  int64_t ws_div, float* y, int64_t ldy) {
+    switch (M) {
+        case 1: gemv_1(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        case 2: gemv_2(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        case 3: gemv_3(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        case 4: gemv_4(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        case 5: gemv_5(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        case 6: gemv_6(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        case 7: gemv_7(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        case 8: gemv_8(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
+        default: return 1;
+    }
+}
+"""
+
+_FLAGS = ("-O3", "-march=native", "-mavx2", "-mf16c", "-mfma", "-shared", "-fPIC")
+_NEEDED_CPU_FLAGS = ("avx2", "f16c", "fma")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FP8LINEAR_CACHE") or Path.home() / ".cache" / "fp8linear")
+
+
+def _build(compiler: str, flags: set[str]) -> Path:
+    """The compiled library for this source, compiler and CPU (built once, renamed into place)."""
+    tag = hashlib.sha256("\0".join((_SOURCE, compiler, *_FLAGS, *sorted(flags))).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"fp8_cpu_gemv-{tag}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, out = Path(tmp) / "fp8_cpu_gemv.c", Path(tmp) / "fp8_cpu_gemv.so"
+        src.write_text(_SOURCE)
+        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out)], check=True, capture_output=True, timeout=120)
+        os.replace(out, target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def native_kernel():
+    """The loaded ``fp8_gemv_rows`` function, or None (logged once) where it cannot be had."""
+    if os.environ.get("FP8LINEAR_CPU_NATIVE", "1") == "0":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = _cpu_flags()
+    if not all(f in flags for f in _NEEDED_CPU_FLAGS):
+        log.info("fp8linear: this CPU lacks AVX2/F16C/FMA; the CPU FP8 linear runs on torch ops")
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.info("fp8linear: no C compiler (cc) found; the CPU FP8 linear runs on torch ops")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler, flags)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.info("fp8linear: building the CPU FP8 kernel failed (%s %s); the CPU FP8 linear runs on torch ops",
+                 e, detail.decode(errors="replace")[:500])
+        return None
+    fn = lib.fp8_gemv_rows
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, i64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@lru_cache(maxsize=8)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8linear-cpu")
+
+
+def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int,
+                ws_div: int, y: torch.Tensor) -> None:
+    """y (M, N) fp32 = the FP8 linear's sums, M <= NATIVE_MAX_M (see the module docstring).
+
+    `codes`: the weight (N, K) as int8, contiguous; `xq` (M, Kp) fp32 quantized activations, zero
+    past K, contiguous; `xs` (M, G) fp32 activation scales, times the decode's power of two;
+    `ws`, `ws_ld`, `ws_gs`, `ws_div`: weight scale of (row n, group g) = ws[(n // ws_div) * ws_ld +
+    g * ws_gs] (fp32, contiguous). The caller has checked the kernel exists (:func:`native_kernel`).
+    """
+    fn = native_kernel()
+    n, k = codes.shape
+    m, kp = xq.shape
+    groups = xs.shape[1]
+    args = (codes.data_ptr(), k, xq.data_ptr(), m, kp, xs.data_ptr(), groups, ws.data_ptr(), ws_ld, ws_gs, ws_div,
+            y.data_ptr(), y.stride(0))
+    threads = torch.get_num_threads()
+    if threads <= 1 or n * k < NATIVE_THREAD_MIN_ELEMS:
+        parts = [(0, n)]
+    else:
+        step = -(-n // threads)
+        parts = [(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def run(part: tuple[int, int]) -> int:
+        return fn(args[0], args[1], part[0], part[1], *args[2:])
+
+    if len(parts) == 1:
+        status = run(parts[0])
+    else:
+        futures = [_pool(threads).submit(run, part) for part in parts[1:]]
+        status = run(parts[0])
+        status |= sum(f.result() for f in futures)
+    if status:
+        raise ValueError(f"the CPU FP8 kernel takes 1 to {NATIVE_MAX_M} rows, got {m}")

@@ -1,0 +1,130 @@
+"""The compiled CPU kernel (fp8linear/ops/cpu_native.py) behind cpu_fp8_linear at decode sizes,
+against the float64 reference; skipped where it cannot be built (no C compiler, not AVX2/F16C/FMA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8linear.ops import cpu_linear, cpu_native
+from fp8linear.ops.cpu_linear import cpu_fp8_linear
+from fp8linear.reference import (
+    block_fp8_matmul_ref,
+    dequantize_activation_ref,
+    dequantize_weight_ref,
+    quantize_activation_ref,
+    quantize_weight_ref,
+)
+
+from _utils import GEMM_TOL, rel_err
+
+pytestmark = pytest.mark.skipif(cpu_native.native_kernel() is None,
+                                reason="the CPU FP8 kernel cannot be built here (see fp8linear.ops.cpu_native)")
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+
+
+def _ref64(x, w_q, w_s, bias, fp8_dtype):
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)
+    y = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(w_q, w_s).double().T
+    return y + bias.double() if bias is not None else y
+
+
+def _spy(monkeypatch) -> list:
+    calls = []
+    real = cpu_native.native_gemv
+
+    def spy(*args):
+        calls.append(args[1].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(cpu_native, "native_gemv", spy)
+    return calls
+
+
+@pytest.mark.parametrize("n,k", [(576, 2112), (2112, 576), (300, 300), (130, 17), (1, 128)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
+    """Every row count it takes, ragged N and K (K % 16 != 0: the scalar tail; K < 16), all
+    granularities, both FP8 formats, bias, output dtypes."""
+    i = n + k + m
+    fp8_dtype, out_dtype, with_bias = FP8[i % 2], (torch.bfloat16, torch.float16, torch.float32)[i % 3], i % 2 == 0
+    gen = torch.Generator().manual_seed(7 * n + 31 * k + m)
+    x = torch.randn(m, k, generator=gen).to(out_dtype)
+    w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=gen) / math.sqrt(k), granularity, fp8_dtype)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    calls = _spy(monkeypatch)
+    y = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    assert calls == [m]  # the kernel ran it
+    assert y.shape == (m, n) and y.dtype == out_dtype and y.is_contiguous()
+    assert rel_err(y, _ref64(x, w_q, w_s, bias, fp8_dtype)) < GEMM_TOL[out_dtype]
+    # the torch-ops path sums the same products: the two agree far below the output's rounding
+    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 0)
+    y_ops = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
+    assert rel_err(y.float(), y_ops.float()) < 4 * GEMM_TOL[out_dtype]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rows_split_over_threads(threads, monkeypatch):
+    """Row ranges over the intra-op threads (uneven splits included) give the one-thread result."""
+    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 0)
+    w_q, w_s = quantize_weight_ref(torch.randn(1000, 640) / 25, "block", torch.float8_e4m3fn)
+    x = torch.randn(4, 640)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_fp8_linear(x, w_q, w_s, "block")
+        torch.set_num_threads(threads)
+        assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), one)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_nan_codes_and_nan_inf_inputs(fp8_dtype, granularity):
+    w_q, w_s = quantize_weight_ref(torch.randn(300, 256), granularity, fp8_dtype)
+    w_q = w_q.clone()
+    w_q.view(torch.uint8)[5, 17] = 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80
+    x = torch.randn(4, 256)
+    x[1, 3] = float("nan")
+    x[2, 200] = float("inf")
+    y = cpu_fp8_linear(x, w_q, w_s, granularity)
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float32, None)
+    assert torch.equal(y.isnan(), ref.isnan())
+
+
+def test_subnormal_and_extreme_codes():
+    """Every FP8 code in the weight (subnormals, the largest values, both signs) decodes exactly."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[torch.isfinite(codes.float())]
+    w_q = finite.repeat(3)[: 2 * 128].reshape(2, 128).contiguous()
+    w_s = torch.ones(1, 1)
+    eye = torch.zeros(128, 128)
+    eye[torch.arange(128), torch.arange(128)] = 448.0  # each row of x picks one column, scale 1
+    for r in range(0, 128, 8):
+        y = cpu_fp8_linear(eye[r:r + 8], w_q, w_s, "block")
+        assert torch.equal(y, w_q.float()[:, r:r + 8].t() * 448.0)
+
+
+def test_non_contiguous_weight_takes_the_torch_path(monkeypatch):
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 200), "block", torch.float8_e4m3fn)
+    x = torch.randn(3, 200)
+    calls = _spy(monkeypatch)
+    y = cpu_fp8_linear(x, w_q.t().contiguous().t(), w_s, "block")
+    assert calls == []
+    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 0)
+    assert torch.equal(y, cpu_fp8_linear(x, w_q, w_s, "block"))
+
+
+def test_rows_beyond_the_kernel_are_refused():
+    w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
+    p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
+    m = cpu_native.NATIVE_MAX_M + 1
+    with pytest.raises(ValueError, match="rows"):
+        cpu_native.native_gemv(p.codes, torch.zeros(m, 128), torch.ones(m, 1), p.block_scale, 1, 1, 128,
+                               torch.empty(m, 128))
