@@ -33,12 +33,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_kernel", "native_gemv"]
+__all__ = ["KERNEL_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_kernel", "native_gemv"]
 
 log = logging.getLogger(__name__)
 
-# Rows of activations the kernel takes (one fp32 accumulator register per row and 8 lanes).
-NATIVE_MAX_M = 8
+# Rows of activations the kernel runs (cpu_fp8_linear hands it up to this many). Its GEMV reads x
+# once per weight row, so from 5 rows on x's reads cost more than the weight's: 2 threads,
+# 2048x7168, ms against the torch-ops path: M=1 1.14 vs 2.01, 2 1.21 vs 3.72, 3 1.48 vs 3.28,
+# 4 1.74 vs 3.67, 6 4.00 vs 3.84, 8 5.26 vs 4.14 (7168x2048 alike; BF16 0.80-0.96).
+NATIVE_MAX_M = 4
+# The largest M the compiled code takes (one fp32 accumulator register per row).
+KERNEL_MAX_M = 8
 # Weights of at least this many elements split their rows over the intra-op threads (a thread
 # hand-off costs tens of microseconds of Python; below this one thread finishes sooner).
 NATIVE_THREAD_MIN_ELEMS = 1 << 20
@@ -191,7 +196,7 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int,
                 ws_div: int, y: torch.Tensor) -> None:
-    """y (M, N) fp32 = the FP8 linear's sums, M <= NATIVE_MAX_M (see the module docstring).
+    """y (M, N) fp32 = the FP8 linear's sums, M <= KERNEL_MAX_M (see the module docstring).
 
     `codes`: the weight (N, K) as int8, contiguous; `xq` (M, Kp) fp32 quantized activations, zero
     past K, contiguous; `xs` (M, G) fp32 activation scales, times the decode's power of two;
@@ -221,4 +226,4 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
         status = run(parts[0])
         status |= sum(f.result() for f in futures)
     if status:
-        raise ValueError(f"the CPU FP8 kernel takes 1 to {NATIVE_MAX_M} rows, got {m}")
+        raise ValueError(f"the CPU FP8 kernel takes 1 to {KERNEL_MAX_M} rows, got {m}")

@@ -48,6 +48,7 @@ def _spy(monkeypatch) -> list:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
 def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
+    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", cpu_native.KERNEL_MAX_M)  # every row count the code takes
     """Every row count it takes, ragged N and K (K % 16 != 0: the scalar tail; K < 16), all
     granularities, both FP8 formats, bias, output dtypes."""
     i = n + k + m
@@ -111,6 +112,14 @@ def test_subnormal_and_extreme_codes():
         assert torch.equal(y, w_q.float()[:, r:r + 8].t() * 448.0)
 
 
+def test_more_rows_take_the_torch_path(monkeypatch):
+    calls = _spy(monkeypatch)
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 200), "block", torch.float8_e4m3fn)
+    for m in (cpu_native.NATIVE_MAX_M, cpu_native.NATIVE_MAX_M + 1):
+        cpu_fp8_linear(torch.randn(m, 200), w_q, w_s, "block")
+    assert calls == [cpu_native.NATIVE_MAX_M]
+
+
 def test_non_contiguous_weight_takes_the_torch_path(monkeypatch):
     w_q, w_s = quantize_weight_ref(torch.randn(256, 200), "block", torch.float8_e4m3fn)
     x = torch.randn(3, 200)
@@ -124,7 +133,7 @@ def test_non_contiguous_weight_takes_the_torch_path(monkeypatch):
 def test_rows_beyond_the_kernel_are_refused():
     w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
     p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
-    m = cpu_native.NATIVE_MAX_M + 1
+    m = cpu_native.KERNEL_MAX_M + 1
     with pytest.raises(ValueError, match="rows"):
         cpu_native.native_gemv(p.codes, torch.zeros(m, 128), torch.ones(m, 1), p.block_scale, 1, 1, 128,
                                torch.empty(m, 128))
