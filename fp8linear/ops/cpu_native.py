@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 # 2048x7168, ms against the torch-ops path: M=1 1.14 vs 2.01, 2 1.21 vs 3.72, 3 1.48 vs 3.28,
 # 4 1.74 vs 3.67, 6 4.00 vs 3.84, 8 5.26 vs 4.14 (7168x2048 alike; BF16 0.80-0.96).
 NATIVE_MAX_M = 4
-# The largest M the compiled code takes (one fp32 accumulator register per row).
-KERNEL_MAX_M = 8
+# The largest M the compiled code takes (two fp32 accumulator registers per row).
+KERNEL_MAX_M = 4
 # Weights of at least this many elements split their rows over the intra-op threads (a thread
 # hand-off costs tens of microseconds of Python; below this one thread finishes sooner).
 NATIVE_THREAD_MIN_ELEMS = 1 << 20
@@ -75,8 +75,8 @@ static inline float decode1(int8_t b) {
         for (int64_t g = 0; g < G; ++g) {                                                          \
             const int64_t k0 = g * 128;                                                            \
             const int64_t k1 = (k0 + 128 < K) ? k0 + 128 : K;                                      \
-            __m256 acc[MM];                                                                        \
-            for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps();                             \
+            __m256 acc[MM], acc2[MM]; /* two FMA chains per row: latency, not throughput, at M=1 */  \
+            for (int m = 0; m < MM; ++m) acc[m] = acc2[m] = _mm256_setzero_ps();                   \
             int64_t k = k0;                                                                        \
             for (; k + 16 <= k1; k += 16) {                                                        \
                 __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wr + k)));       \
@@ -86,12 +86,12 @@ static inline float decode1(int8_t b) {
                 for (int m = 0; m < MM; ++m) {                                                     \
                     const float* xr = xq + m * Kp + k;                                             \
                     acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), lo, acc[m]);                     \
-                    acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), hi, acc[m]);                 \
+                    acc2[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), hi, acc2[m]);               \
                 }                                                                                  \
             }                                                                                      \
             const float wsg = wsr[g * ws_gs];                                                      \
             for (int m = 0; m < MM; ++m) {                                                         \
-                float s = hsum8(acc[m]);                                                           \
+                float s = hsum8(_mm256_add_ps(acc[m], acc2[m]));                                   \
                 for (int64_t t = k; t < k1; ++t) s += xq[m * Kp + t] * decode1(wr[t]);             \
                 out[m] += s * (xs[m * G + g] * wsg);                                               \
             }                                                                                      \
@@ -107,7 +107,7 @@ static inline float decode1(int8_t b) {
         GEMV_BODY(MM)                                                                              \
     }
 
-GEMV_FN(1) GEMV_FN(2) GEMV_FN(3) GEMV_FN(4) GEMV_FN(5) GEMV_FN(6) GEMV_FN(7) GEMV_FN(8)
+GEMV_FN(1) GEMV_FN(2) GEMV_FN(3) GEMV_FN(4)
 
 int fp8_gemv_rows(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const float* xq, int64_t M,
                   int64_t Kp, const float* xs, int64_t G, const float* ws, int64_t ws_ld, int64_t ws_gs,
@@ -117,10 +117,6 @@ int fp8_gemv_rows(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const floa
         case 2: gemv_2(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
         case 3: gemv_3(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
         case 4: gemv_4(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
-        case 5: gemv_5(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
-        case 6: gemv_6(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
-        case 7: gemv_7(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
-        case 8: gemv_8(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
         default: return 1;
     }
 }

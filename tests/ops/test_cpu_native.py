@@ -45,7 +45,7 @@ def _spy(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("n,k", [(576, 2112), (2112, 576), (300, 300), (130, 17), (1, 128)])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
 def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
     monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", cpu_native.KERNEL_MAX_M)  # every row count the code takes
