@@ -227,8 +227,9 @@ def perplexity(
 
 # Why FP8 can be slower than BF16, by device type: said next to a ratio below 1.
 _SLOWER_BECAUSE = {
-    "cpu": ("CPUs have no FP8 matrix units: each FP8 weight tile is decoded (to float16 or fp32) before "
-            "a GEMM on it, while BF16 runs one native GEMM. On a CPU, FP8 saves memory, not time."),
+    "cpu": ("CPUs have no FP8 matrix units: each FP8 weight is decoded (in registers at decode sizes, to "
+            "float16 or fp32 tiles above) before it is multiplied, while BF16 runs one native GEMM. On a CPU, "
+            "FP8 saves memory, not time."),
     "cuda": ("At this model's size (hidden 576) eager generation is bound by kernel launches and host "
              "work, not by weight reads, so FP8's halved weight traffic cannot pay for its extra launches."),
 }
