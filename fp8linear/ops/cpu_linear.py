@@ -442,18 +442,21 @@ def cpu_fp8_linear(
     m = x2d.shape[0]
     n, k, groups = p.n, p.k, p.groups
     kp = groups * GROUP_SIZE
-    pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None
-    grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
     bias_f = bias.float() if bias is not None else None
-    if 0 < m <= cpu_native.NATIVE_MAX_M and p.codes.is_contiguous() and cpu_native.native_kernel() is not None:
-        y_m = torch.empty(m, n, dtype=torch.float32)
+    if (0 < m <= cpu_native.NATIVE_MAX_M and p.codes.is_contiguous() and x2d.stride(1) == 1
+            and cpu_native.native_kernel() is not None):
+        # the compiled kernels: quantization (bit-exact with quantize_activation_grid), then the GEMV
+        xq, xs, y_m = torch.empty(m, kp), torch.empty(m, groups), torch.empty(m, n)
+        cpu_native.native_quantize(x2d, kp, p.fp8_dtype, float(p.act_scale), xq, xs)
         if p.granularity == "tensor":
             ws, ws_ld, ws_gs, ws_div = _ONE, 0, 0, 1
         else:
             ws = p.block_scale if p.granularity == "block" else p.row_scale
             ws_ld, ws_gs, ws_div = groups, 1, GROUP_SIZE if p.granularity == "block" else 1
-        cpu_native.native_gemv(p.codes, grid.view(m, kp), x_s * p.act_scale, ws, ws_ld, ws_gs, ws_div, y_m)
+        cpu_native.native_gemv(p.codes, xq, xs, ws, ws_ld, ws_gs, ws_div, y_m)
         return _m_major_output(y_m, bias_f, x2d.dtype, p)
+    pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None
+    grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
     if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"
             and n * kp >= HALF_MIN_ELEMS):
         y = _half_gemv(p, grid, x_s, bias_f)

@@ -28,12 +28,15 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["KERNEL_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_kernel", "native_gemv"]
+__all__ = ["KERNEL_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel",
+           "native_quantize"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ NATIVE_THREAD_MIN_ELEMS = 1 << 20
 
 _SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline float hsum8(__m256 v) {
@@ -109,6 +113,56 @@ static inline float decode1(int8_t b) {
 
 GEMV_FN(1) GEMV_FN(2) GEMV_FN(3) GEMV_FN(4)
 
+/* Per-token 1x128 quantization, bit for bit cpu_linear.quantize_activation_grid (and so the
+   reference): x (M, K) fp32 / bf16 / fp16 (x_dtype 0 / 1 / 2, row stride ldx elements) ->
+   xq (M, Kp) fp32 FP8 values (0 past K), xs (M, G) = scale * x_factor. amax propagates NaN, as
+   torch's amax; the clamps keep NaN, as torch.clamp; the rounding to 3 mantissa bits adds and
+   subtracts c = 1.5 * 2**(e + 20) (e floored at the FP8 subnormal exponent) in fp32. */
+static inline float load_x(const void* x, int x_dtype, int64_t i) {
+    if (x_dtype == 0) return ((const float*)x)[i];
+    if (x_dtype == 1) {
+        union { uint32_t u; float f; } v;
+        v.u = (uint32_t)((const uint16_t*)x)[i] << 16;
+        return v.f;
+    }
+    return _cvtsh_ss(((const uint16_t*)x)[i]);
+}
+
+int fp8_quant_rows(const void* x, int x_dtype, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
+                   float qmax, float amax_floor, int32_t emin_bits, int32_t round_offset, float x_factor,
+                   float* xq, float* xs) {
+    const int64_t G = Kp / 128;
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t k0 = g * 128;
+            const int64_t k1 = (k0 + 128 < K) ? k0 + 128 : K;
+            float amax = 0.0f;
+            int nan = 0;
+            for (int64_t k = k0; k < k1; ++k) {
+                const float a = fabsf(load_x(x, x_dtype, m * ldx + k));
+                if (a != a) nan = 1;
+                else if (a > amax) amax = a;
+            }
+            if (nan) amax = NAN;
+            else if (amax < amax_floor) amax = amax_floor;
+            const float scale = amax / qmax;
+            float* out = xq + m * Kp + k0;
+            for (int64_t k = k0; k < k0 + 128; ++k) {
+                float q = ((k < k1) ? load_x(x, x_dtype, m * ldx + k) : 0.0f) / scale;  /* padding: 0 / scale */
+                if (q == q) q = q < -qmax ? -qmax : (q > qmax ? qmax : q);
+                union { float f; int32_t i; } b, c;
+                b.f = q;
+                int32_t e = b.i & 0x7F800000;
+                c.i = (e < emin_bits ? emin_bits : e) + round_offset;
+                volatile float t = q + c.f;  /* two separate fp32 roundings, never contracted */
+                out[k - k0] = t - c.f;
+            }
+            xs[m * G + g] = scale * x_factor;
+        }
+    }
+    return 0;
+}
+
 int fp8_gemv_rows(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const float* xq, int64_t M,
                   int64_t Kp, const float* xs, int64_t G, const float* ws, int64_t ws_ld, int64_t ws_gs,
                   int64_t ws_div, float* y, int64_t ldy) {
@@ -156,9 +210,14 @@ def _build(compiler: str, flags: set[str]) -> Path:
     return target
 
 
+class _Kernels(NamedTuple):
+    gemv: Callable[..., int]
+    quant: Callable[..., int]
+
+
 @lru_cache(maxsize=1)
-def native_kernel():
-    """The loaded ``fp8_gemv_rows`` function, or None (logged once) where it cannot be had."""
+def native_kernel() -> _Kernels | None:
+    """The loaded kernels (``gemv``, ``quant``), or None (logged once) where they cannot be had."""
     if os.environ.get("FP8LINEAR_CPU_NATIVE", "1") == "0":
         return None
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -178,16 +237,36 @@ def native_kernel():
         log.info("fp8linear: building the CPU FP8 kernel failed (%s %s); the CPU FP8 linear runs on torch ops",
                  e, detail.decode(errors="replace")[:500])
         return None
-    fn = lib.fp8_gemv_rows
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, i64]
-    fn.restype = ctypes.c_int
-    return fn
+    i64, i32, f32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    gemv, quant = lib.fp8_gemv_rows, lib.fp8_quant_rows
+    gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, i64]
+    quant.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, f32, f32, i32, i32, f32, p, p]
+    gemv.restype = quant.restype = ctypes.c_int
+    return _Kernels(gemv, quant)
 
 
 @lru_cache(maxsize=8)
 def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8linear-cpu")
+
+
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor: float,
+                    xq: torch.Tensor, xs: torch.Tensor) -> None:
+    """Per-token 1x128 quantization of x2d (M, K) (fp32/bf16/fp16, unit column stride) into xq
+    (M, Kp) fp32 FP8 values, zero past K, and xs (M, Kp/128) = scales * x_factor: the values and
+    scales of :func:`fp8linear.ops.cpu_linear.quantize_activation_grid`, bit for bit."""
+    from ..formats import activation_max, fp8_min_exponent
+    from ..reference import AMAX_FLOOR
+
+    m, k = x2d.shape
+    status = native_kernel().quant(
+        x2d.data_ptr(), _X_DTYPES[x2d.dtype], m, k, x2d.stride(0), kp, activation_max(fp8_dtype), AMAX_FLOOR,
+        (127 + fp8_min_exponent(fp8_dtype)) << 23, (20 << 23) | (1 << 22), x_factor, xq.data_ptr(), xs.data_ptr())
+    if status:
+        raise ValueError("the CPU FP8 quantization kernel refused its arguments")
 
 
 def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int,
@@ -199,7 +278,7 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
     `ws`, `ws_ld`, `ws_gs`, `ws_div`: weight scale of (row n, group g) = ws[(n // ws_div) * ws_ld +
     g * ws_gs] (fp32, contiguous). The caller has checked the kernel exists (:func:`native_kernel`).
     """
-    fn = native_kernel()
+    fn = native_kernel().gemv
     n, k = codes.shape
     m, kp = xq.shape
     groups = xs.shape[1]

@@ -130,6 +130,40 @@ def test_non_contiguous_weight_takes_the_torch_path(monkeypatch):
     assert torch.equal(y, cpu_fp8_linear(x, w_q, w_s, "block"))
 
 
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 128), (4, 300), (3, 2112), (8, 17), (64, 576)])
+def test_quantization_bit_exact(fp8_dtype, x_dtype, m, k):
+    """The compiled quantization gives quantize_activation_grid's values and scales bit for bit:
+    ties, subnormals, zeros, -0.0, tiny and huge rows, NaN and Inf, ragged K."""
+    from test_cpu_linear import _hard_activations
+
+    x = _hard_activations(m, k, fp8_dtype).to(x_dtype)
+    if m >= 3:
+        x[1, k // 2] = float("nan")
+        x[2, 0] = float("inf")
+    kp = -(-k // 128) * 128
+    xq, xs = torch.empty(m, kp), torch.empty(m, kp // 128)
+    cpu_native.native_quantize(x, kp, fp8_dtype, 2.0, xq, xs)
+    grid, scale = cpu_linear.quantize_activation_grid(x, fp8_dtype)
+    assert torch.equal(xq.view(torch.int32), grid.reshape(m, kp).view(torch.int32))
+    assert torch.equal(xs.view(torch.int32), (scale * 2.0).view(torch.int32))
+    x_q, x_s = quantize_activation_ref(x, fp8_dtype)  # the same FP8 values (NaN where the reference has NaN)
+    ref = x_q.float()
+    ok = ~ref.isnan()
+    assert torch.equal(xq[:, :k].isnan(), ~ok)
+    assert torch.equal(xq[:, :k][ok].view(torch.int32), ref[ok].view(torch.int32))
+
+
+def test_strided_rows_of_x(monkeypatch):
+    """x with a row stride past K (a slice of a wider tensor) is read in place."""
+    calls = _spy(monkeypatch)
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 300) / 17, "block", torch.float8_e4m3fn)
+    wide = torch.randn(3, 512, dtype=torch.bfloat16)
+    y = cpu_fp8_linear(wide[:, :300], w_q, w_s, "block")
+    assert calls == [3] and torch.equal(y, cpu_fp8_linear(wide[:, :300].contiguous(), w_q, w_s, "block"))
+
+
 def test_rows_beyond_the_kernel_are_refused():
     w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
     p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
