@@ -37,3 +37,16 @@ KERNEL_GEMM_TOL = {
 # FP8 e4m3 against the unquantized product: each operand carries ~2^-4/sqrt(3) relative
 # rounding error, so x@w.T lands near 3-4% on random data; 5% catches real mistakes.
 FP8_LINEAR_TOL = 0.05
+
+
+def capture_graph(fn, *static_args):
+    """A CUDA graph of fn(*static_args) after one warm-up call on a side stream; (graph, output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*static_args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static_args)
+    return graph, out

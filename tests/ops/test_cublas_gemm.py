@@ -14,7 +14,7 @@ from fp8linear.backend import cublas_allowed
 from fp8linear.ops import HAS_TRITON
 from fp8linear.reference import AMAX_FLOOR, quantize_activation_ref
 
-from _utils import GEMM_TOL, rel_err, same_bits
+from _utils import GEMM_TOL, capture_graph, rel_err, same_bits
 from conftest import HAS_CUDA, KERNEL_DEVICE
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -184,14 +184,7 @@ def test_gpu_cublas_path_captures_in_cuda_graph_and_compiles():
     mod = Fp8BlockLinear.from_linear(lin)
     x = torch.randn(2, 65, 2048, device="cuda", dtype=torch.bfloat16)  # M=130: padded to 132
     eager = mod(x)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        mod(x)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mod(x)
+    graph, out = capture_graph(mod, x)
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(out, eager)

@@ -12,7 +12,7 @@ import torch
 from fp8linear import dequantize_weight, quantize_weight
 from fp8linear.ops import HAS_TRITON
 
-from _utils import FP8_LINEAR_TOL, rel_err, same_bits
+from _utils import FP8_LINEAR_TOL, capture_graph, rel_err, same_bits
 from conftest import HAS_CUDA
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -76,14 +76,7 @@ def test_direct_cublaslt_in_cuda_graphs_and_fallback(monkeypatch):
     xs = [torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     eager = [direct(x) for x in xs]
     static_x = xs[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        direct(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = direct(static_x)
+    graph, static_y = capture_graph(direct, static_x)
     for x, y in zip(xs, eager):
         static_x.copy_(x)
         graph.replay()

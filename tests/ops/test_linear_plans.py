@@ -397,6 +397,13 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
             assert same_bits(y, two.view_as(y))
         ref = x.double() @ dequantize_weight(layer.weight, layer.weight_scale_inv, torch.float64).t() + layer.bias.double()
         assert rel_err(y, ref) < FP8_LINEAR_TOL
+    _check_graph_runs_functional_route(layer, xs)
+    if layer._split_k_counters is not None:
+        assert not layer._split_k_counters.any()
+
+
+def _check_graph_runs_functional_route(layer: Fp8BlockLinear, xs: list) -> None:
+    """A CUDA graph of the planned layer replays the functional path's bits for every x."""
     static_x = xs[0].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -405,8 +412,6 @@ def test_gpu_plans_launch_directly_and_match(m, n, k, granularity):
         static_x.copy_(x)
         graph.replay()
         assert same_bits(static_y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias))
-    if layer._split_k_counters is not None:
-        assert not layer._split_k_counters.any()
 
 
 @pytest.mark.gpu
@@ -429,14 +434,7 @@ def test_gpu_eager_single_token_gemv_plan(n, k):
         assert same_bits(y, unprepared.view_as(y))
         ref = x.double() @ dequantize_weight(layer.weight, layer.weight_scale_inv, torch.float64).t() + layer.bias.double()
         assert rel_err(y, ref) < FP8_LINEAR_TOL
-    static_x = xs[0].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer(static_x)
-    for x in xs:
-        static_x.copy_(x)
-        graph.replay()
-        assert same_bits(static_y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias))
+    _check_graph_runs_functional_route(layer, xs)
 
 
 def test_launch_hooks_are_recognised_in_every_form():
