@@ -248,6 +248,12 @@ def _one_split(cfg: GemmConfig) -> SplitKConfig | None:
                         num_stages=cfg.num_stages)
 
 
+def _eager_gemv(m: int, n: int, k: int) -> bool:
+    """Whether an eager call takes the fused GEMV past FUSED_GEMV_MAX_WEIGHT (EAGER_GEMV_MAX_WEIGHT;
+    measured on NVIDIA only)."""
+    return m == 1 and n * k < EAGER_GEMV_MAX_WEIGHT and torch.version.hip is None
+
+
 def _one_launch_decode_ok(device: torch.device) -> bool:
     """Where the decode kernel's in-launch wait is safe: NVIDIA GPUs and the CPU interpreter
     (both run programs in increasing id order, see :mod:`fp8linear.ops.fused_decode`)."""
@@ -266,7 +272,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     caller launches eagerly (not in a CUDA graph or compiled region), where host time per call
     counts as much as GPU time (see ONE_LAUNCH_MAX_WEIGHT and EAGER_CUBLAS_MIN_MNK).
     """
-    if use_fused_gemv(m, n, k) or (eager and m == 1 and n * k < EAGER_GEMV_MAX_WEIGHT and torch.version.hip is None):
+    if use_fused_gemv(m, n, k) or (eager and _eager_gemv(m, n, k)):
         return Route("gemv", gemv_config(m, n, k))
     cublas_ok = (allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
                  and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))

@@ -145,7 +145,7 @@ def test_eager_single_tokens_take_the_gemv_on_larger_weights(monkeypatch, n, k):
     assert router.route_linear(dev, 2, *args[2:], eager=True).kernel != "gemv"  # one token only
     assert router.route_linear(dev, 1, 18432, 7168, *args[4:], eager=True).kernel != "gemv"  # GPU-bound
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert router.route_linear(*args, eager=True).kernel != "gemv"
+    assert router._eager_gemv(1, n, k) is False  # measured on NVIDIA only
 
 
 def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
