@@ -7,7 +7,8 @@ kernel does it in registers: 16 FP8 codes are widened to int16, moved into float
 converted to fp32 (F16C) and multiplied into up to NATIVE_MAX_M rows of quantized activations
 with FMA; each 128-wide group's fp32 sum is scaled by the activation and weight scales. Same
 numerics contract as the torch path (the reference's quantized products summed in fp32, in
-another order).
+another order). A second function quantizes the activations per token in 1x128 groups, bit for
+bit as :func:`fp8linear.ops.cpu_linear.quantize_activation_grid` (:func:`native_quantize`).
 
 The C source below is compiled once per machine with the system C compiler (``cc``, AVX2 + F16C +
 FMA, ``-march=native``) into a cache folder (``FP8LINEAR_CACHE``, default ``~/.cache/fp8linear``),
