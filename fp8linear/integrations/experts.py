@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..backend import resolve_backend
+from ..backend import interpreting, resolve_backend
 from ..checkpoint_format import SCALE_SUFFIX
 from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import (
@@ -217,6 +217,8 @@ class Fp8Experts(QuantizedDtypesMixin):
             self.register_parameter(f"{name}_scale_inv", nn.Parameter(s, requires_grad=False))
             bias = torch.zeros((num_experts, n), dtype=dtype, device=device) if has_bias else None
             self.register_parameter(f"{name}_bias", nn.Parameter(bias, requires_grad=False) if has_bias else None)
+        self._plans: dict = {}  # input signature -> ExpertsPlan (eager GPU calls, see forward)
+        self._seen: set = set()  # signatures run once without a plan
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -378,6 +380,66 @@ class Fp8Experts(QuantizedDtypesMixin):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        """Eagerly on a GPU, an input signature's second call keeps an
+        :class:`~fp8linear.ops.experts_plan.ExpertsPlan` (decisions made once, kernels launched
+        directly, the same bits), which later calls of that signature run."""
+        plans = self.__dict__.get("_plans")
+        if plans and not torch.compiler.is_compiling():
+            plan = plans.get(_signature(hidden_states, top_k_index, top_k_weights))
+            if plan is not None and _plannable_inputs(hidden_states, top_k_index):
+                return plan(hidden_states.view(plan.t, self.hidden_dim), top_k_index, top_k_weights).view(
+                    hidden_states.shape)
+        return self._forward_checked(hidden_states, top_k_index, top_k_weights)
+
+    def clear_plans(self) -> None:
+        """Forget the kept launch plans (done on parameter replacement, loading and moves)."""
+        self.__dict__.get("_plans", {}).clear()
+        self.__dict__.get("_seen", set()).clear()
+
+    def __setattr__(self, name: str, value) -> None:
+        if "_plans" in self.__dict__ and isinstance(value, (torch.Tensor, nn.Module)):
+            self.clear_plans()
+        super().__setattr__(name, value)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_plans": {}, "_seen": set()}
+
+    def _apply(self, fn, recurse=True):
+        self.clear_plans()
+        return super()._apply(fn, recurse)
+
+    def _plan_or_none(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, backend: str):
+        """On an eligible call's second sight, the plan for its signature (which runs this call)."""
+        if torch.compiler.is_compiling():  # traced: the custom ops, no plans
+            return None
+        on_gpu = x.device.type == "cuda"
+        if (backend != "triton" or not (on_gpu or interpreting()) or self.has_post_expert_norm
+                or not _plannable_inputs(x, top_k_index) or (on_gpu and torch.cuda.is_current_stream_capturing())):
+            return None
+        key = _signature(x, top_k_index, top_k_weights)
+        seen = self.__dict__.setdefault("_seen", set())
+        if key not in seen:
+            if len(seen) >= MAX_EXPERT_PLANS:
+                seen.clear()
+            seen.add(key)
+            return None
+        from ..ops.experts_plan import ExpertsPlan
+
+        plans = self.__dict__.setdefault("_plans", {})
+        if len(plans) >= MAX_EXPERT_PLANS:
+            del plans[next(iter(plans))]
+        dtype = x.dtype
+        up = self.up_name
+        plan = plans[key] = ExpertsPlan(
+            x.view(-1, self.hidden_dim), top_k_index, top_k_weights,
+            getattr(self, up), getattr(self, f"{up}_scale_inv"), getattr(self, f"{up}_bias"),
+            self.down_proj, self.down_proj_scale_inv, self.down_proj_bias, self.granularity,
+            lambda h: self._gate(h).to(dtype))
+        return plan
+
+    def _forward_checked(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         _check_tensor("hidden_states", hidden_states)
         _check_tensor("top_k_index", top_k_index)
         _check_tensor("top_k_weights", top_k_weights)
@@ -399,6 +461,9 @@ class Fp8Experts(QuantizedDtypesMixin):
         top_k = top_k_index.shape[1]
         backend = resolve_backend(self.backend, x.device)
         dtype = x.dtype
+        plan = self._plan_or_none(hidden_states, top_k_index, top_k_weights, backend)
+        if plan is not None:
+            return plan.first_output().reshape(*lead, self.hidden_dim)
         w_up, w_down = getattr(self, self.up_name), self.down_proj
         routing = None
         if backend == "triton":
@@ -443,6 +508,7 @@ class Fp8Experts(QuantizedDtypesMixin):
                     torch.empty(incoming.shape, dtype=SCALE_DTYPE, device=current.device), requires_grad=False
                 ))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self.clear_plans()
 
     def extra_repr(self) -> str:
         act = type(self.act_fn).__name__ if isinstance(self.act_fn, nn.Module) else getattr(self.act_fn, "__name__", "?")
@@ -451,6 +517,21 @@ class Fp8Experts(QuantizedDtypesMixin):
             f"{self.up_name}={tuple(getattr(self, self.up_name).shape)}, granularity={self.granularity}, "
             f"fp8_dtype={str(self.fp8_dtype).removeprefix('torch.')}, has_bias={self.has_bias}, act_fn={act}"
         )
+
+
+# Input signatures (shapes and dtypes) an Fp8Experts keeps plans for (the oldest is dropped): decode
+# batch sizes and prefill chunk lengths. A plan holds no GPU memory.
+MAX_EXPERT_PLANS = 64
+
+
+def _signature(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
+    return (x.shape, x.dtype, x.device, top_k_index.shape, top_k_index.dtype, top_k_weights.shape, top_k_weights.dtype)
+
+
+def _plannable_inputs(x: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+    """Inputs a plan's direct launches read as they are: contiguous, 16-byte aligned, not empty."""
+    return (x.numel() > 0 and x.is_contiguous() and top_k_index.is_contiguous() and x.data_ptr() % 16 == 0
+            and top_k_index.data_ptr() % 16 == 0)
 
 
 def _resolve_act(act_fn: nn.Module | Callable | str | None) -> nn.Module | Callable:

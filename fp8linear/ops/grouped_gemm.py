@@ -38,7 +38,8 @@ from .configs import GemmConfig, launch_options, moe_align_num_warps
 from .router import grouped_config
 from .gemm_common import promote, weight_scale_ptrs
 
-__all__ = ["ALIGN_KERNEL_MAX_WORK", "MoeRouting", "align_on_kernel", "align_num_blocks", "moe_align_block_size", "grouped_fp8_gemm"]
+__all__ = ["ALIGN_KERNEL_MAX_WORK", "MoeRouting", "align_args", "align_on_kernel", "align_num_blocks", "grouped_fp8_gemm",
+           "grouped_gemm_args", "moe_align_block_size"]
 
 
 class MoeRouting(NamedTuple):
@@ -148,14 +149,21 @@ def moe_align_block_size(
         device = top_k_index.device
         sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
         block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-        num_bins = triton.next_power_of_2(num_experts + 1)
-        _moe_align_kernel[(1,)](
-            top_k_index.reshape(-1).contiguous(), sorted_pair_ids, block_expert,
-            num_pairs, num_experts, num_blocks,
-            BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=max(16, min(128, _ALIGN_TILE // num_bins)),
-            num_warps=moe_align_num_warps(),
-        )
+        grid, args, options = align_args(top_k_index.reshape(-1).contiguous(), sorted_pair_ids, block_expert,
+                                         num_experts, block_m)
+        _moe_align_kernel[grid](**args, **options)
     return MoeRouting(sorted_pair_ids, block_expert, block_m, num_pairs, top_k)
+
+
+def align_args(ids: torch.Tensor, sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, num_experts: int,
+               block_m: int) -> tuple[tuple[int], dict, dict]:
+    """(grid, kernel arguments, launch options) of the one-program alignment kernel: `ids` the flat
+    (T * top_k,) expert ids, into `sorted_pair_ids` (num_blocks * block_m,) and `block_expert` (num_blocks,)."""
+    num_bins = triton.next_power_of_2(num_experts + 1)
+    args = dict(ids_ptr=ids, sorted_ptr=sorted_pair_ids, block_expert_ptr=block_expert, num_pairs=ids.numel(),
+                num_experts=num_experts, num_blocks=block_expert.shape[0], BLOCK_M=block_m, NUM_BINS=num_bins,
+                CHUNK=max(16, min(128, _ALIGN_TILE // num_bins)))
+    return (1,), args, {"num_warps": moe_align_num_warps()}
 
 
 def _align_torch(
@@ -288,27 +296,41 @@ def grouped_fp8_gemm(
     cfg = config or replace(grouped_config(num_pairs, num_experts, n, k), block_m=block_m)
     if cfg.block_m != block_m:
         raise ValueError(f"config.block_m={cfg.block_m} does not match the routing's block_m={block_m}")
+    grid, args, options = grouped_gemm_args(a_q, a_s, w_q, w_s, c, sorted_pair_ids, block_expert, num_pairs,
+                                            a_row_div, granularity, bias, topk_weights, cfg)
+    _grouped_fp8_gemm_kernel[grid](**args, **options)
+    return c
+
+
+def grouped_gemm_args(
+    a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, c: torch.Tensor,
+    sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, num_pairs: int, a_row_div: int, granularity: str,
+    bias: torch.Tensor | None, topk_weights: torch.Tensor | None, cfg: GemmConfig,
+) -> tuple[tuple[int], dict, dict]:
+    """(grid, kernel arguments, launch options) of the grouped GEMM into `c` (num_pairs, N), see
+    :func:`grouped_fp8_gemm` for the operands (num_pairs > 0, N > 0, cfg.block_m the routing's)."""
+    num_experts, n, k = w_q.shape
+    num_blocks = block_expert.shape[0]
     if granularity == "tensor":
         ws_group_n, stride_wse, stride_wsn, stride_wsk = 1, w_s.stride(0), 0, 0
     else:
         ws_group_n = GROUP_SIZE if granularity == "block" else 1
         stride_wse, stride_wsn, stride_wsk = w_s.stride(0), w_s.stride(1), w_s.stride(2)
-    grid = (num_blocks * triton.cdiv(n, cfg.block_n),)
-    _grouped_fp8_gemm_kernel[grid](
-        a_q, a_s, w_q, w_s, c,
-        bias if bias is not None else c,
-        topk_weights if topk_weights is not None else c,
-        sorted_pair_ids, block_expert,
-        n, k, num_pairs, num_experts, num_blocks,
-        a_q.stride(0), a_s.stride(0),
-        w_q.stride(0), w_q.stride(1),
-        stride_wse, stride_wsn, stride_wsk,
-        c.stride(0), bias.stride(0) if bias is not None else 0,
+    args = dict(
+        a_ptr=a_q, as_ptr=a_s, w_ptr=w_q, ws_ptr=w_s, c_ptr=c,
+        bias_ptr=bias if bias is not None else c,
+        topk_w_ptr=topk_weights if topk_weights is not None else c,
+        sorted_ids_ptr=sorted_pair_ids, block_expert_ptr=block_expert,
+        N=n, K=k, num_pairs=num_pairs, num_experts=num_experts, num_blocks=num_blocks,
+        stride_am=a_q.stride(0), stride_asm=a_s.stride(0),
+        stride_we=w_q.stride(0), stride_wn=w_q.stride(1),
+        stride_wse=stride_wse, stride_wsn=stride_wsn, stride_wsk=stride_wsk,
+        stride_cm=c.stride(0), stride_be=bias.stride(0) if bias is not None else 0,
         A_ROW_DIV=a_row_div, WS_GROUP_N=ws_group_n,
         W_SCALE_UNIFORM=granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0),
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(cfg),
     )
-    return c
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(cfg))
+    return (num_blocks * triton.cdiv(n, cfg.block_n),), args, options

@@ -425,6 +425,38 @@ def test_kernel_path_other_models(name, t):
         assert rel(y, ex(x, idx, w)) < FP8_EXPERTS_TOL
 
 
+def _unplanned(f: Fp8Experts, *args) -> torch.Tensor:
+    f.clear_plans()  # every call a first sight: the functional ops, no plan
+    return f(*args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,t,dtype,kernel_align", [
+    ("deepseek_v3", 1, torch.bfloat16, True), ("gpt_oss", 5, torch.float32, True),
+    ("qwen2_moe", 3, torch.float16, False)],
+    ids=["ds-1-bf16", "gpt_oss-bias-custom-gate-fp32", "qwen-torch-align-fp16"])
+def test_kernel_path_plans_give_the_same_bits(name, t, dtype, kernel_align, monkeypatch):
+    """From a signature's second call the module runs its ExpertsPlan: the functional path's bits,
+    with the alignment kernel or the torch-ops alignment; replacing a parameter drops the plans."""
+    if not kernel_align:
+        monkeypatch.setattr(_gg, "ALIGN_KERNEL_MAX_WORK", 0)
+    ex = _experts(name).to(KERNEL_DEVICE)
+    f = Fp8Experts.from_experts(ex, backend="triton").to(dtype)
+    ref = copy.deepcopy(f)
+    inputs = [tuple(v.to(KERNEL_DEVICE) for v in _inputs(ex, t=t, top_k=_top_k(name), seed=s, dtype=dtype))
+              for s in range(3)]
+    with torch.no_grad():
+        for i, (x, idx, w) in enumerate(inputs):
+            y = f(x, idx, w)
+            assert len(f._plans) == (1 if i >= 1 else 0)
+            assert torch.equal(y, _unplanned(ref, x, idx, w)), i
+        f.down_proj_scale_inv = nn.Parameter(f.down_proj_scale_inv.detach() * 2, requires_grad=False)
+        ref.down_proj_scale_inv = nn.Parameter(ref.down_proj_scale_inv.detach() * 2, requires_grad=False)
+        assert not f._plans
+        for x, idx, w in inputs[:2]:
+            assert torch.equal(f(x, idx, w), _unplanned(ref, x, idx, w))
+
+
 @needs_kernel
 def test_kernel_path_torch_compile_fullgraph():
     """The custom op's fake implementation and the routing ops trace without graph breaks."""
