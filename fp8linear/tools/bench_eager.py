@@ -12,7 +12,9 @@ shape and batch M this reports, for ``Fp8BlockLinear`` (``ours``) and a BF16 ``n
 ``py_calls``   Python function calls one forward makes (``sys.setprofile``)
 =============  ==============================================================================
 
-and the ratio ``ours / bf16`` of wall time. Every call of a burst reads a different input
+and the ratio ``ours / bf16`` of wall time. On a GPU with transformers installed it also times the
+routed experts (``Fp8Experts`` against transformers' BF16 ``DeepseekV3Experts``, DeepSeek-V3 widths)
+at EAGER_EXPERT_TOKENS tokens (rows ``what="experts"``, N x K = hidden x intermediate, M = tokens). Every call of a burst reads a different input
 (rotated over enough copies to exceed the L2 cache on a GPU). Without a GPU it runs on the CPU
 with the given thread count (wall = host; no GPU columns).
 """
@@ -31,11 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EAGER_SHAPES", "EAGER_MS", "EagerRow", "interleaved_wall_us", "measure_eager", "format_eager", "run_eager"]
+__all__ = ["EAGER_EXPERTS", "EAGER_EXPERT_TOKENS", "EAGER_SHAPES", "EAGER_MS", "EagerRow", "interleaved_wall_us",
+           "measure_eager", "measure_eager_experts", "format_eager", "run_eager"]
 
 # DeepSeek-V3 linear shapes (N, K) of the eager-mode targets: q_a/kv_a-like, wide q_b, expert-width down.
 EAGER_SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048))
 EAGER_MS = (1, 8, 64, 512)
+# Routed experts of the eager targets: hidden, intermediate, experts, top-k (DeepSeek-V3 widths with
+# 32 experts, as benchmarks/bench_moe.py), at these token counts.
+EAGER_EXPERTS = (7168, 2048, 32, 8)
+EAGER_EXPERT_TOKENS = (1, 8, 64)
 # Calls per timed burst: far below the CUDA launch queue (~1000 entries), so enqueueing never waits.
 _BURST = 50
 _BURSTS = 11
@@ -52,6 +59,7 @@ class EagerRow:
     gpu_us: float | None
     kernels: int | None
     py_calls: int
+    what: str = "linear"  # or "experts"
 
 
 def _sync(device: torch.device) -> None:
@@ -187,21 +195,66 @@ def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence
     return rows
 
 
+def measure_eager_experts(tokens: Sequence[int] = EAGER_EXPERT_TOKENS, device: str | torch.device | None = None,
+                          log: Callable[[str], None] | None = None) -> list[EagerRow]:
+    """Rows of Fp8Experts ("ours") and transformers' BF16 DeepseekV3Experts ("bf16") per token count;
+    none without a GPU or transformers."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return []
+    try:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+    except ImportError:
+        return []
+    from ..integrations.experts import Fp8Experts
+
+    hidden, inter, experts, top_k = EAGER_EXPERTS
+    cfg = DeepseekV3Config(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                           num_experts_per_tok=top_k, n_group=1, topk_group=1)
+    with device:
+        bf16 = DeepseekV3Experts(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        bf16.gate_up_proj.normal_(0, 0.02)
+        bf16.down_proj.normal_(0, 0.02)
+    methods: dict[str, Callable[[Any], Any]] = {"ours": lambda a, f=Fp8Experts.from_experts(bf16): f(*a),
+                                                "bf16": lambda a: bf16(*a)}
+    rows: list[EagerRow] = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for t in tokens:
+        inputs = []
+        for _ in range(8):
+            x = torch.randn(t, hidden, device=device, generator=gen).to(torch.bfloat16)
+            w, idx = torch.topk(torch.randn(t, experts, device=device, generator=gen).softmax(-1), top_k, dim=-1)
+            inputs.append((x, idx, w))
+        with torch.inference_mode():
+            times = _burst_times(methods, inputs, device)
+            for name, fn in methods.items():
+                wall, host = times[name]
+                rows.append(EagerRow(hidden, inter, t, name, wall, host, _gpu_us(fn, inputs), _kernels(fn, inputs[0]),
+                                     _py_calls(fn, inputs[0]), "experts"))
+        if log:
+            o, b = rows[-2], rows[-1]
+            log(f"experts {hidden}x{inter} tokens={t}: ours {o.wall_us:.1f} us, bf16 {b.wall_us:.1f} us")
+    return rows
+
+
 def format_eager(rows: Sequence[EagerRow]) -> str:
     def f(v: float | int | None, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    head = (f"{'N x K':>13s} {'M':>5s} | {'wall us':>15s} {'ours/bf16':>9s} | {'host us':>15s} | {'gpu us':>15s} |"
+    head = (f"{'N x K':>17s} {'M':>5s} | {'wall us':>15s} {'ours/bf16':>9s} | {'host us':>15s} | {'gpu us':>15s} |"
             f" {'kernels':>7s} | {'py calls':>8s}")
-    lines = [head, f"{'':>19s} | {'ours':>7s} {'bf16':>7s} {'':>9s} | {'ours':>7s} {'bf16':>7s} | {'ours':>7s} {'bf16':>7s} |"
+    lines = [head, f"{'':>23s} | {'ours':>7s} {'bf16':>7s} {'':>9s} | {'ours':>7s} {'bf16':>7s} | {'ours':>7s} {'bf16':>7s} |"
                    f" {'o/b':>7s} | {'o/b':>8s}"]
     pairs = {}
     for r in rows:
-        pairs.setdefault((r.n, r.k, r.m), {})[r.method] = r
-    for (n, k, m), p in pairs.items():
+        pairs.setdefault((r.what, r.n, r.k, r.m), {})[r.method] = r
+    for (what, n, k, m), p in pairs.items():
         o, b = p["ours"], p["bf16"]
+        label = f"{n}x{k}" if what == "linear" else f"{what} {n}x{k}"
         lines.append(
-            f"{f'{n}x{k}':>13s} {m:5d} | {o.wall_us:7.1f} {b.wall_us:7.1f} {o.wall_us / b.wall_us:9.2f} |"
+            f"{label:>17s} {m:5d} | {o.wall_us:7.1f} {b.wall_us:7.1f} {o.wall_us / b.wall_us:9.2f} |"
             f" {o.host_us:7.1f} {b.host_us:7.1f} | {f(o.gpu_us, '7.1f'):>7s} {f(b.gpu_us, '7.1f'):>7s} |"
             f" {f(o.kernels, 'd'):>3s}/{f(b.kernels, 'd'):<3s} | {o.py_calls:4d}/{b.py_calls:<3d}")
     return "\n".join(lines)
@@ -221,6 +274,7 @@ def run_eager(args: argparse.Namespace) -> int:
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else EAGER_SHAPES
     rows = measure_eager(shapes, tuple(args.m) if args.m else EAGER_MS, args.device,
                          log=None if args.json else print)
+    rows += measure_eager_experts(device=args.device, log=None if args.json else print)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
         return 0

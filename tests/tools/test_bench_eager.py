@@ -39,3 +39,12 @@ def test_burst_times_interleave_methods_round_by_round(monkeypatch):
     assert set(times) == {"a", "b"} and all(w >= h > 0 for w, h in times.values())
     bursts = [calls[i] for i in range(6, len(calls), 2)]  # after 3 warm-up calls each, one entry per burst
     assert bursts == ["a", "b", "b", "a", "a", "b", "b", "a"]
+
+
+def test_experts_rows_gpu_only_and_labelled():
+    """Without a GPU no experts rows; with them, the table labels experts apart from a linear of the same N x K."""
+    assert bench_eager.measure_eager_experts(device="cpu") == []
+    rows = [bench_eager.EagerRow(7168, 2048, 1, name, 10.0, 9.0, None, None, 5, what)
+            for what in ("linear", "experts") for name in ("ours", "bf16")]
+    table = bench_eager.format_eager(rows).splitlines()
+    assert len(table) == 4 and "experts 7168x2048" in table[3] and "experts" not in table[2]
