@@ -13,7 +13,8 @@ shape and batch M this reports, for ``Fp8BlockLinear`` (``ours``) and a BF16 ``n
 =============  ==============================================================================
 
 and the ratio ``ours / bf16`` of wall time. On a GPU with transformers installed it also times the
-routed experts (``Fp8Experts`` against transformers' BF16 ``DeepseekV3Experts``, DeepSeek-V3 widths)
+routed experts (``Fp8Experts`` against transformers' BF16 ``DeepseekV3Experts`` with its
+``grouped_mm`` implementation, DeepSeek-V3 widths)
 at EAGER_EXPERT_TOKENS tokens (rows ``what="experts"``, N x K = hidden x intermediate, M = tokens). Every call of a burst reads a different input
 (rotated over enough copies to exceed the L2 cache on a GPU). Without a GPU it runs on the CPU
 with the given thread count (wall = host; no GPU columns).
@@ -212,6 +213,7 @@ def measure_eager_experts(tokens: Sequence[int] = EAGER_EXPERT_TOKENS, device: s
     hidden, inter, experts, top_k = EAGER_EXPERTS
     cfg = DeepseekV3Config(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
                            num_experts_per_tok=top_k, n_group=1, topk_group=1)
+    cfg._experts_implementation = "grouped_mm"  # what a loaded model runs (a bare config gets the per-expert loop)
     with device:
         bf16 = DeepseekV3Experts(cfg).to(torch.bfloat16).eval()
     with torch.no_grad():
