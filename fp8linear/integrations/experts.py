@@ -386,7 +386,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         plans = self.__dict__.get("_plans")
         if plans and not torch.compiler.is_compiling():
             plan = plans.get(_signature(hidden_states, top_k_index, top_k_weights))
-            if plan is not None and _plannable_inputs(hidden_states, top_k_index):
+            if plan is not None and _plannable_inputs(hidden_states, top_k_index, top_k_weights):
                 return plan(hidden_states.view(plan.t, self.hidden_dim), top_k_index, top_k_weights).view(
                     hidden_states.shape)
         return self._forward_checked(hidden_states, top_k_index, top_k_weights)
@@ -397,7 +397,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         self.__dict__.get("_seen", set()).clear()
 
     def __setattr__(self, name: str, value) -> None:
-        if "_plans" in self.__dict__ and isinstance(value, (torch.Tensor, nn.Module)):
+        if "_plans" in self.__dict__ and (name in _EXPERTS_PLANNED_FROM or isinstance(value, (torch.Tensor, nn.Module))):
             self.clear_plans()
         super().__setattr__(name, value)
 
@@ -414,7 +414,7 @@ class Fp8Experts(QuantizedDtypesMixin):
             return None
         on_gpu = x.device.type == "cuda"
         if (backend != "triton" or not (on_gpu or interpreting()) or self.has_post_expert_norm
-                or not _plannable_inputs(x, top_k_index) or (on_gpu and torch.cuda.is_current_stream_capturing())):
+                or not _plannable_inputs(x, top_k_index, top_k_weights) or (on_gpu and torch.cuda.is_current_stream_capturing())):
             return None
         key = _signature(x, top_k_index, top_k_weights)
         seen = self.__dict__.setdefault("_seen", set())
@@ -519,6 +519,9 @@ class Fp8Experts(QuantizedDtypesMixin):
         )
 
 
+# Attributes a plan was made from (besides tensors and submodules, which clear the plans too).
+_EXPERTS_PLANNED_FROM = frozenset(("backend", "has_post_expert_norm", "act_fn", "has_gate", "has_bias",
+                                   "hidden_dim", "intermediate_dim", "num_experts"))
 # Input signatures (shapes and dtypes) an Fp8Experts keeps plans for (the oldest is dropped): decode
 # batch sizes and prefill chunk lengths. A plan holds no GPU memory.
 MAX_EXPERT_PLANS = 64
@@ -528,10 +531,10 @@ def _signature(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.
     return (x.shape, x.dtype, x.device, top_k_index.shape, top_k_index.dtype, top_k_weights.shape, top_k_weights.dtype)
 
 
-def _plannable_inputs(x: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+def _plannable_inputs(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
     """Inputs a plan's direct launches read as they are: contiguous, 16-byte aligned, not empty."""
-    return (x.numel() > 0 and x.is_contiguous() and top_k_index.is_contiguous() and x.data_ptr() % 16 == 0
-            and top_k_index.data_ptr() % 16 == 0)
+    return (x.numel() > 0 and x.is_contiguous() and top_k_index.is_contiguous() and top_k_weights.is_contiguous()
+            and x.data_ptr() % 16 == 0 and top_k_index.data_ptr() % 16 == 0 and top_k_weights.data_ptr() % 16 == 0)
 
 
 def _resolve_act(act_fn: nn.Module | Callable | str | None) -> nn.Module | Callable:

@@ -9,8 +9,8 @@ Same numerics contract as :mod:`fp8linear.reference`: the activations are quanti
 1x128 groups to the same FP8 values and scales as ``quantize_activation_ref`` (bit-exact; the
 FP8 cast itself is skipped, the GEMM reads the grid values as fp32), and the GEMM sums the same
 quantized products in fp32, in another order and with the scales folded differently. One
-exception, for speed: a single row of bf16 x with 'block' or 'tensor' scales (decode at batch 1)
-runs float16 tiles through torch's float16 GEMV, which sums in fp32 but rounds the scaled
+exception, for speed, where the compiled kernel is not available: a single row of bf16 x with
+'block' or 'tensor' scales (decode at batch 1) runs float16 tiles through torch's float16 GEMV, which sums in fp32 but rounds the scaled
 activations and each output to float16 (11 significant bits) before the bf16 output (8 bits).
 
 What makes it fast, without a BF16/fp32 copy of the weight:
@@ -219,7 +219,7 @@ def _prepared_for(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granular
 # ----------------------------------------------------------------------------- forward
 # 0-d int16 operands of the decode (a Python scalar is wrapped into a new tensor on every call).
 _I16_128 = torch.tensor(128, dtype=torch.int16)
-_ONE = torch.ones(1)  # the compiled kernel's weight scale for 'tensor' weights (their scale is on x)
+_ONE = torch.ones(1, dtype=torch.float32)  # the compiled kernel's weight scale for 'tensor' weights (their scale is on x)
 _I16_MASK = torch.tensor(_MASK, dtype=torch.int16)
 
 
@@ -446,7 +446,8 @@ def cpu_fp8_linear(
     if (0 < m <= cpu_native.NATIVE_MAX_M and p.codes.is_contiguous() and x2d.stride(1) == 1
             and cpu_native.native_kernel() is not None):
         # the compiled kernels: quantization (bit-exact with quantize_activation_grid), then the GEMV
-        xq, xs, y_m = torch.empty(m, kp), torch.empty(m, groups), torch.empty(m, n)
+        f32 = torch.float32  # what the C code reads and writes, whatever torch's default dtype
+        xq, xs, y_m = torch.empty(m, kp, dtype=f32), torch.empty(m, groups, dtype=f32), torch.empty(m, n, dtype=f32)
         cpu_native.native_quantize(x2d, kp, p.fp8_dtype, float(p.act_scale), xq, xs)
         if p.granularity == "tensor":
             ws, ws_ld, ws_gs, ws_div = _ONE, 0, 0, 1

@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..formats import GROUP_SIZE
+
 __all__ = ["KERNEL_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel",
            "native_quantize"]
 
@@ -153,10 +155,10 @@ int fp8_quant_rows(const void* x, int x_dtype, int64_t M, int64_t K, int64_t ldx
             for (int64_t k = k0; k < k0 + 128; ++k) {
                 float q = ((k < k1) ? load_x(x, x_dtype, m * ldx + k) : 0.0f) / scale;  /* padding: 0 / scale */
                 if (q == q) q = q < -qmax ? -qmax : (q > qmax ? qmax : q);
-                union { float f; int32_t i; } b, c;
+                union { float f; uint32_t u; } b, c;
                 b.f = q;
-                int32_t e = b.i & 0x7F800000;
-                c.i = (e < emin_bits ? emin_bits : e) + round_offset;
+                const uint32_t e = b.u & 0x7F800000u;  /* unsigned: NaN's exponent plus the offset wraps, defined */
+                c.u = (e < (uint32_t)emin_bits ? (uint32_t)emin_bits : e) + (uint32_t)round_offset;
                 volatile float t = q + c.f;  /* two separate fp32 roundings, never contracted */
                 out[k - k0] = t - c.f;
             }
@@ -248,12 +250,29 @@ def native_kernel() -> _Kernels | None:
     return _Kernels(gemv, quant)
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=1)
 def _pool(threads: int) -> ThreadPoolExecutor:
+    """Worker threads for row splits (one pool; a new thread count replaces it)."""
     return ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8linear-cpu")
 
 
+def _drop_pool_after_fork() -> None:
+    # a forked child inherits the pool's state but not its threads: it makes its own
+    _pool.cache_clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_pool_after_fork)
+
+
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _check_f32(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    """The C code reads and writes these buffers as contiguous fp32 of exactly this shape."""
+    if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, "
+                         f"got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
 
 
 def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor: float,
@@ -265,6 +284,11 @@ def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor
     from ..reference import AMAX_FLOOR
 
     m, k = x2d.shape
+    _check_f32(xq, (m, kp), "xq")
+    _check_f32(xs, (m, kp // GROUP_SIZE), "xs")
+    if x2d.dtype not in _X_DTYPES or x2d.stride(1) != 1 or kp < k or kp % GROUP_SIZE:
+        raise ValueError(f"x must be (M, K) fp32/bf16/fp16 with unit column stride and Kp a multiple of 128 >= K, "
+                         f"got {x2d.dtype} {tuple(x2d.shape)} strides {x2d.stride()}, Kp={kp}")
     status = native_kernel().quant(
         x2d.data_ptr(), _X_DTYPES[x2d.dtype], m, k, x2d.stride(0), kp, activation_max(fp8_dtype), AMAX_FLOOR,
         (127 + fp8_min_exponent(fp8_dtype)) << 23, (20 << 23) | (1 << 22), x_factor, xq.data_ptr(), xs.data_ptr())
@@ -285,6 +309,13 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
     n, k = codes.shape
     m, kp = xq.shape
     groups = xs.shape[1]
+    if codes.dtype != torch.int8 or not codes.is_contiguous():
+        raise ValueError(f"codes must be a contiguous int8 (N, K) tensor, got {codes.dtype} strides {codes.stride()}")
+    _check_f32(xq, (m, groups * GROUP_SIZE), "xq")
+    _check_f32(xs, (m, groups), "xs")
+    _check_f32(y, (m, n), "y")
+    if ws.dtype != torch.float32 or not ws.is_contiguous():
+        raise ValueError(f"ws must be contiguous float32, got {ws.dtype}")
     args = (codes.data_ptr(), k, xq.data_ptr(), m, kp, xs.data_ptr(), groups, ws.data_ptr(), ws_ld, ws_gs, ws_div,
             y.data_ptr(), y.stride(0))
     threads = torch.get_num_threads()

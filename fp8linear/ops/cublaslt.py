@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from functools import lru_cache
 
 import torch
@@ -178,7 +179,7 @@ class LtBlockGemm:
     """
 
     __slots__ = ("lib", "handle", "desc", "a_layout", "plans", "w_q", "w_ptr", "scale_b", "bias", "n", "k",
-                 "device_index", "scale_ptr", "one", "zero")
+                 "device_index", "scale_ptr", "one", "zero", "lock")
 
     def __init__(self, w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool, bias: torch.Tensor | None) -> None:
         lib = self.lib = _lib()
@@ -206,6 +207,7 @@ class LtBlockGemm:
         self.a_layout = _layout(lib, _CUDA_R_8F_E4M3, self.k, self.n, self.k)
         self.plans: dict[int, tuple | None] = {}  # M -> (B layout, D layout, algo, workspace bytes), None: no algo
         self.scale_ptr = _P()  # the activation scales' address, updated per call
+        self.lock = threading.Lock()
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def plan(self, m: int) -> tuple | None:
@@ -256,17 +258,17 @@ class LtBlockGemm:
 
     def run(self, plan: tuple, x_q: int, x_s: int, y: int, workspace: int) -> None:
         """Enqueue y = the GEMM of `plan`'s M on the current stream. Raw device addresses: x_q (M, K)
-        row-major, x_s (M, K/128) M-major, y (M, N) bf16, and `plan`'s workspace bytes (16-byte aligned)."""
+        row-major, x_s (M, K/128) M-major, y (M, N) bf16, and `plan`'s workspace bytes (256-byte aligned)."""
         b_layout, d_layout, algo, ws_bytes = plan
         lib = self.lib
-        self.scale_ptr.value = x_s
-        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_B_SCALE_POINTER, ctypes.byref(self.scale_ptr), 8),
-               "cublasLtMatmulDescSetAttribute(B scale)")
-        _check(lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.one), self.w_ptr, self.a_layout, x_q,
-                                  b_layout, ctypes.byref(self.zero), y, d_layout, y, d_layout, ctypes.byref(algo),
-                                  workspace if ws_bytes else None, ws_bytes,
-                                  torch._C._cuda_getCurrentRawStream(self.device_index)),
-               "cublasLtMatmul")
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        with self.lock:  # the descriptor's B-scale address is per call: one thread at a time sets and uses it
+            self.scale_ptr.value = x_s
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_B_SCALE_POINTER, ctypes.byref(self.scale_ptr),
+                                                      8), "cublasLtMatmulDescSetAttribute(B scale)")
+            _check(lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.one), self.w_ptr, self.a_layout, x_q,
+                                      b_layout, ctypes.byref(self.zero), y, d_layout, y, d_layout, ctypes.byref(algo),
+                                      workspace if ws_bytes else None, ws_bytes, stream), "cublasLtMatmul")
 
 
 def lt_block_gemm(w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool,

@@ -96,7 +96,8 @@ class CublasLinear:
             direct = os.environ.get("FP8LINEAR_CUBLASLT", "1") != "0"
         # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm
         self.lt = lt_block_gemm(w_q, self.scale_b, cublas_row_scales(w_q, granularity), bias) if direct else None
-        self.scratch: dict[int, Scratch] = {}  # rows -> x_q, x_s (M-major) and the cuBLASLt workspace, one buffer
+        # (rows, workspace bytes) -> x_q, x_s (M-major) and the cuBLASLt workspace, one buffer
+        self.scratch: dict[tuple[int, int], Scratch] = {}
 
     def quant_call(self, x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor) -> KernelCall:
         """The prepared act_quant launch for x (..., K) into x_q, x_s (made on first use)."""
@@ -116,7 +117,7 @@ class CublasLinear:
         grid = (-(-rows // block_m), -(-k // GROUP_SIZE), 1)
         plan = self.lt.plan(rows) if self.lt is not None else None
         if plan is not None:  # one scratch allocation, raw addresses, cuBLASLt called directly
-            scratch = self.scratch.get(rows) or self._scratch(rows, plan[3])
+            scratch = self.scratch.get((rows, plan[3])) or self._scratch(rows, plan[3])
             buf = scratch.allocate(x.device)
             y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
             q_addr, s_addr, ws_addr = scratch.addresses(buf)
@@ -142,7 +143,7 @@ class CublasLinear:
     def _scratch(self, rows: int, workspace_bytes: int) -> Scratch:
         if len(self.scratch) >= MAX_CUBLAS_SCRATCH_SHAPES:
             del self.scratch[next(iter(self.scratch))]
-        scratch = self.scratch[rows] = Scratch((((rows, self.k), self.fp8_dtype),
+        scratch = self.scratch[(rows, workspace_bytes)] = Scratch((((rows, self.k), self.fp8_dtype),
                                                  ((-(-self.k // GROUP_SIZE), rows), torch.float32),
                                                  ((max(workspace_bytes, 1),), torch.uint8)))
         return scratch

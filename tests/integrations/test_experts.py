@@ -450,6 +450,11 @@ def test_kernel_path_plans_give_the_same_bits(name, t, dtype, kernel_align, monk
             y = f(x, idx, w)
             assert len(f._plans) == (1 if i >= 1 else 0)
             assert torch.equal(y, _unplanned(ref, x, idx, w)), i
+        f.has_post_expert_norm = False  # an attribute plans are made from: they go
+        assert not f._plans
+        f(*inputs[0])
+        f(*inputs[0])
+        assert f._plans
         f.down_proj_scale_inv = nn.Parameter(f.down_proj_scale_inv.detach() * 2, requires_grad=False)
         ref.down_proj_scale_inv = nn.Parameter(ref.down_proj_scale_inv.detach() * 2, requires_grad=False)
         assert not f._plans

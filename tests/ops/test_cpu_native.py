@@ -4,6 +4,8 @@ against the float64 reference; skipped where it cannot be built (no C compiler, 
 from __future__ import annotations
 
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -171,3 +173,49 @@ def test_rows_beyond_the_kernel_are_refused():
     with pytest.raises(ValueError, match="rows"):
         cpu_native.native_gemv(p.codes, torch.zeros(m, 128), torch.ones(m, 1), p.block_scale, 1, 1, 128,
                                torch.empty(m, 128))
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
+def test_any_default_dtype(default):
+    """The kernel's buffers are fp32 whatever torch's default dtype (a bf16 default is common in LLM scripts)."""
+    w_q, w_s = quantize_weight_ref(torch.randn(256, 300, dtype=torch.float32) / 17, "block", torch.float8_e4m3fn)
+    x = torch.randn(2, 300, dtype=torch.bfloat16)
+    expected = cpu_fp8_linear(x, w_q, w_s, "block")
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(default)
+        y = cpu_fp8_linear(x, w_q, w_s, "block")
+    finally:
+        torch.set_default_dtype(saved)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_splits_rows_again(monkeypatch):
+    """A forked child does not wait on the parent's worker threads (it makes its own pool)."""
+    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 0)
+    w_q, w_s = quantize_weight_ref(torch.randn(512, 256) / 16, "block", torch.float8_e4m3fn)
+    x = torch.randn(2, 256)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = cpu_fp8_linear(x, w_q, w_s, "block")  # the parent's pool exists now
+        pid = os.fork()
+        if pid == 0:  # child: exit code 0 if the split call returns the same bits within 20 s
+            signal.alarm(20)
+            os._exit(0 if torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), y) else 3)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(saved)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_buffers_are_checked_before_the_c_code_sees_them():
+    w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
+    p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
+    with pytest.raises(ValueError, match="float32"):
+        cpu_native.native_gemv(p.codes, torch.zeros(1, 128, dtype=torch.float64), torch.ones(1, 1), p.block_scale,
+                               1, 1, 128, torch.empty(1, 128))
+    with pytest.raises(ValueError, match="shape"):
+        cpu_native.native_quantize(torch.randn(1, 128), 128, torch.float8_e4m3fn, 1.0, torch.empty(1, 64),
+                                   torch.empty(1, 1))
