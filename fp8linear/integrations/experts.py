@@ -392,7 +392,9 @@ class Fp8Experts(QuantizedDtypesMixin):
         return self._forward_checked(hidden_states, top_k_index, top_k_weights)
 
     def clear_plans(self) -> None:
-        """Forget the kept launch plans (done on parameter replacement, loading and moves)."""
+        """Forget the kept launch plans (done on parameter replacement, loading and moves; call it after
+        swapping a parameter's ``.data`` or ``_parameters`` entry by other means: plans hold the
+        tensors they were made with)."""
         self.__dict__.get("_plans", {}).clear()
         self.__dict__.get("_seen", set()).clear()
 
