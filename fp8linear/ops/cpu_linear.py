@@ -147,6 +147,9 @@ def _weight_key(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> tuple:
             weight_scale_inv.data_ptr(), weight_scale_inv._version, weight_scale_inv.shape)
 
 
+_ONE = torch.ones(1, dtype=torch.float32)  # the compiled kernel's weight scale for 'tensor' weights (their scale is on x)
+
+
 class CpuFp8Weight:
     """What :func:`cpu_fp8_linear` precomputes per weight: no copy of the weight, N*K/128 floats at most.
 
@@ -160,7 +163,7 @@ class CpuFp8Weight:
     """
 
     __slots__ = ("granularity", "n", "k", "groups", "fp8_dtype", "codes", "row_scale", "block_scale",
-                 "tensor_scale", "nan_rows", "x_factor", "act_scale", "block_scale_x", "tiles", "key",
+                 "tensor_scale", "nan_rows", "x_factor", "act_scale", "block_scale_x", "tiles", "key", "native_scales",
                  "__weakref__")
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, granularity: str):
@@ -186,6 +189,13 @@ class CpuFp8Weight:
         if self.tensor_scale is not None:
             self.act_scale = self.act_scale * self.tensor_scale
         self.block_scale_x = self.block_scale.view(-1, 1, self.groups) * self.x_factor if granularity == "block" else None
+        # the compiled kernel's scale arguments: (activation scale factor, weight scales, row stride,
+        # group stride, rows per scale row), see fp8linear.ops.cpu_native.native_gemv
+        if granularity == "tensor":
+            self.native_scales = (float(self.act_scale), _ONE, 0, 0, 1)
+        else:
+            ws = self.block_scale if granularity == "block" else self.row_scale
+            self.native_scales = (float(self.act_scale), ws, self.groups, 1, GROUP_SIZE if granularity == "block" else 1)
         self.tiles: dict = {}  # tile rows (or ("half", rows)) -> the tiles, see _tiles and _half_tiles
         codes = weight.view(torch.uint8)
         bad = (codes & 0x7F) == 0x7F if weight.dtype == torch.float8_e4m3fn else codes == 0x80
@@ -219,7 +229,6 @@ def _prepared_for(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granular
 # ----------------------------------------------------------------------------- forward
 # 0-d int16 operands of the decode (a Python scalar is wrapped into a new tensor on every call).
 _I16_128 = torch.tensor(128, dtype=torch.int16)
-_ONE = torch.ones(1, dtype=torch.float32)  # the compiled kernel's weight scale for 'tensor' weights (their scale is on x)
 _I16_MASK = torch.tensor(_MASK, dtype=torch.int16)
 
 
@@ -448,12 +457,8 @@ def cpu_fp8_linear(
         # the compiled kernels: quantization (bit-exact with quantize_activation_grid), then the GEMV
         f32 = torch.float32  # what the C code reads and writes, whatever torch's default dtype
         xq, xs, y_m = torch.empty(m, kp, dtype=f32), torch.empty(m, groups, dtype=f32), torch.empty(m, n, dtype=f32)
-        cpu_native.native_quantize(x2d, kp, p.fp8_dtype, float(p.act_scale), xq, xs)
-        if p.granularity == "tensor":
-            ws, ws_ld, ws_gs, ws_div = _ONE, 0, 0, 1
-        else:
-            ws = p.block_scale if p.granularity == "block" else p.row_scale
-            ws_ld, ws_gs, ws_div = groups, 1, GROUP_SIZE if p.granularity == "block" else 1
+        act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
+        cpu_native.native_quantize(x2d, kp, p.fp8_dtype, act_scale, xq, xs)
         cpu_native.native_gemv(p.codes, xq, xs, ws, ws_ld, ws_gs, ws_div, y_m)
         return _m_major_output(y_m, bias_f, x2d.dtype, p)
     pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None

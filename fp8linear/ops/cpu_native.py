@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..formats import GROUP_SIZE
+from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
+from ..reference import AMAX_FLOOR
 
 __all__ = ["KERNEL_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel",
            "native_quantize"]
@@ -268,6 +269,12 @@ if hasattr(os, "register_at_fork"):
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+@lru_cache(maxsize=4)
+def _quant_constants(fp8_dtype: torch.dtype) -> tuple[float, float, int, int]:
+    """(qmax, amax floor, FP32 bits of the FP8 subnormal exponent, rounding offset) of the quantization."""
+    return activation_max(fp8_dtype), AMAX_FLOOR, (127 + fp8_min_exponent(fp8_dtype)) << 23, (20 << 23) | (1 << 22)
+
+
 def _check_f32(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
     """The C code reads and writes these buffers as contiguous fp32 of exactly this shape."""
     if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
@@ -280,9 +287,6 @@ def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor
     """Per-token 1x128 quantization of x2d (M, K) (fp32/bf16/fp16, unit column stride) into xq
     (M, Kp) fp32 FP8 values, zero past K, and xs (M, Kp/128) = scales * x_factor: the values and
     scales of :func:`fp8linear.ops.cpu_linear.quantize_activation_grid`, bit for bit."""
-    from ..formats import activation_max, fp8_min_exponent
-    from ..reference import AMAX_FLOOR
-
     m, k = x2d.shape
     _check_f32(xq, (m, kp), "xq")
     _check_f32(xs, (m, kp // GROUP_SIZE), "xs")
@@ -290,8 +294,8 @@ def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor
         raise ValueError(f"x must be (M, K) fp32/bf16/fp16 with unit column stride and Kp a multiple of 128 >= K, "
                          f"got {x2d.dtype} {tuple(x2d.shape)} strides {x2d.stride()}, Kp={kp}")
     status = native_kernel().quant(
-        x2d.data_ptr(), _X_DTYPES[x2d.dtype], m, k, x2d.stride(0), kp, activation_max(fp8_dtype), AMAX_FLOOR,
-        (127 + fp8_min_exponent(fp8_dtype)) << 23, (20 << 23) | (1 << 22), x_factor, xq.data_ptr(), xs.data_ptr())
+        x2d.data_ptr(), _X_DTYPES[x2d.dtype], m, k, x2d.stride(0), kp, *_quant_constants(fp8_dtype), x_factor,
+        xq.data_ptr(), xs.data_ptr())
     if status:
         raise ValueError("the CPU FP8 quantization kernel refused its arguments")
 
