@@ -3,7 +3,14 @@ torch._scaled_mm, both behind the same CublasLinear (act_quant into cuBLAS's lay
 with BF16 nn.Linear in the same interleaved eager rounds; GPU time under CUDA graphs; and whether
 the two give the same bits.
 
+With ``--gemm``: the GEMM alone on quantized activations under CUDA graphs (the `fp8linear bench`
+timer, operands rotated past L2, methods interleaved): BF16, per-tensor cuBLAS FP8, our router's
+choice without cuBLAS, cuBLASLt with torch's workspace limit (torch._scaled_mm's algorithm), with
+LT_WORKSPACE_LIMIT (the heuristic's first algorithm, what the package runs) and the fastest of the
+heuristic's first --algos algorithms at that limit (with its index).
+
     python benchmarks/cublaslt_probe.py [--m 64 128 512 2048]
+    python benchmarks/cublaslt_probe.py --gemm [--m 77 128 256 512] [--algos 8]
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048), (1536, 7168), (32768, 512),
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", nargs="+", type=int, default=[64, 128, 512, 2048])
+    p.add_argument("--gemm", action="store_true", help="GEMM alone under CUDA graphs, cuBLASLt workspace limits")
+    p.add_argument("--algos", type=int, default=8, help="with --gemm: heuristic algorithms timed")
+    p.add_argument("--shapes", nargs="+", default=None, help="with --gemm: NxK shapes (default: SHAPES)")
     args = p.parse_args()
+    if args.gemm:
+        return gemm_probe(args)
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; eager wall us per call (GPU us under graphs)")
     print(f"{'shape':>12s} {'M':>5s} {'bf16':>14s} {'scaled_mm':>14s} {'direct':>14s} {'dir/mm':>7s} {'dir/bf16':>8s} same")
@@ -45,6 +57,74 @@ def main() -> None:
             cell = lambda name: f"{wall[name]:6.1f} ({gpu[name] or float('nan'):5.1f})"  # noqa: E731
             print(f"{n:>5d}x{k:<6d} {m:5d} {cell('bf16'):>14s} {cell('scaled_mm'):>14s} {cell('direct'):>14s}"
                   f" {wall['direct'] / wall['scaled_mm']:7.3f} {wall['direct'] / wall['bf16']:8.3f} {same}")
+
+
+def gemm_probe(args: argparse.Namespace) -> None:
+    from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale
+    from fp8linear.ops.cublaslt import LT_WORKSPACE_LIMIT, LtBlockGemm, torch_workspace_limit
+    from fp8linear.ops.gemm import block_fp8_gemm
+    from fp8linear.ops.quant import act_quant
+    from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
+
+    dev = torch.device("cuda")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    print(f"{torch.cuda.get_device_name()}; GEMM us per call under CUDA graphs")
+    print(f"{'shape':>12s} {'M':>5s} {'bf16':>6s} {'p-tens':>6s} {'ours':>6s} {'lt-1M':>6s} {'lt-32M':>6s}"
+          f" {'best':>6s} idx  ws-MiB  best/ours  min(lt,ours)/bf16")
+    for n, k in shapes:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w_q, w_s = quantize_weight(w, "block")
+        scale_b = cublas_weight_scale(w_q, w_s, "block")
+        rows_scales = cublas_row_scales(w_q, "block")
+        small = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None, workspace_limit=torch_workspace_limit())
+        big = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None, workspace_limit=LT_WORKSPACE_LIMIT)
+        one = torch.ones((), device=dev)
+        for m in args.m:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            x_q, x_s = act_quant(x, torch.float8_e4m3fn)
+            xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+            rows = xp_q.shape[0]
+            plans = {"lt-1M": small.plan(rows), "lt-32M": big.plan(rows)}
+            cands = big.candidate_plans(rows, args.algos)
+            fns = {"bf16": (lambda a, b: a @ b.t(), (x, w)),
+                   "p-tens": (lambda a, b: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                            out_dtype=torch.bfloat16), (x_q, w_q)),
+                   "ours": (lambda a, sa: block_fp8_gemm(a, sa, w_q, w_s, "block", torch.bfloat16), (x_q, x_s))}
+
+            def lt_fn(gemm, plan):
+                def run(a, sa):
+                    y = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
+                    ws = torch.empty(max(plan[3], 1), dtype=torch.uint8, device=dev)
+                    gemm.run(plan, a.data_ptr(), sa.data_ptr(), y.data_ptr(), ws.data_ptr())
+                    return y
+                return run
+
+            for name, plan in plans.items():
+                if plan is not None:
+                    fns[name] = (lt_fn(small if name == "lt-1M" else big, plan), (xp_q, xp_s))
+            for i, plan in enumerate(cands):
+                fns[f"algo{i}"] = (lt_fn(big, plan), (xp_q, xp_s))
+            rounds = {}
+            with torch.inference_mode():
+                for name, (fn, fargs) in fns.items():
+                    nbytes = sum(t.numel() * t.element_size() for t in fargs)
+                    try:
+                        rounds[name], _ = prepare_cuda(fn, rotation_sets(fargs, nbytes, dev), 3, True, 1500.0)
+                    except RuntimeError as e:
+                        print(f"  {name}: {str(e).splitlines()[0][:100]}")
+                us = time_rounds(rounds, 5)
+                del rounds
+            algo_us = {int(k_[4:]): v for k_, v in us.items() if k_.startswith("algo")}
+            best_i = min(algo_us, key=algo_us.get) if algo_us else -1
+            best = algo_us.get(best_i, float("nan"))
+            nan = float("nan")
+            lt = us.get("lt-32M", nan)
+            print(f"{n:>5d}x{k:<6d} {m:5d} {us['bf16']:6.1f} {us['p-tens']:6.1f} {us['ours']:6.1f}"
+                  f" {us.get('lt-1M', nan):6.1f} {lt:6.1f} {best:6.1f} {best_i:3d}"
+                  f" {(cands[best_i][3] if best_i >= 0 else 0) / 2**20:7.2f} {best / us['ours']:9.2f}"
+                  f" {min(lt, us['ours']) / us['bf16']:8.2f}")
+        del w, w_q, w_s, small, big
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from functools import lru_cache
 import torch
 
 from ..formats import GROUP_SIZE
+from .cublaslt import lt_aligned, shape_gemm
 
 __all__ = ["CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
            "cublas_row_scales", "cublas_weight_scale"]
@@ -117,8 +118,18 @@ def cublas_fp8_gemm(
         x_q, x_s = _pad_rows(x_q, x_s)
     elif x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
         x_s = x_s.t().contiguous().t()  # M-major
-    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=cublas_weight_scale(w_q, w_s, granularity), bias=bias,
-                            out_dtype=torch.bfloat16)
+    scale_b = cublas_weight_scale(w_q, w_s, granularity)
+    rows, (n, k) = x_q.shape[0], w_q.shape
+    lt = None
+    if x_q.is_contiguous() and w_q.is_contiguous() and lt_aligned(x_q, w_q) and (bias is None or bias.is_contiguous()):
+        lt = shape_gemm(x_q.device.index if x_q.device.index is not None else torch.cuda.current_device(), n, k,
+                        cublas_row_scales(w_q, granularity), bias is not None)
+    if lt is not None:  # the algorithm the module's cuBLAS route runs (fp8linear.ops.cublaslt)
+        y = torch.empty((rows, n), dtype=torch.bfloat16, device=x_q.device)
+        if not lt.run_on(rows, w_q, scale_b, bias, x_q, x_s, y):
+            lt = None
+    if lt is None:
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
     return y if y.shape[0] == m else y[:m]  # a contiguous view
 
 

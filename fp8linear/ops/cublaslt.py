@@ -20,8 +20,11 @@ optional bf16 bias fused (``EPILOGUE_BIAS``). A workspace, where the chosen algo
 comes with each call's scratch from torch's caching allocator (stream-ordered, and safe under
 CUDA-graph capture).
 
-The workspace limit is torch's (``CUBLASLT_WORKSPACE_SIZE``), so cuBLASLt's heuristic picks the
-algorithm ``torch._scaled_mm`` runs: the same bits as the functional path.
+Every cuBLAS-routed GEMM of the package runs here, the functional path's too
+(:func:`fp8linear.ops.cublas_gemm.cublas_fp8_gemm`, through :func:`shape_gemm`: one set of
+descriptors per weight shape, the weight's and bias's addresses set per call), with one workspace
+limit (LT_WORKSPACE_LIMIT): the heuristic picks the same algorithm for the same M on both paths,
+so the module and the functional ops give the same bits.
 
 Where anything is missing (no libcublasLt in the process, a cuBLASLt without the blockwise scale
 modes, no algorithm for a shape) :func:`lt_block_gemm` or :meth:`LtBlockGemm.plan` returns None and
@@ -38,7 +41,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["LtBlockGemm", "lt_block_gemm"]
+__all__ = ["LT_WORKSPACE_LIMIT", "LtBlockGemm", "lt_aligned", "lt_block_gemm", "shape_gemm", "torch_workspace_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,20 @@ _EPILOGUE_BIAS = 4
 _SCALE_VEC128_32F, _SCALE_BLK128X128_32F = 4, 5
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
-# The largest workspace an algorithm may ask for: torch's cuBLASLt limit (CUBLASLT_WORKSPACE_SIZE,
-# KiB, default 1024), so the heuristic picks the algorithm torch._scaled_mm runs and the results are
-# the same bits as the functional path's. (H100: a 32 MiB limit lets 2112x7168 at M=64 take a
-# 1.03 MiB split-K algorithm, 17.4 against 23.6 us under CUDA graphs.)
+# The largest workspace an algorithm may ask for. torch._scaled_mm's limit is 1 MiB
+# (CUBLASLT_WORKSPACE_SIZE, KiB, default 1024); with 32 MiB the heuristic takes split-K algorithms
+# where few output tiles leave SMs idle (H100, CUDA graphs: 2112x7168 at M=64 17.4 against 23.6 us,
+# a 1.03 MiB workspace). An algorithm's workspace comes from torch's caching allocator per call, its
+# own size only (not the limit).
+LT_WORKSPACE_LIMIT = 32 * 2**20
+# torch._scaled_mm's limit, in KiB, where CUBLASLT_WORKSPACE_SIZE does not set it (tests and probes
+# compare against torch's algorithm with it).
 _TORCH_LT_WORKSPACE_KIB = 1024
+# Weight shapes the functional path keeps descriptors for (shape_gemm; the least recently used is dropped).
+_MAX_SHAPES = 256
+# cuBLASLt's heuristic assumes 256-byte aligned matrices (its default minimum alignment preference);
+# the functional path runs other addresses on torch._scaled_mm.
+_LT_ALIGN = 256
 # M values a weight keeps layouts and an algorithm for (the oldest is dropped): transformers'
 # DeepSeek attention meets a new M (the cached sequence length) at every decode step.
 _MAX_PLANS = 512
@@ -78,8 +90,9 @@ class _Heuristic(ctypes.Structure):
 _P = ctypes.c_void_p
 
 
-def _workspace_limit() -> int:
-    """torch's cuBLASLt workspace limit in bytes (the environment variable it reads, in KiB)."""
+def torch_workspace_limit() -> int:
+    """torch._scaled_mm's cuBLASLt workspace limit in bytes (the environment variable it reads, in KiB):
+    an :class:`LtBlockGemm` made with it runs torch's algorithm, bit for bit."""
     text = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "")
     return (int(text) if text.isdigit() else _TORCH_LT_WORKSPACE_KIB) * 1024
 
@@ -169,25 +182,30 @@ def _layout(lib: ctypes.CDLL, dtype: int, rows: int, cols: int, ld: int) -> int:
 
 
 class LtBlockGemm:
-    """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, scale_b).T (+ bias) for one weight, on cuBLASLt.
+    """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, scale_b).T (+ bias) for one weight shape, on cuBLASLt.
 
     `w_q` (N, K) float8_e4m3fn, row-major; `scale_b` the weight scale in cuBLAS's layout
     (:func:`~fp8linear.ops.cublas_gemm.cublas_weight_scale`: (K/128, N/128) for 128x128 blocks, or
-    (K/128, N) for 1x128 scales, `row_scales`); `bias` bf16 (N,) or None. Tensors are held by
-    reference (their addresses are in the descriptors). :meth:`plan` gives the per-M part,
-    :meth:`run` enqueues one GEMM (M a multiple of 4).
+    (K/128, N) for 1x128 scales, `row_scales`); `bias` bf16 (N,) or None.
+
+    Made by :meth:`for_weight`, the weight, its scale and bias are held (their addresses stay in the
+    descriptors) and :meth:`run` enqueues a GEMM on them. Made for a shape (:func:`shape_gemm`),
+    :meth:`run_on` takes the weight, scale and bias per call. :meth:`plan` gives the per-M part
+    (layouts, algorithm, workspace bytes); M a multiple of 4. `workspace_limit`: the largest
+    workspace the heuristic may choose an algorithm for (LT_WORKSPACE_LIMIT).
     """
 
     __slots__ = ("lib", "handle", "desc", "a_layout", "plans", "w_q", "w_ptr", "scale_b", "bias", "n", "k",
-                 "device_index", "scale_ptr", "one", "zero", "lock")
+                 "has_bias", "workspace_limit", "device_index", "ptr", "one", "zero", "lock")
 
-    def __init__(self, w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool, bias: torch.Tensor | None) -> None:
+    def __init__(self, device_index: int, n: int, k: int, row_scales: bool, has_bias: bool,
+                 workspace_limit: int = LT_WORKSPACE_LIMIT) -> None:
         lib = self.lib = _lib()
-        self.device_index = w_q.device.index if w_q.device.index is not None else torch.cuda.current_device()
-        self.handle = _handle(self.device_index)
-        self.w_q, self.scale_b, self.bias = w_q, scale_b, bias  # held: the descriptors keep their addresses
-        self.w_ptr = w_q.data_ptr()
-        self.n, self.k = w_q.shape
+        self.device_index = device_index
+        self.handle = _handle(device_index)
+        self.n, self.k, self.has_bias, self.workspace_limit = n, k, has_bias, workspace_limit
+        self.w_q = self.scale_b = self.bias = None
+        self.w_ptr = 0
         desc = _P()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
                "cublasLtMatmulDescCreate")
@@ -196,23 +214,35 @@ class LtBlockGemm:
         _set(lib, self.desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
         _set(lib, self.desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F if row_scales else _SCALE_BLK128X128_32F))
         _set(lib, self.desc, _DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
-        _set(lib, self.desc, _DESC_A_SCALE_POINTER, _P(scale_b.data_ptr()))
-        # the activation scales' address is set per call; the heuristic refuses a null one
-        # (CUBLAS_STATUS_INVALID_VALUE), so until the first call it holds the weight scale's
-        _set(lib, self.desc, _DESC_B_SCALE_POINTER, _P(scale_b.data_ptr()))
-        if bias is not None:
+        if has_bias:
             _set(lib, self.desc, _DESC_EPILOGUE, ctypes.c_int32(_EPILOGUE_BIAS))
-            _set(lib, self.desc, _DESC_BIAS_POINTER, _P(bias.data_ptr()))
             _set(lib, self.desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int32(_CUDA_R_16BF))
-        self.a_layout = _layout(lib, _CUDA_R_8F_E4M3, self.k, self.n, self.k)
+        self.a_layout = _layout(lib, _CUDA_R_8F_E4M3, k, n, k)
         self.plans: dict[int, tuple | None] = {}  # M -> (B layout, D layout, algo, workspace bytes), None: no algo
-        self.scale_ptr = _P()  # the activation scales' address, updated per call
+        self.ptr = _P()  # an address set per call
         self.lock = threading.Lock()
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
+    @classmethod
+    def for_weight(cls, w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool, bias: torch.Tensor | None,
+                   workspace_limit: int = LT_WORKSPACE_LIMIT) -> LtBlockGemm:
+        """The GEMM on this weight, its scale and bias, held."""
+        index = w_q.device.index if w_q.device.index is not None else torch.cuda.current_device()
+        self = cls(index, w_q.shape[0], w_q.shape[1], row_scales, bias is not None, workspace_limit)
+        self.w_q, self.scale_b, self.bias = w_q, scale_b, bias  # held: the descriptors keep their addresses
+        self.w_ptr = w_q.data_ptr()
+        _set(self.lib, self.desc, _DESC_A_SCALE_POINTER, _P(scale_b.data_ptr()))
+        # the activation scales' address is set per call; the heuristic refuses a null one
+        # (CUBLAS_STATUS_INVALID_VALUE), so until the first call it holds the weight scale's
+        _set(self.lib, self.desc, _DESC_B_SCALE_POINTER, _P(scale_b.data_ptr()))
+        if bias is not None:
+            _set(self.lib, self.desc, _DESC_BIAS_POINTER, _P(bias.data_ptr()))
+        return self
+
     def plan(self, m: int) -> tuple | None:
         """(B layout, D layout, algorithm, workspace bytes) for M rows, made on first use and kept
-        (_MAX_PLANS of them); None where cuBLASLt has no algorithm for this M."""
+        (_MAX_PLANS of them); None where cuBLASLt has no algorithm for this M. The descriptor's
+        scale addresses must be set (non-null) when an M is first planned."""
         plan = self.plans.get(m, False)
         if plan is False:
             if len(self.plans) >= _MAX_PLANS:
@@ -220,26 +250,38 @@ class LtBlockGemm:
             plan = self.plans[m] = self._make_plan(m)
         return plan
 
-    def _make_plan(self, m: int) -> tuple | None:
+    def candidate_plans(self, m: int, count: int) -> list[tuple]:
+        """Up to `count` plans for M rows, one per algorithm the heuristic offers, best first (for probes
+        that time them; their layouts live as long as this object's process)."""
+        b_layout, d_layout, algos = self._heuristic(m, count)
+        return [(b_layout, d_layout, algo, ws) for algo, ws in algos]
+
+    def _heuristic(self, m: int, count: int) -> tuple[int, int, list[tuple[_Algo, int]]]:
         lib = self.lib
         b_layout = _layout(lib, _CUDA_R_8F_E4M3, self.k, m, self.k)
         d_layout = _layout(lib, _CUDA_R_16BF, self.n, m, self.n)
         pref = _P()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        limit = ctypes.c_size_t(_workspace_limit())
+        limit = ctypes.c_size_t(self.workspace_limit)
         status = lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
                                                           ctypes.sizeof(limit))
-        result, found = _Heuristic(), ctypes.c_int(0)
+        results, found = (_Heuristic * count)(), ctypes.c_int(0)
         if status == 0:
             status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a_layout, b_layout, d_layout,
-                                                        d_layout, pref, 1, ctypes.byref(result), ctypes.byref(found))
+                                                        d_layout, pref, count, results, ctypes.byref(found))
         lib.cublasLtMatmulPreferenceDestroy(pref)
-        if status != 0 or found.value < 1:
-            self._destroy((b_layout, d_layout))
+        algos = [(results[i].algo, results[i].workspace_size) for i in range(found.value)] if status == 0 else []
+        if not algos:
             log.info("fp8linear: cuBLASLt has no blockwise algorithm for %dx%dx%d (status %d); torch._scaled_mm runs it",
                      m, self.n, self.k, status)
+        return b_layout, d_layout, algos
+
+    def _make_plan(self, m: int) -> tuple | None:
+        b_layout, d_layout, algos = self._heuristic(m, 1)
+        if not algos:
+            self._destroy((b_layout, d_layout))
             return None
-        return b_layout, d_layout, result.algo, result.workspace_size
+        return b_layout, d_layout, algos[0][0], algos[0][1]
 
     def _destroy(self, plan: tuple | None) -> None:
         if plan is not None:
@@ -256,29 +298,72 @@ class LtBlockGemm:
         if getattr(self, "desc", None):
             self.lib.cublasLtMatmulDescDestroy(self.desc)
 
-    def run(self, plan: tuple, x_q: int, x_s: int, y: int, workspace: int) -> None:
-        """Enqueue y = the GEMM of `plan`'s M on the current stream. Raw device addresses: x_q (M, K)
-        row-major, x_s (M, K/128) M-major, y (M, N) bf16, and `plan`'s workspace bytes (256-byte aligned)."""
-        b_layout, d_layout, algo, ws_bytes = plan
-        lib = self.lib
+    def _set_ptr(self, attr: int, address: int) -> None:
+        self.ptr.value = address
+        _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(self.ptr), 8),
+               "cublasLtMatmulDescSetAttribute(address)")
+
+    def _matmul(self, plan: tuple, w: int, x_q: int, y: int, workspace: int, algo: _Algo | None = None) -> None:
+        b_layout, d_layout, plan_algo, ws_bytes = plan
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        _check(self.lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.one), w, self.a_layout, x_q,
+                                       b_layout, ctypes.byref(self.zero), y, d_layout, y, d_layout,
+                                       ctypes.byref(algo or plan_algo), workspace if ws_bytes else None, ws_bytes,
+                                       stream), "cublasLtMatmul")
+
+    def run(self, plan: tuple, x_q: int, x_s: int, y: int, workspace: int) -> None:
+        """Enqueue y = the GEMM of `plan`'s M on the held weight, on the current stream. Raw device
+        addresses: x_q (M, K) row-major, x_s (M, K/128) M-major, y (M, N) bf16, and `plan`'s
+        workspace bytes (256-byte aligned)."""
         with self.lock:  # the descriptor's B-scale address is per call: one thread at a time sets and uses it
-            self.scale_ptr.value = x_s
-            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_B_SCALE_POINTER, ctypes.byref(self.scale_ptr),
-                                                      8), "cublasLtMatmulDescSetAttribute(B scale)")
-            _check(lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.one), self.w_ptr, self.a_layout, x_q,
-                                      b_layout, ctypes.byref(self.zero), y, d_layout, y, d_layout, ctypes.byref(algo),
-                                      workspace if ws_bytes else None, ws_bytes, stream), "cublasLtMatmul")
+            self._set_ptr(_DESC_B_SCALE_POINTER, x_s)
+            self._matmul(plan, self.w_ptr, x_q, y, workspace)
+
+    def run_on(self, m: int, w_q: torch.Tensor, scale_b: torch.Tensor, bias: torch.Tensor | None,
+               x_q: torch.Tensor, x_s: torch.Tensor, y: torch.Tensor) -> bool:
+        """Enqueue y = the GEMM of M rows on this weight (this object's shape), on the current stream;
+        False (nothing enqueued) where cuBLASLt has no algorithm for M. Tensors as :meth:`run`'s
+        addresses; the workspace is allocated here."""
+        with self.lock:  # the descriptor's addresses are per call
+            self._set_ptr(_DESC_A_SCALE_POINTER, scale_b.data_ptr())
+            self._set_ptr(_DESC_B_SCALE_POINTER, x_s.data_ptr())
+            if bias is not None:
+                self._set_ptr(_DESC_BIAS_POINTER, bias.data_ptr())
+            plan = self.plan(m)
+            if plan is None:
+                return False
+            ws = torch.empty(plan[3], dtype=torch.uint8, device=y.device) if plan[3] else None
+            self._matmul(plan, w_q.data_ptr(), x_q.data_ptr(), y.data_ptr(), ws.data_ptr() if ws is not None else 0)
+        return True
 
 
 def lt_block_gemm(w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool,
                   bias: torch.Tensor | None) -> LtBlockGemm | None:
-    """The direct cuBLASLt GEMM for this weight, or None where it cannot be set up (logged once per
-    reason): no CUDA tensor, no libcublasLt, or a cuBLASLt that refuses the descriptors."""
+    """The direct cuBLASLt GEMM holding this weight, or None where it cannot be set up (logged once
+    per reason): no CUDA tensor, no libcublasLt, or a cuBLASLt that refuses the descriptors."""
     if w_q.device.type != "cuda" or torch.version.hip is not None or _lib() is None:
         return None
     try:
-        return LtBlockGemm(w_q, scale_b, row_scales, bias)
+        return LtBlockGemm.for_weight(w_q, scale_b, row_scales, bias)
+    except _Failed as e:
+        log.info("fp8linear: cuBLASLt setup failed (%s); cuBLAS GEMMs run through torch._scaled_mm", e)
+        return None
+
+
+def lt_aligned(*tensors: torch.Tensor | None) -> bool:
+    """Whether every given tensor's address has the alignment cuBLASLt's heuristic assumes (_LT_ALIGN)."""
+    return all(t is None or t.data_ptr() % _LT_ALIGN == 0 for t in tensors)
+
+
+@lru_cache(maxsize=_MAX_SHAPES)
+def shape_gemm(device_index: int, n: int, k: int, row_scales: bool, has_bias: bool) -> LtBlockGemm | None:
+    """The functional path's cuBLASLt GEMM for one weight shape on one device (kept: the least recently
+    used of _MAX_SHAPES is dropped), or None where cuBLASLt cannot be set up (logged) or
+    ``FP8LINEAR_CUBLASLT=0`` when the shape is first met: the caller runs torch._scaled_mm."""
+    if torch.version.hip is not None or os.environ.get("FP8LINEAR_CUBLASLT", "1") == "0" or _lib() is None:
+        return None
+    try:
+        return LtBlockGemm(device_index, n, k, row_scales, has_bias)
     except _Failed as e:
         log.info("fp8linear: cuBLASLt setup failed (%s); cuBLAS GEMMs run through torch._scaled_mm", e)
         return None

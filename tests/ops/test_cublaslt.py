@@ -45,42 +45,100 @@ def _pair(n: int, k: int, granularity: str, bias: bool):
     return w_q, w_s, b, direct, via_torch
 
 
+SHAPES = [(2112, 7168, "block", False), (7168, 2048, "block", True), (1536, 576, "block", False),  # K/128 = 4.5: as 1x128
+          (7168, 2304, "block", False), (576, 7168, "row", False), (4096, 1152, "row", True)]
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("n,k,granularity,bias", [
-    (2112, 7168, "block", False), (7168, 2048, "block", True), (1536, 576, "block", False),  # K/128 = 4.5: as 1x128
-    (7168, 2304, "block", False), (576, 7168, "row", False), (4096, 1152, "row", True)])
+@pytest.mark.parametrize("n,k,granularity,bias", SHAPES)
 @pytest.mark.parametrize("m", [1, 4, 77, 333, 1024, 2050])
-def test_direct_cublaslt_matches_scaled_mm_and_reference(n, k, granularity, bias, m):
-    """The same GEMM as torch._scaled_mm, bit for bit, within the float64 reference's bound, for M
-    on both sides of the padding to 4 rows, leading dimensions kept."""
-    w_q, w_s, b, direct, via_torch = _pair(n, k, granularity, bias)
+def test_direct_cublaslt_matches_functional_path_and_reference(n, k, granularity, bias, m):
+    """The module's cuBLAS route and the functional path's run the same algorithm, bit for bit,
+    within the float64 reference's bound, for M on both sides of the padding to 4 rows; the
+    functional path keeps one descriptor set per weight shape."""
+    from fp8linear.ops.cublaslt import shape_gemm
+    from fp8linear.ops.linear import run_linear_route
+    from fp8linear.ops.router import Route
+
+    w_q, w_s, b, direct, _ = _pair(n, k, granularity, bias)
     for _ in range(2):  # a new M, then the same M from the kept plan
         x = torch.randn(2, m, k, device="cuda", dtype=torch.bfloat16)
         y = direct(x)
         assert y.shape == (2, m, n) and y.dtype == torch.bfloat16
-        assert same_bits(y, via_torch(x))
+        functional = run_linear_route(Route("cublas"), x.view(-1, k), w_q, w_s, granularity, b)
+        assert same_bits(y, functional.view_as(y))
         ref = x.double() @ dequantize_weight(w_q, w_s, torch.float64).t()
         if b is not None:
             ref = ref + b.double()
         assert rel_err(y, ref) < FP8_LINEAR_TOL
-    assert len(direct.lt.plans) == 1 and direct.lt.plans[-(-2 * m // 4) * 4] is not None
+    rows = -(-2 * m // 4) * 4
+    assert len(direct.lt.plans) == 1 and direct.lt.plans[rows] is not None
+    from fp8linear.ops.cublas_gemm import cublas_row_scales
+
+    shared = shape_gemm(torch.cuda.current_device(), n, k, cublas_row_scales(w_q, granularity), bias)
+    assert shared is not None and shared.plans[rows] is not None
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("n,k,granularity,bias", SHAPES)
+@pytest.mark.parametrize("m", [4, 77, 1024])
+def test_direct_cublaslt_at_torchs_workspace_limit_matches_scaled_mm(n, k, granularity, bias, m):
+    """With torch's workspace limit the descriptors built here make cuBLASLt pick torch._scaled_mm's
+    algorithm: the same bits (the check that the descriptors say what torch's say)."""
+    from fp8linear.ops.cublas_gemm import cublas_row_scales
+    from fp8linear.ops.cublaslt import LtBlockGemm, torch_workspace_limit
+
+    w_q, w_s, b, direct, via_torch = _pair(n, k, granularity, bias)
+    direct.lt = LtBlockGemm.for_weight(w_q, direct.scale_b, cublas_row_scales(w_q, granularity), b,
+                                       workspace_limit=torch_workspace_limit())
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert same_bits(direct(x), via_torch(x))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_functional_cublas_path_falls_back_on_unaligned_or_strided_operands():
+    """An operand cuBLASLt's heuristic does not assume (an address off 256 bytes, a strided weight)
+    runs torch._scaled_mm: a correct result within the reference's bound."""
+    from fp8linear.ops.cublas_gemm import cublas_fp8_gemm
+    from fp8linear.ops.quant import act_quant
+
+    torch.manual_seed(3)
+    w_q, w_s = quantize_weight(torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.02, "block")
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ dequantize_weight(w_q, w_s, torch.float64).t()
+    x_q, x_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+    aligned = cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", None)
+    big = torch.empty(64 * 2048 + 16, dtype=torch.float8_e4m3fn, device="cuda")
+    shifted = big[16:].view(64, 2048)
+    shifted.copy_(x_q)
+    y = cublas_fp8_gemm(shifted, x_s, w_q, w_s, "block", None)
+    assert rel_err(y, ref) < FP8_LINEAR_TOL and rel_err(aligned, ref) < FP8_LINEAR_TOL
 
 
 @pytest.mark.gpu
 @needs_hopper
 def test_direct_cublaslt_in_cuda_graphs_and_fallback(monkeypatch):
-    """Captured in a CUDA graph, replays give the eager bits; an M cuBLASLt has no algorithm for runs
-    torch._scaled_mm."""
+    """Captured in a CUDA graph, replays give the eager bits, the functional path's too; an M cuBLASLt
+    has no algorithm for runs torch._scaled_mm."""
+    from fp8linear.ops.cublas_gemm import cublas_fp8_gemm
+    from fp8linear.ops.quant import act_quant
+
     w_q, w_s, b, direct, via_torch = _pair(2048, 7168, "block", False)
     xs = [torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     eager = [direct(x) for x in xs]
     static_x = xs[0].clone()
     graph, static_y = capture_graph(direct, static_x)
+    functional = lambda x: cublas_fp8_gemm(*act_quant(x, torch.float8_e4m3fn, cublas_layout=True), w_q, w_s,  # noqa: E731
+                                           "block", None)
+    graph_f, static_yf = capture_graph(functional, static_x)
     for x, y in zip(xs, eager):
         static_x.copy_(x)
         graph.replay()
-        assert same_bits(static_y, y)
+        graph_f.replay()
+        assert same_bits(static_y, y) and same_bits(static_yf, y)
     monkeypatch.setattr(type(direct.lt), "_make_plan", lambda self, m: None)
     x = torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16)
     assert same_bits(direct(x), via_torch(x))
