@@ -34,7 +34,10 @@ __all__ = ["TABLE_MS", "candidates", "sweep", "build_table", "write_table", "add
 TABLE_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
                              4096, 6144, 8192)
 _QUICK_MS: tuple[int, ...] = (16, 96, 384, 1024)
-_SPLIT_TILES = ((16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
+# Narrow tiles (N 32) spread weights of 1-4M elements (2048x1408, 576x2048) over more SMs.
+# Tiles below 64x64 are timed up to this M (above it they need 4x the programs of 64x64 tiles).
+_NARROW_TILE_MAX_M = 512
+_SPLIT_TILES = ((16, 32), (32, 32), (16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
 _REPLAYS = 5
@@ -43,7 +46,9 @@ _REPLAYS = 5
 def _tiled_candidates() -> list:
     from ..ops.configs import GemmConfig
 
-    return [GemmConfig(64, 64, 128, num_warps=4, num_stages=4), GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+    return [GemmConfig(16, 32, 128, num_warps=4, num_stages=4), GemmConfig(32, 32, 128, num_warps=4, num_stages=4),
+            GemmConfig(32, 64, 128, num_warps=4, num_stages=4),
+            GemmConfig(64, 64, 128, num_warps=4, num_stages=4), GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
             GemmConfig(128, 64, 128, num_warps=4, num_stages=4), GemmConfig(128, 128, 128, num_warps=8, num_stages=4)]
 
 
@@ -95,6 +100,8 @@ def candidates(m: int, n: int, k: int, device: torch.device) -> dict[str, tuple[
     table_cfg = router.select_config(device, m, n, k, "block")
     out.setdefault(_label("tiled", table_cfg), ("tiled", table_cfg))
     for cfg in _tiled_candidates():
+        if m > _NARROW_TILE_MAX_M and cfg.block_m * cfg.block_n < 64 * 64:
+            continue
         out.setdefault(_label("tiled", cfg), ("tiled", cfg))
     for cfg in _split_candidates(m, n, k, sm_count(device)):
         out.setdefault(_label("splitk", cfg), ("splitk", cfg))
