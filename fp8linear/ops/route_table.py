@@ -8,13 +8,17 @@ CUDA graphs and keeps the fastest. Format::
 
     {"format": "fp8linear-routes", "version": 1, "device": "NVIDIA H100 80GB HBM3", "meta": {...},
      "routes": {"N,K": {"M": {"kernel": "splitk", "block_m": 64, "block_n": 64, "split_k": 5,
-                               "num_warps": 4, "num_stages": 4, "us": 12.1, "bf16_us": 13.0}, ...}}}
+                               "num_warps": 4, "num_stages": 4, "us": 12.1, "bf16_us": 13.0}, ...}},
+     "row_routes": {"N,K": {...}}}
+
+``routes`` holds 128x128-block weights (the checkpoint format), the optional ``row_routes`` 1x128
+row-wise weights (measured apart: their scales cost our kernels and cuBLAS differently);
+per-tensor weights use the heuristic.
 
 ``kernel`` is ``cublas``, ``tiled`` (a :class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk``
 (a :class:`~fp8linear.ops.splitk_gemm.SplitKConfig`). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
 within that factor; otherwise there is no entry.
-Tables hold 128x128-block weights (the checkpoint format); other granularities use the heuristic.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .config_tables import table_filename
 from .configs import GemmConfig
 from .splitk_gemm import SplitKConfig
 
-__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "RouteEntry", "routes_dir",
+__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
            "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
 
 ROUTES_FORMAT = "fp8linear-routes"
@@ -39,6 +43,8 @@ ROUTES_VERSION = 1
 # An entry serves M within this factor of the M it was measured at (entries sit at most 1.5x apart).
 MAX_M_RATIO = 1.5
 ROUTE_KERNELS = ("cublas", "tiled", "splitk")
+# The table section of each weight granularity that has one.
+ROUTE_SECTIONS = {"block": "routes", "row": "row_routes"}
 _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
 
 
@@ -89,15 +95,20 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
     return out
 
 
-def parse_routes(doc: Any, source: str = "routes table") -> dict[tuple[int, int], dict[int, RouteEntry]]:
-    """{(N, K): {M: RouteEntry}} from a table's JSON document; ValueError naming what is wrong."""
+def parse_routes(doc: Any, source: str = "routes table",
+                 granularity: str = "block") -> dict[tuple[int, int], dict[int, RouteEntry]]:
+    """{(N, K): {M: RouteEntry}} of one granularity's section (ROUTE_SECTIONS) of a table's JSON
+    document ({} where an optional section is absent); ValueError naming what is wrong."""
     if not isinstance(doc, dict) or doc.get("format") != ROUTES_FORMAT:
         raise ValueError(f"{source}: not a {ROUTES_FORMAT!r} file")
     if doc.get("version") != ROUTES_VERSION:
         raise ValueError(f"{source}: version {doc.get('version')!r}, this fp8linear reads {ROUTES_VERSION}")
-    routes = doc.get("routes")
+    if granularity not in ROUTE_SECTIONS:
+        raise ValueError(f"{source}: tables hold granularities {tuple(ROUTE_SECTIONS)}, got {granularity!r}")
+    section = ROUTE_SECTIONS[granularity]
+    routes = doc.get(section, None if granularity == "block" else {})
     if not isinstance(routes, dict):
-        raise ValueError(f"{source}: 'routes' must be an object, got {type(routes).__name__}")
+        raise ValueError(f"{source}: {section!r} must be an object, got {type(routes).__name__}")
     out: dict[tuple[int, int], dict[int, RouteEntry]] = {}
     for key, per_m in routes.items():
         try:
@@ -105,23 +116,23 @@ def parse_routes(doc: Any, source: str = "routes table") -> dict[tuple[int, int]
         except ValueError:
             raise ValueError(f"{source}: shape key must be 'N,K', got {key!r}") from None
         if not isinstance(per_m, dict):
-            raise ValueError(f"{source}: routes[{key!r}] must be an object of M -> entry")
+            raise ValueError(f"{source}: {section}[{key!r}] must be an object of M -> entry")
         entries: dict[int, RouteEntry] = {}
         for m_text, raw in per_m.items():
             if not str(m_text).isdigit() or int(m_text) < 1:
-                raise ValueError(f"{source}: routes[{key!r}] has M key {m_text!r}, expected a positive integer")
-            entries[int(m_text)] = _entry(raw, f"{source}: routes[{key!r}][{m_text!r}]")
+                raise ValueError(f"{source}: {section}[{key!r}] has M key {m_text!r}, expected a positive integer")
+            entries[int(m_text)] = _entry(raw, f"{source}: {section}[{key!r}][{m_text!r}]")
         out[(n, k)] = entries
     return out
 
 
 @lru_cache(maxsize=8)
-def _table(device_name: str) -> dict[tuple[int, int], dict[int, RouteEntry]]:
+def _table(device_name: str, granularity: str) -> dict[tuple[int, int], dict[int, RouteEntry]]:
     path = routes_path(device_name)
     if not path.is_file():
         return {}
     with open(path, encoding="utf-8") as f:
-        return parse_routes(json.load(f), str(path))
+        return parse_routes(json.load(f), str(path), granularity)
 
 
 @lru_cache(maxsize=16)
@@ -131,14 +142,15 @@ def _device_name(index: int) -> str:
 
 def lookup_route(device: torch.device, m: int, n: int, k: int, granularity: str) -> RouteEntry | None:
     """The measured choice for this GEMM on `device`, or None (no table, shape or nearby M)."""
-    if device.type != "cuda" or granularity != "block" or torch.version.hip is not None:
+    if device.type != "cuda" or granularity not in ROUTE_SECTIONS or torch.version.hip is not None:
         return None
-    return _lookup(_device_name(device.index if device.index is not None else torch.cuda.current_device()), m, n, k)
+    return _lookup(_device_name(device.index if device.index is not None else torch.cuda.current_device()), m, n, k,
+                   granularity)
 
 
 @lru_cache(maxsize=4096)
-def _lookup(device_name: str, m: int, n: int, k: int) -> RouteEntry | None:
-    per_m = _table(device_name).get((n, k))
+def _lookup(device_name: str, m: int, n: int, k: int, granularity: str) -> RouteEntry | None:
+    per_m = _table(device_name, granularity).get((n, k))
     if not per_m:
         return None
     above = [mm for mm in per_m if m <= mm <= m * MAX_M_RATIO]

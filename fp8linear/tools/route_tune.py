@@ -5,7 +5,9 @@ past L2 (the `fp8linear bench` timer): cuBLAS blockwise (on activations quantize
 layout, as the linear layer runs it), our tiled kernel with the router's config and fixed tiles,
 our split-K kernel at several tiles and splits, the heuristic's own choice, and BF16 for reference.
 The fastest of ours or cuBLAS becomes the table entry (:mod:`fp8linear.ops.route_table`), so
-GEMMs of these shapes run what measured fastest on this GPU model. Writes the table (JSON, by a
+GEMMs of these shapes run what measured fastest on this GPU model. 128x128-block and 1x128
+row-wise weights are measured apart (``--granularity``), each into its section of the table;
+``--update`` keeps the sections not measured from the table already in ``--out``. Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
 the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -83,7 +85,7 @@ def _label(kernel: str, cfg: Any) -> str:
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
 
 
-def candidates(m: int, n: int, k: int, device: torch.device) -> dict[str, tuple[str, Any]]:
+def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block") -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape)."""
     from ..ops import router
     from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
@@ -91,13 +93,13 @@ def candidates(m: int, n: int, k: int, device: torch.device) -> dict[str, tuple[
     from ..ops.splitk_gemm import sm_count
 
     out: dict[str, tuple[str, Any]] = {}
-    cublas_ok = cublas_accepts(n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
+    cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     if cublas_ok:
         out["cublas"] = ("cublas", None)
-    heur = router._heuristic(device, m, n, k, "block", cublas_ok, True, False)
+    heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     if heur.kernel in ("tiled", "splitk"):
         out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
-    table_cfg = router.select_config(device, m, n, k, "block")
+    table_cfg = router.select_config(device, m, n, k, granularity)
     out.setdefault(_label("tiled", table_cfg), ("tiled", table_cfg))
     for cfg in _tiled_candidates():
         if m > _NARROW_TILE_MAX_M and cfg.block_m * cfg.block_n < 64 * 64:
@@ -105,15 +107,15 @@ def candidates(m: int, n: int, k: int, device: torch.device) -> dict[str, tuple[
         out.setdefault(_label("tiled", cfg), ("tiled", cfg))
     for cfg in _split_candidates(m, n, k, sm_count(device)):
         out.setdefault(_label("splitk", cfg), ("splitk", cfg))
-    shipped = lookup_route(device, m, n, k, "block")
+    shipped = lookup_route(device, m, n, k, granularity)
     if shipped is not None and shipped.config is not None:
         out.setdefault(_label(shipped.kernel, shipped.config), (shipped.kernel, shipped.config))
     return out
 
 
 def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.device, deadline_s: float,
-          log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """One row per (N, K, M): every candidate's µs per call, BF16's, and the heuristic's label."""
+          log: Callable[[str], None], granularities: Sequence[str] = ("block",)) -> list[dict[str, Any]]:
+    """One row per (granularity, N, K, M): every candidate's µs per call, BF16's, and the heuristic's label."""
     from ..functional import quantize_weight
     from ..ops import router
     from ..ops.cublas_gemm import cublas_fp8_gemm
@@ -129,34 +131,39 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
             log(f"deadline of {deadline_s:.0f}s reached: not measured from {n}x{k} on")
             break
         w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-        w_q, w_s = quantize_weight(w, "block", torch.float8_e4m3fn)
         counters = splitk_counters(n, device)
-        for m in ms:
-            x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-            x_q, x_s = act_quant(x, torch.float8_e4m3fn)
-            xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
-            fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
-            for label, (kernel, c) in candidates(m, n, k, device).items():
-                if kernel == "cublas":
-                    fns[label] = (lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, "block", None), (xp_q, xp_s, w_q, w_s))
-                else:
-                    fns[label] = ((lambda c_: lambda a, sa, b, sb: block_fp8_gemm(
-                        a, sa, b, sb, "block", torch.bfloat16, None, config=c_, counters=counters))(c),
-                        (x_q, x_s, w_q, w_s))
-            rounds = {}
-            for label, (fn, args) in fns.items():
-                try:
-                    nbytes = sum(t.numel() * t.element_size() for t in args)
-                    rounds[label], _ = prepare_cuda(fn, rotation_sets(args, nbytes, device), 3, True, _GRAPH_US)
-                except (RuntimeError, ValueError) as e:
-                    log(f"  {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
-            us = time_rounds(rounds, _REPLAYS)
-            del rounds
-            heur = router._heuristic(device, m, n, k, "block", "cublas" in us, True, False)
-            rows.append({"n": n, "k": k, "m": m, "us": us, "heuristic": _label(heur.kernel, heur.config)})
-            best = min((v, lab) for lab, v in us.items() if lab != "bf16")
-            log(f"[{time.monotonic() - t0:5.0f}s] {n}x{k} M={m}: BF16 {us['bf16']:.1f} best {best[1]} {best[0]:.1f}")
-        del w, w_q, w_s
+        for gran in granularities:
+            w_q, w_s = quantize_weight(w, gran, torch.float8_e4m3fn)
+            for m in ms:
+                x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+                x_q, x_s = act_quant(x, torch.float8_e4m3fn)
+                xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+                fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
+                for label, (kernel, c) in candidates(m, n, k, device, gran).items():
+                    if kernel == "cublas":
+                        fns[label] = ((lambda g: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None))(gran),
+                                      (xp_q, xp_s, w_q, w_s))
+                    else:
+                        fns[label] = ((lambda c_, g: lambda a, sa, b, sb: block_fp8_gemm(
+                            a, sa, b, sb, g, torch.bfloat16, None, config=c_, counters=counters))(c, gran),
+                            (x_q, x_s, w_q, w_s))
+                rounds = {}
+                for label, (fn, args) in fns.items():
+                    try:
+                        nbytes = sum(t.numel() * t.element_size() for t in args)
+                        rounds[label], _ = prepare_cuda(fn, rotation_sets(args, nbytes, device), 3, True, _GRAPH_US)
+                    except (RuntimeError, ValueError) as e:
+                        log(f"  {gran} {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
+                us = time_rounds(rounds, _REPLAYS)
+                del rounds
+                heur = router._heuristic(device, m, n, k, gran, "cublas" in us, True, False)
+                rows.append({"granularity": gran, "n": n, "k": k, "m": m, "us": us,
+                             "heuristic": _label(heur.kernel, heur.config)})
+                best = min((v, lab) for lab, v in us.items() if lab != "bf16")
+                log(f"[{time.monotonic() - t0:5.0f}s] {gran} {n}x{k} M={m}: BF16 {us['bf16']:.1f} "
+                    f"best {best[1]} {best[0]:.1f}")
+            del w_q, w_s
+        del w
         torch.cuda.empty_cache()
     return rows
 
@@ -176,18 +183,27 @@ def _entry_from_label(label: str) -> dict[str, Any]:
             "group_m": int(rest.split("g")[1]), "num_warps": warps, "num_stages": stages}
 
 
-def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """The routes table document: per (N, K, M) the fastest candidate, with its and BF16's µs."""
-    from ..ops.route_table import ROUTES_FORMAT, ROUTES_VERSION, parse_routes
+def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str, Any],
+                base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The routes table document: per granularity and (N, K, M) the fastest candidate, with its and
+    BF16's µs. `base`: a table whose sections these rows did not measure are kept."""
+    from ..ops.route_table import ROUTE_SECTIONS, ROUTES_FORMAT, ROUTES_VERSION, parse_routes
 
-    routes: dict[str, dict[str, Any]] = {}
+    doc = {"format": ROUTES_FORMAT, "version": ROUTES_VERSION, "device": device_name, "meta": meta, "routes": {}}
+    measured = {r.get("granularity", "block") for r in rows}
+    if base is not None:
+        for gran, section in ROUTE_SECTIONS.items():
+            parse_routes(base, "base routes table", gran)  # it must read back too
+            if gran not in measured and section in base:
+                doc[section] = base[section]
     for r in rows:
         best_us, best = min((v, lab) for lab, v in r["us"].items() if lab != "bf16")
         entry = _entry_from_label(best)
         entry.update(us=round(best_us, 2), bf16_us=round(r["us"]["bf16"], 2))
-        routes.setdefault(f"{r['n']},{r['k']}", {})[str(r["m"])] = entry
-    doc = {"format": ROUTES_FORMAT, "version": ROUTES_VERSION, "device": device_name, "meta": meta, "routes": routes}
-    parse_routes(doc, "new routes table")  # what we write must read back
+        section = doc.setdefault(ROUTE_SECTIONS[r.get("granularity", "block")], {})
+        section.setdefault(f"{r['n']},{r['k']}", {})[str(r["m"])] = entry
+    for gran in ROUTE_SECTIONS:
+        parse_routes(doc, "new routes table", gran)  # what we write must read back
     return doc
 
 
@@ -199,14 +215,18 @@ def write_table(doc: dict[str, Any], path: Path) -> Path:
 
 
 def heuristic_report(rows: Sequence[dict[str, Any]]) -> str:
-    """How the heuristic's choice compares with the fastest candidate (for shapes in no table)."""
-    ratios = [r["us"][r["heuristic"]] / min(v for lab, v in r["us"].items() if lab != "bf16")
-              for r in rows if r["heuristic"] in r["us"]]
-    if not ratios:
-        return "heuristic: no case where its choice was timed"
-    gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    return (f"heuristic / fastest: geomean {gm:.3f}, max {max(ratios):.2f}, within 1.2x in "
-            f"{sum(r <= 1.2 for r in ratios)} of {len(ratios)} cases")
+    """How the heuristic's choice compares with the fastest candidate (for shapes in no table), per granularity."""
+    lines = []
+    for gran in dict.fromkeys(r.get("granularity", "block") for r in rows):
+        ratios = [r["us"][r["heuristic"]] / min(v for lab, v in r["us"].items() if lab != "bf16")
+                  for r in rows if r.get("granularity", "block") == gran and r["heuristic"] in r["us"]]
+        if not ratios:
+            lines.append(f"heuristic ({gran}): no case where its choice was timed")
+            continue
+        gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"heuristic / fastest ({gran}): geomean {gm:.3f}, max {max(ratios):.2f}, within 1.2x in "
+                     f"{sum(r <= 1.2 for r in ratios)} of {len(ratios)} cases")
+    return "\n".join(lines) or "heuristic: no case where its choice was timed"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,6 +235,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--m", nargs="+", type=int, default=None, help=f"default: {list(TABLE_MS)}")
     parser.add_argument("--quick", action="store_true", help=f"M in {list(_QUICK_MS)} only")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting new shapes after this long")
+    parser.add_argument("--granularity", nargs="+", choices=("block", "row"), default=["block", "row"],
+                        help="weight granularities to measure (default: both)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the granularities not measured now from the table already in --out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,17 +255,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"fp8linear tune-routes: M must be positive, got {ms}", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
-    rows = sweep(shapes, ms, device, args.deadline_s, lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(args.out)
     name = torch.cuda.get_device_name(device)
+    import json
+
     import triton
 
     from ..ops.route_table import routes_path
 
+    base = None
+    if args.update:
+        try:
+            with open(routes_path(name, out), encoding="utf-8") as f:
+                base = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"fp8linear tune-routes: --update needs a readable table in {out}: {e}", file=sys.stderr)
+            return 2
+    rows = sweep(shapes, ms, device, args.deadline_s, lambda s: print(s, file=sys.stderr, flush=True),
+                 tuple(dict.fromkeys(args.granularity)))
+
     meta = {"tool": "fp8linear tune-routes", "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
     write_table({"gpu": name, "meta": meta, "rows": rows}, out / "route_sweep.json")
-    path = write_table(build_table(rows, name, meta), routes_path(name, out))
+    path = write_table(build_table(rows, name, meta, base), routes_path(name, out))
     print(heuristic_report(rows))
     print(f"wrote {path} ({len(rows)} cases) and {out / 'route_sweep.json'}")
     return 0

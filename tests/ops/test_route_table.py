@@ -22,13 +22,15 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     assert files, "no routes table is shipped"
     for path in files:
         with open(path, encoding="utf-8") as f:
-            table = route_table.parse_routes(json.load(f), str(path))
-        assert table
-        for (n, k), per_m in table.items():
-            ms = sorted(per_m)
-            # every M from 1 to the largest measured one has an entry within MAX_M_RATIO
-            assert ms[0] == 1
-            assert all(b <= a * route_table.MAX_M_RATIO ** 2 for a, b in zip(ms, ms[1:])), (n, k, ms)
+            doc = json.load(f)
+        for gran in route_table.ROUTE_SECTIONS:
+            table = route_table.parse_routes(doc, str(path), gran)
+            assert table, (path, gran)
+            for (n, k), per_m in table.items():
+                ms = sorted(per_m)
+                # every M from 1 to the largest measured one has an entry within MAX_M_RATIO
+                assert ms[0] == 1
+                assert all(b <= a * route_table.MAX_M_RATIO ** 2 for a, b in zip(ms, ms[1:])), (gran, n, k, ms)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -60,15 +62,31 @@ def test_entries_round_trip():
 def test_lookup_takes_the_entry_at_or_above_m(monkeypatch, m, expected):
     table = {(576, 7168): {mm: route_table.RouteEntry("tiled", GemmConfig(16, 64, 128, num_stages=mm % 7 + 1))
                            for mm in (1, 64, 96, 4096)}}
-    monkeypatch.setattr(route_table, "_table", lambda name: table)
+    monkeypatch.setattr(route_table, "_table", lambda name, gran: table if gran == "block" else {})
     monkeypatch.setattr(route_table, "_device_name", lambda index: "X")
     route_table._lookup.cache_clear()  # answers cached for another table
     monkeypatch.setattr(torch.version, "hip", None)
     got = route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "block")
     route_table._lookup.cache_clear()
     assert got == (None if expected is None else table[(576, 7168)][expected])
-    assert route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "row") is None  # block tables only
+    assert route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "row") is None  # not in the row section
+    assert route_table.lookup_route(torch.device("cuda", 0), m, 576, 7168, "tensor") is None  # no section
     assert route_table.lookup_route(torch.device("cpu"), m, 576, 7168, "block") is None
+
+
+def test_row_section_is_read_apart_and_optional():
+    """Row-wise weights have their own section; a table without one gives no row entries."""
+    block = {"576,7168": {"1": {"kernel": "cublas"}}}
+    row = {"576,7168": {"1": route_table.entry_to_json(route_table.RouteEntry("tiled", GemmConfig(16, 32, 128)))}}
+    doc = {**_doc(block), "row_routes": row}
+    assert route_table.parse_routes(doc)[(576, 7168)][1].kernel == "cublas"
+    assert route_table.parse_routes(doc, granularity="row")[(576, 7168)][1] == route_table.RouteEntry(
+        "tiled", GemmConfig(16, 32, 128))
+    assert route_table.parse_routes(_doc(block), granularity="row") == {}
+    with pytest.raises(ValueError, match="'row_routes' must be an object"):
+        route_table.parse_routes({**_doc(block), "row_routes": []}, granularity="row")
+    with pytest.raises(ValueError, match="granularities"):
+        route_table.parse_routes(doc, granularity="tensor")
 
 
 CPU = torch.device("cpu")  # sm_count: 4 SMs

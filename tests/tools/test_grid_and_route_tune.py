@@ -108,6 +108,24 @@ def test_entry_labels_round_trip_through_the_table():
     assert f"geomean {(12 / 9.5) ** (1 / 3):.3f}, max 1.26" in report and "within 1.2x in 2 of 3" in report  # heuristic 1.0, 1.0, 12/9.5
 
 
+def test_row_rows_go_to_their_section_and_update_keeps_the_other():
+    """Rows of row-wise weights fill the row section; a base table's section not measured now is kept,
+    one that is measured now is replaced; the heuristic report is per granularity."""
+    block_rows = [{"n": 576, "k": 7168, "m": 1, "heuristic": "cublas", "us": {"bf16": 8.0, "cublas": 7.0}}]
+    row_rows = [{"granularity": "row", "n": 576, "k": 7168, "m": 1, "heuristic": "tiled:16x32x128w4s4g8",
+                 "us": {"bf16": 8.0, "cublas": 9.0, "tiled:16x32x128w4s4g8": 7.5}}]
+    base = route_tune.build_table(block_rows, "X", {})
+    assert "row_routes" not in base
+    both = route_tune.build_table(row_rows, "X", {}, base=base)
+    assert both["routes"] == base["routes"]
+    assert route_table.parse_routes(both, granularity="row")[(576, 7168)][1].kernel == "tiled"
+    new_block = [{**block_rows[0], "us": {"bf16": 8.0, "cublas": 9.0, "tiled:16x32x128w4s4g8": 6.0}}]
+    again = route_tune.build_table(new_block, "X", {}, base=both)
+    assert again["routes"]["576,7168"]["1"]["kernel"] == "tiled" and again["row_routes"] == both["row_routes"]
+    report = route_tune.heuristic_report(block_rows + row_rows)
+    assert "(block)" in report and "(row)" in report
+
+
 def test_write_table_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     route_tune.write_table({"a": 1}, path)
