@@ -175,8 +175,9 @@ if HAS_TRITON:
 def moe_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int):
     """Routing of (token, expert) pairs for the grouped GEMM on the Triton path: the one-launch kernel
     (an opaque custom op) for decode-sized batches, else the traceable torch-ops path
-    (:func:`fp8linear.ops.grouped_gemm.align_on_kernel` decides)."""
-    from .ops.grouped_gemm import MoeRouting, align_on_kernel, moe_align_block_size
+    (:func:`fp8linear.ops.router.align_on_kernel` decides)."""
+    from .ops.grouped_gemm import MoeRouting, moe_align_block_size
+    from .ops.router import align_on_kernel
 
     if not align_on_kernel(top_k_index.numel(), num_experts):
         return moe_align_block_size(top_k_index, num_experts, block_m, method="torch")

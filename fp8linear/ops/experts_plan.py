@@ -24,12 +24,12 @@ from .grouped_gemm import (
     _moe_align_kernel,
     align_args,
     align_num_blocks,
-    align_on_kernel,
     grouped_gemm_args,
     moe_align_block_size,
 )
 from .launch import KernelCall, Scratch
 from .quant import _act_quant_kernel, act_quant_args
+from .router import align_on_kernel
 from .router import grouped_config
 
 __all__ = ["ExpertsPlan"]

@@ -35,10 +35,10 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import GemmConfig, launch_options, moe_align_num_warps
-from .router import grouped_config
+from .router import align_on_kernel, grouped_config
 from .gemm_common import promote, weight_scale_ptrs
 
-__all__ = ["ALIGN_KERNEL_MAX_WORK", "MoeRouting", "align_args", "align_on_kernel", "align_num_blocks", "grouped_fp8_gemm",
+__all__ = ["MoeRouting", "align_args", "align_num_blocks", "grouped_fp8_gemm",
            "grouped_gemm_args", "moe_align_block_size"]
 
 
@@ -52,19 +52,6 @@ class MoeRouting(NamedTuple):
     top_k: int
 
 
-# The routing is aligned by one single-program Triton kernel (one launch: what decode needs) while
-# pairs x histogram bins (the next power of two above the expert count) stay within this; above it
-# by ~20 device-side torch ops, whose launch cost is noise next to the GEMMs while one program
-# would serialise the work. H100, Qwen3-MoE widths (128 experts, 256 bins), CUDA graphs, the whole
-# experts module: 298 us at 512 pairs, 358 us at 1024, 484 us at 2048 and 700 us at 4096 on the
-# kernel; 355 us at 2048 and 382 us at 4096 pairs on the torch ops.
-ALIGN_KERNEL_MAX_WORK = 512 * 256
-
-
-def align_on_kernel(num_pairs: int, num_experts: int) -> bool:
-    """Whether :func:`moe_align_block_size` aligns `num_pairs` pairs over `num_experts` experts with
-    its one-launch kernel (else with torch ops), see ALIGN_KERNEL_MAX_WORK."""
-    return 0 < num_pairs and num_pairs * triton.next_power_of_2(num_experts + 1) <= ALIGN_KERNEL_MAX_WORK
 # Elements of the (chunk x experts) one-hot tile the align kernel holds per step.
 _ALIGN_TILE = 8192
 

@@ -50,10 +50,11 @@ KERNEL_TOL = 2e-3  # Triton path vs reference path
 
 try:
     from fp8linear.ops import grouped_gemm as _gg
+    from fp8linear.ops import router as _router
 
     _INTERPRETED = type(_gg._grouped_fp8_gemm_kernel).__name__ == "InterpretedFunction"
 except ImportError:  # no Triton
-    _gg, _INTERPRETED = None, False
+    _gg, _router, _INTERPRETED = None, None, False
 KERNEL_DEVICE = "cpu" if _INTERPRETED else ("cuda" if CUDA and _gg is not None else None)
 needs_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
 
@@ -439,7 +440,7 @@ def test_kernel_path_plans_give_the_same_bits(name, t, dtype, kernel_align, monk
     """From a signature's second call the module runs its ExpertsPlan: the functional path's bits,
     with the alignment kernel or the torch-ops alignment; replacing a parameter drops the plans."""
     if not kernel_align:
-        monkeypatch.setattr(_gg, "ALIGN_KERNEL_MAX_WORK", 0)
+        monkeypatch.setattr(_router, "ALIGN_KERNEL_MAX_WORK", 0)
     ex = _experts(name).to(KERNEL_DEVICE)
     f = Fp8Experts.from_experts(ex, backend="triton").to(dtype)
     ref = copy.deepcopy(f)

@@ -413,6 +413,8 @@ def test_grouped_config_follows_rows_per_expert(pairs, experts, tile):
 def test_alignment_runs_on_the_kernel_while_pairs_times_bins_stay_small(experts, most_pairs):
     """The one-program alignment kernel's work grows with pairs x histogram bins: past
     ALIGN_KERNEL_MAX_WORK the torch ops take over (the same result either way, tested above)."""
-    assert gg.align_on_kernel(most_pairs, experts)
-    assert not gg.align_on_kernel(most_pairs + 1, experts)
-    assert not gg.align_on_kernel(0, experts)  # nothing to align: the torch path returns the empty layout
+    from fp8linear.ops.router import align_on_kernel
+
+    assert align_on_kernel(most_pairs, experts)
+    assert not align_on_kernel(most_pairs + 1, experts)
+    assert not align_on_kernel(0, experts)  # nothing to align: the torch path returns the empty layout
