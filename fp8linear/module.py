@@ -340,7 +340,9 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         eager = not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         route = route_linear(*args, eager=eager)
         if route.kernel == "cublas":  # the layer's cuBLAS route serves any M without a plan
-            return self._cublas_runner(w_s, granularity)(x)
+            from .ops.cublas_gemm import workspace_limit
+
+            return self._cublas_runner(w_s, granularity)(x, workspace_limit(route.config))
         k = x.shape[-1]
         y = run_linear_route(route, x.reshape(-1, k), self.weight, w_s, granularity, self.bias, counters)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -29,14 +29,15 @@ tests/test_cublas_gemm.py check these rules against the reference):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from ..formats import GROUP_SIZE
-from .cublaslt import lt_aligned, shape_gemm
+from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, shape_gemm
 
-__all__ = ["CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
+__all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
            "cublas_row_scales", "cublas_weight_scale"]
 
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
@@ -56,6 +57,29 @@ CUBLAS_EXPANDED_MIN_K = 256
 # Blockwise scaling in torch._scaled_mm was verified with this torch (2.11 + CUDA 13.0, H100).
 _MIN_TORCH = (2, 11)
 _MIN_CUDA = (12, 9)
+
+
+@dataclass(frozen=True)
+class CublasConfig:
+    """A cuBLAS route's option: the largest cuBLASLt workspace (MiB) its algorithm may use. cuBLASLt's
+    heuristic picks per M among the algorithms that fit; 32 MiB admits split-K algorithms that pay
+    at mid M on most shapes, and on some long-K shapes pick slower ones than 1 MiB's (H100,
+    8192x29568 at M=256: 133 against 104 us), so the routes tables measure both."""
+
+    workspace_mib: int = LT_WORKSPACE_LIMIT >> 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workspace_mib, int) or not 1 <= self.workspace_mib <= 1024:
+            raise ValueError(f"CublasConfig.workspace_mib must be an int in [1, 1024], got {self.workspace_mib!r}")
+
+    @property
+    def workspace_limit(self) -> int:
+        return self.workspace_mib << 20
+
+
+def workspace_limit(config: CublasConfig | None) -> int:
+    """The cuBLASLt workspace limit in bytes of a cuBLAS route's config (None: the default)."""
+    return LT_WORKSPACE_LIMIT if config is None else config.workspace_limit
 
 
 def _version(text: str | None) -> tuple[int, ...]:
@@ -104,7 +128,7 @@ def cublas_device_ok(device: torch.device) -> bool:
 
 def cublas_fp8_gemm(
     x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-    bias: torch.Tensor | None,
+    bias: torch.Tensor | None, config: CublasConfig | None = None,
 ) -> torch.Tensor:
     """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on cuBLAS.
 
@@ -123,7 +147,7 @@ def cublas_fp8_gemm(
     lt = None
     if x_q.is_contiguous() and w_q.is_contiguous() and lt_aligned(x_q, w_q) and (bias is None or bias.is_contiguous()):
         lt = shape_gemm(x_q.device.index if x_q.device.index is not None else torch.cuda.current_device(), n, k,
-                        cublas_row_scales(w_q, granularity), bias is not None)
+                        cublas_row_scales(w_q, granularity), bias is not None, workspace_limit(config))
     if lt is not None:  # the algorithm the module's cuBLAS route runs (fp8linear.ops.cublaslt)
         y = torch.empty((rows, n), dtype=torch.bfloat16, device=x_q.device)
         if not lt.run_on(rows, w_q, scale_b, bias, x_q, x_s, y):

@@ -22,9 +22,10 @@ CUDA-graph capture).
 
 Every cuBLAS-routed GEMM of the package runs here, the functional path's too
 (:func:`fp8linear.ops.cublas_gemm.cublas_fp8_gemm`, through :func:`shape_gemm`: one set of
-descriptors per weight shape, the weight's and bias's addresses set per call), with one workspace
-limit (LT_WORKSPACE_LIMIT): the heuristic picks the same algorithm for the same M on both paths,
-so the module and the functional ops give the same bits.
+descriptors per weight shape, the weight's and bias's addresses set per call), with the workspace
+limit the route names (:class:`fp8linear.ops.cublas_gemm.CublasConfig`, LT_WORKSPACE_LIMIT by
+default): the heuristic picks the same algorithm for the same M and limit on both paths, so the
+module and the functional ops give the same bits.
 
 Where anything is missing (no libcublasLt in the process, a cuBLASLt without the blockwise scale
 modes, no algorithm for a shape) :func:`lt_block_gemm` or :meth:`LtBlockGemm.plan` returns None and
@@ -337,14 +338,14 @@ class LtBlockGemm:
         return True
 
 
-def lt_block_gemm(w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool,
-                  bias: torch.Tensor | None) -> LtBlockGemm | None:
+def lt_block_gemm(w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool, bias: torch.Tensor | None,
+                  workspace_limit: int = LT_WORKSPACE_LIMIT) -> LtBlockGemm | None:
     """The direct cuBLASLt GEMM holding this weight, or None where it cannot be set up (logged once
     per reason): no CUDA tensor, no libcublasLt, or a cuBLASLt that refuses the descriptors."""
     if w_q.device.type != "cuda" or torch.version.hip is not None or _lib() is None:
         return None
     try:
-        return LtBlockGemm.for_weight(w_q, scale_b, row_scales, bias)
+        return LtBlockGemm.for_weight(w_q, scale_b, row_scales, bias, workspace_limit)
     except _Failed as e:
         log.info("fp8linear: cuBLASLt setup failed (%s); cuBLAS GEMMs run through torch._scaled_mm", e)
         return None
@@ -356,14 +357,15 @@ def lt_aligned(*tensors: torch.Tensor | None) -> bool:
 
 
 @lru_cache(maxsize=_MAX_SHAPES)
-def shape_gemm(device_index: int, n: int, k: int, row_scales: bool, has_bias: bool) -> LtBlockGemm | None:
-    """The functional path's cuBLASLt GEMM for one weight shape on one device (kept: the least recently
+def shape_gemm(device_index: int, n: int, k: int, row_scales: bool, has_bias: bool,
+               workspace_limit: int = LT_WORKSPACE_LIMIT) -> LtBlockGemm | None:
+    """The functional path's cuBLASLt GEMM for one weight shape, device and workspace limit (kept: the least recently
     used of _MAX_SHAPES is dropped), or None where cuBLASLt cannot be set up (logged) or
     ``FP8LINEAR_CUBLASLT=0`` when the shape is first met: the caller runs torch._scaled_mm."""
     if torch.version.hip is not None or os.environ.get("FP8LINEAR_CUBLASLT", "1") == "0" or _lib() is None:
         return None
     try:
-        return LtBlockGemm(device_index, n, k, row_scales, has_bias)
+        return LtBlockGemm(device_index, n, k, row_scales, has_bias, workspace_limit)
     except _Failed as e:
         log.info("fp8linear: cuBLASLt setup failed (%s); cuBLAS GEMMs run through torch._scaled_mm", e)
         return None

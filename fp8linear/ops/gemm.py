@@ -167,7 +167,7 @@ def run_gemm_route(route: Route, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torc
                    counters: torch.Tensor | None = None) -> torch.Tensor:
     """Run the GEMM on the kernel `route` names (:func:`fp8linear.ops.router.route_gemm`)."""
     if route.kernel == "cublas":
-        return cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
+        return cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias, route.config)
     # Our kernels read x_s row-major. M-major scales (cuBLAS's layout) were measured 1.2-1.9x slower
     # in the tiled kernel (H100, 512x7168 M=1024: 37.1 vs 19.4 us; 18432x7168 M=4096: 1628 vs 1190):
     # likely because each K step's scale load then misses L1 (row-major, one line serves 32 K steps).

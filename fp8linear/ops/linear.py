@@ -22,8 +22,8 @@ import torch
 import triton
 
 from ..formats import GROUP_SIZE
-from .cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale
-from .cublaslt import lt_block_gemm
+from .cublas_gemm import CublasConfig, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
+from .cublaslt import LT_WORKSPACE_LIMIT, lt_block_gemm
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
@@ -32,7 +32,7 @@ from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_launc
 from .router import Route, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
-__all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]
+__all__ = ["CublasConfig", "CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]
 
 # Row counts a CublasLinear keeps a scratch layout for (the oldest is dropped), as many as the
 # cuBLASLt plans it keeps per M (fp8linear.ops.cublaslt).
@@ -49,7 +49,7 @@ def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torc
     m = x.shape[0]
     if route.kernel == "cublas":
         x_q, x_s = act_quant(x, w_q.dtype, cublas_layout=True)
-        y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias)
+        y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, granularity, bias, route.config)
         return y if y.shape[0] == m else y[:m]  # drop the padding rows (a contiguous view)
     x_q, x_s = act_quant(x, w_q.dtype, release_early=route.release_early)
     return run_gemm_route(route, x_q, x_s, w_q, w_s, granularity, x.dtype, bias, counters=counters)
@@ -82,7 +82,8 @@ class CublasLinear:
     16-byte aligned (the caller checks), of one dtype.
     """
 
-    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt", "scratch")
+    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt", "lts", "row_scales", "direct",
+                 "w_q", "scratch")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
                  direct: bool | None = None) -> None:
@@ -94,8 +95,10 @@ class CublasLinear:
         self.quant_calls: dict[tuple[int, int], KernelCall] = {}  # (rows per program, warps) -> launch
         if direct is None:
             direct = os.environ.get("FP8LINEAR_CUBLASLT", "1") != "0"
-        # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm
-        self.lt = lt_block_gemm(w_q, self.scale_b, cublas_row_scales(w_q, granularity), bias) if direct else None
+        self.direct, self.w_q, self.row_scales = direct, w_q, cublas_row_scales(w_q, granularity)
+        # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm; one per workspace limit
+        self.lt = lt_block_gemm(w_q, self.scale_b, self.row_scales, bias) if direct else None
+        self.lts = {LT_WORKSPACE_LIMIT: self.lt}
         # (rows, workspace bytes) -> x_q, x_s (M-major) and the cuBLASLt workspace, one buffer
         self.scratch: dict[tuple[int, int], Scratch] = {}
 
@@ -109,13 +112,23 @@ class CublasLinear:
                 _act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr", "M", "M_IN", "stride_sg"))
         return quant
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def lt_for(self, limit: int):
+        """The held cuBLASLt GEMM with this workspace limit (made on first use), or None (torch._scaled_mm)."""
+        if limit not in self.lts:
+            self.lts[limit] = (lt_block_gemm(self.w_q, self.scale_b, self.row_scales, self.bias, limit)
+                               if self.direct else None)
+        return self.lts[limit]
+
+    def __call__(self, x: torch.Tensor, workspace_limit: int = LT_WORKSPACE_LIMIT) -> torch.Tensor:
+        """y (..., N) for x (..., K); `workspace_limit`: the route's cuBLASLt workspace limit in bytes
+        (:class:`~fp8linear.ops.cublas_gemm.CublasConfig`)."""
         k = self.k
         m = x.numel() // k
         rows = cublas_rows(m)
         block_m, num_warps = act_quant_launch(rows, k)
         grid = (-(-rows // block_m), -(-k // GROUP_SIZE), 1)
-        plan = self.lt.plan(rows) if self.lt is not None else None
+        lt = self.lt if workspace_limit == LT_WORKSPACE_LIMIT else self.lt_for(workspace_limit)
+        plan = lt.plan(rows) if lt is not None else None
         if plan is not None:  # one scratch allocation, raw addresses, cuBLASLt called directly
             scratch = self.scratch.get((rows, plan[3])) or self._scratch(rows, plan[3])
             buf = scratch.allocate(x.device)
@@ -128,7 +141,7 @@ class CublasLinear:
                 x_q, x_s_t, _ = scratch.views(buf)
                 x_s = x_s_t.t()  # (rows, K/128), M-major
                 (quant or self.quant_call(x, x_q, x_s)).launch(grid, x, x_q, x_s, rows, m, rows)
-            self.lt.run(plan, q_addr, s_addr, y.data_ptr(), ws_addr)
+            lt.run(plan, q_addr, s_addr, y.data_ptr(), ws_addr)
         else:
             x_q, x_s = act_quant_outputs(m, k, self.fp8_dtype, x.device, cublas_layout=True)
             quant = self.quant_calls.get((block_m, num_warps)) or self.quant_call(x, x_q, x_s)
@@ -215,7 +228,9 @@ class LinearPlan:
         if route.kernel == "cublas":
             runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
-            return runner, (runner.quant_call(x, x_q0, x_s0),)
+            limit = workspace_limit(route.config)
+            run = runner if limit == LT_WORKSPACE_LIMIT else (lambda x: runner(x, limit))
+            return run, (runner.quant_call(x, x_q0, x_s0),)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         groups = triton.cdiv(k, GROUP_SIZE)
         quant_bufs = [((m, k), fp8_dtype), ((m, groups), torch.float32)]

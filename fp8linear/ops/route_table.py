@@ -15,8 +15,10 @@ CUDA graphs and keeps the fastest. Format::
 row-wise weights (measured apart: their scales cost our kernels and cuBLAS differently);
 per-tensor weights use the heuristic.
 
-``kernel`` is ``cublas``, ``tiled`` (a :class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk``
-(a :class:`~fp8linear.ops.splitk_gemm.SplitKConfig`). A GEMM with M rows uses the entry measured at
+``kernel`` is ``cublas`` (with an optional ``workspace_mib``, a
+:class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
+:class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk`` (a
+:class:`~fp8linear.ops.splitk_gemm.SplitKConfig`). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
 within that factor; otherwise there is no entry.
 """
@@ -33,6 +35,7 @@ import torch
 
 from .config_tables import table_filename
 from .configs import GemmConfig
+from .cublas_gemm import CublasConfig
 from .splitk_gemm import SplitKConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
@@ -53,7 +56,7 @@ class RouteEntry:
     """One measured choice: the kernel and, for ours, its launch config."""
 
     kernel: str
-    config: GemmConfig | SplitKConfig | None = None
+    config: GemmConfig | SplitKConfig | CublasConfig | None = None
 
 
 def routes_dir() -> Path:
@@ -78,6 +81,8 @@ def _entry(raw: Any, where: str) -> RouteEntry:
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                    split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
                                                    num_stages=int(raw["num_stages"])))
+        if "workspace_mib" in raw:
+            return RouteEntry(kernel, CublasConfig(workspace_mib=int(raw["workspace_mib"])))
     except KeyError as e:
         raise ValueError(f"{where}: a {kernel} entry needs field {e.args[0]!r}, got {raw!r}") from None
     return RouteEntry(kernel)
@@ -92,6 +97,8 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
     elif isinstance(c, SplitKConfig):
         out.update(block_m=c.block_m, block_n=c.block_n, split_k=c.split_k, num_warps=c.num_warps,
                    num_stages=c.num_stages)
+    elif isinstance(c, CublasConfig):
+        out.update(workspace_mib=c.workspace_mib)
     return out
 
 

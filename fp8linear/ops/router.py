@@ -45,7 +45,7 @@ from ..backend import interpreting
 from ..formats import GROUP_SIZE
 from .config_tables import select_config
 from .configs import SMALL_M_MAX, GemmConfig, amd_grouped_config_here
-from .cublas_gemm import cublas_accepts, cublas_device_ok
+from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
 from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
 from .pdl import use_pdl
 from .route_table import lookup_route
@@ -142,14 +142,15 @@ _TMA_ALIGN = 16
 
 @dataclass(frozen=True)
 class Route:
-    """What runs one GEMM: the kernel (one of KERNELS), its launch config, and PDL flags.
+    """What runs one GEMM: the kernel (one of KERNELS), its launch config (cuBLAS: its workspace
+    limit, None for the default), and PDL flags.
 
     ``pdl``: the GEMM is launched with programmatic dependent launch; ``release_early``: the
     activation quantization before it lets it be scheduled early (:mod:`fp8linear.ops.pdl`).
     """
 
     kernel: str
-    config: GemmConfig | SplitKConfig | GemvConfig | None = None
+    config: GemmConfig | SplitKConfig | GemvConfig | CublasConfig | None = None
     pdl: bool = False
     release_early: bool = False
 
@@ -226,7 +227,7 @@ def _choose(device: torch.device, m: int, n: int, k: int, granularity: str, cubl
     if entry is None:
         return _heuristic(device, m, n, k, granularity, cublas_ok, operands_tma_ok, pdl)
     if entry.kernel == "cublas" and cublas_ok:
-        return Route("cublas")
+        return Route("cublas", entry.config)
     if entry.kernel == "splitk":
         return Route("splitk", entry.config, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
     if entry.kernel == "tiled":

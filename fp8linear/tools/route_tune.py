@@ -2,7 +2,7 @@
 
 For each weight shape and M it times, interleaved under CUDA graphs over operand sets rotated
 past L2 (the `fp8linear bench` timer): cuBLAS blockwise (on activations quantized into its padded
-layout, as the linear layer runs it), our tiled kernel with the router's config and fixed tiles,
+layout, as the linear layer runs it; with two cuBLASLt workspace limits), our tiled kernel with the router's config and fixed tiles,
 our split-K kernel at several tiles and splits, the heuristic's own choice, and BF16 for reference.
 The fastest of ours or cuBLAS becomes the table entry (:mod:`fp8linear.ops.route_table`), so
 GEMMs of these shapes run what measured fastest on this GPU model. 128x128-block and 1x128
@@ -37,6 +37,9 @@ TABLE_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512
                              4096, 6144, 8192)
 _QUICK_MS: tuple[int, ...] = (16, 96, 384, 1024)
 # Narrow tiles (N 32) spread weights of 1-4M elements (2048x1408, 576x2048) over more SMs.
+# cuBLAS is timed with the default cuBLASLt workspace limit and with this one (torch._scaled_mm's):
+# the heuristic's pick at 32 MiB is slower on some long-K shapes (fp8linear.ops.cublas_gemm.CublasConfig).
+_SMALL_WORKSPACE_MIB = 1
 # Tiles below 64x64 are timed up to this M (above it they need 4x the programs of 64x64 tiles).
 _NARROW_TILE_MAX_M = 512
 _SPLIT_TILES = ((16, 32), (32, 32), (16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
@@ -80,6 +83,8 @@ def _split_candidates(m: int, n: int, k: int, sms: int) -> list:
 def _label(kernel: str, cfg: Any) -> str:
     if cfg is None:
         return kernel
+    if kernel == "cublas":
+        return f"cublas:ws{cfg.workspace_mib}"
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
@@ -88,7 +93,7 @@ def _label(kernel: str, cfg: Any) -> str:
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block") -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape)."""
     from ..ops import router
-    from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
+    from ..ops.cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
     from ..ops.route_table import lookup_route
     from ..ops.splitk_gemm import sm_count
 
@@ -96,6 +101,8 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     if cublas_ok:
         out["cublas"] = ("cublas", None)
+        small = CublasConfig(workspace_mib=_SMALL_WORKSPACE_MIB)
+        out[_label("cublas", small)] = ("cublas", small)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     if heur.kernel in ("tiled", "splitk"):
         out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
@@ -141,8 +148,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
                 for label, (kernel, c) in candidates(m, n, k, device, gran).items():
                     if kernel == "cublas":
-                        fns[label] = ((lambda g: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None))(gran),
-                                      (xp_q, xp_s, w_q, w_s))
+                        fns[label] = ((lambda g, c_: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None, c_))(
+                            gran, c), (xp_q, xp_s, w_q, w_s))
                     else:
                         fns[label] = ((lambda c_, g: lambda a, sa, b, sb: block_fp8_gemm(
                             a, sa, b, sb, g, torch.bfloat16, None, config=c_, counters=counters))(c, gran),
@@ -171,6 +178,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
 def _entry_from_label(label: str) -> dict[str, Any]:
     if label == "cublas":
         return {"kernel": "cublas"}
+    if label.startswith("cublas:ws"):
+        return {"kernel": "cublas", "workspace_mib": int(label[len("cublas:ws"):])}
     kernel, spec = label.split(":")
     dims, rest = spec.split("w", 1)
     sizes = [int(v) for v in dims.split("x")]

@@ -40,6 +40,7 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     (_doc({"128,256": {"x": {"kernel": "cublas"}}}), "positive integer"),
     (_doc({"128,256": {"4": {"kernel": "magic"}}}), "kernel in"),
     (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16}}}), "needs field"),
+    (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": 0}}}), "workspace_mib"),
     (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16, "block_n": 64, "split_k": 0,
                              "num_warps": 4, "num_stages": 4}}}), "split_k"),
 ])
@@ -49,12 +50,14 @@ def test_bad_tables_are_refused_with_a_reason(bad, match):
 
 
 def test_entries_round_trip():
-    entries = [route_table.RouteEntry("cublas"),
+    from fp8linear.ops.cublas_gemm import CublasConfig
+
+    entries = [route_table.RouteEntry("cublas"), route_table.RouteEntry("cublas", CublasConfig(workspace_mib=1)),
                route_table.RouteEntry("tiled", GemmConfig(64, 64, 128, num_warps=4, num_stages=4)),
                route_table.RouteEntry("splitk", SplitKConfig(64, 64, 5, num_warps=4, num_stages=4))]
     doc = _doc({"576,7168": {str(i + 1): route_table.entry_to_json(e) for i, e in enumerate(entries)}})
     parsed = route_table.parse_routes(json.loads(json.dumps(doc)))
-    assert [parsed[(576, 7168)][i + 1] for i in range(3)] == entries
+    assert [parsed[(576, 7168)][i + 1] for i in range(len(entries))] == entries
 
 
 @pytest.mark.parametrize("m,expected", [(64, 64), (65, 96), (77, 96), (96, 96), (100, 96), (143, 96), (145, None),
@@ -120,7 +123,12 @@ def test_table_entry_wins_over_the_heuristic(monkeypatch):
     monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("splitk", split))
     assert router._choose(CPU, 300, 576, 7168, "block", True, False, False) == router.Route("splitk", split)
     monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas"))
-    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False).kernel == "cublas"
+    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False) == router.Route("cublas")
+    from fp8linear.ops.cublas_gemm import CublasConfig
+
+    small = CublasConfig(workspace_mib=1)
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas", small))
+    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False) == router.Route("cublas", small)
     # cuBLAS measured fastest but not allowed here (backend "triton", an eager cut, a bias dtype): ours
     assert router._choose(CPU, 300, 576, 7168, "block", False, False, False).kernel in ("splitk", "tiled")
 
