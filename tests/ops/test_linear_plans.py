@@ -508,5 +508,5 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
     x = torch.randn(1, 333, 512, device="cuda", dtype=torch.bfloat16)
     ref = run_linear_route(small, x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block", layer.bias)
     for _ in range(3):  # first sight (routed), second (planned), third (the plan)
-        assert same_bits(layer(x), ref.view_as(x[..., :1].expand(1, 333, 4096)))
+        assert same_bits(layer(x), ref.view(1, 333, 4096))
     assert layer._plans
