@@ -76,7 +76,10 @@ def test_direct_cublaslt_matches_functional_path_and_reference(n, k, granularity
     assert len(direct.lt.plans) == 1 and direct.lt.plans[rows] is not None
     from fp8linear.ops.cublas_gemm import cublas_row_scales
 
-    shared = shape_gemm(torch.cuda.current_device(), n, k, cublas_row_scales(w_q, granularity), bias)
+    from fp8linear.ops.cublaslt import LT_WORKSPACE_LIMIT
+
+    shared = shape_gemm(torch.cuda.current_device(), n, k, cublas_row_scales(w_q, granularity), bias,
+                        LT_WORKSPACE_LIMIT)
     assert shared is not None and shared.plans[rows] is not None
 
 
