@@ -62,9 +62,10 @@ _MIN_CUDA = (12, 9)
 @dataclass(frozen=True)
 class CublasConfig:
     """A cuBLAS route's option: the largest cuBLASLt workspace (MiB) its algorithm may use. cuBLASLt's
-    heuristic picks per M among the algorithms that fit; 32 MiB admits split-K algorithms that pay
-    at mid M on most shapes, and on some long-K shapes pick slower ones than 1 MiB's (H100,
-    8192x29568 at M=256: 133 against 104 us), so the routes tables measure both."""
+    heuristic picks per M among the algorithms that fit. The default, 1 MiB, is torch._scaled_mm's;
+    32 MiB admits split-K algorithms that pay at mid M on many shapes (H100, 1536x7168 at M=128:
+    17.1 against 22.2 us) and lose on others (8192x29568 at M=128: 113.6 against 103.3), so the
+    routes tables measure both and name 32 where it won."""
 
     workspace_mib: int = LT_WORKSPACE_LIMIT >> 20
 

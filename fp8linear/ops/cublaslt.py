@@ -23,8 +23,8 @@ CUDA-graph capture).
 Every cuBLAS-routed GEMM of the package runs here, the functional path's too
 (:func:`fp8linear.ops.cublas_gemm.cublas_fp8_gemm`, through :func:`shape_gemm`: one set of
 descriptors per weight shape, the weight's and bias's addresses set per call), with the workspace
-limit the route names (:class:`fp8linear.ops.cublas_gemm.CublasConfig`, LT_WORKSPACE_LIMIT by
-default): the heuristic picks the same algorithm for the same M and limit on both paths, so the
+limit the route names (:class:`fp8linear.ops.cublas_gemm.CublasConfig`; by default LT_WORKSPACE_LIMIT,
+torch's): the heuristic picks the same algorithm for the same M and limit on both paths, so the
 module and the functional ops give the same bits.
 
 Where anything is missing (no libcublasLt in the process, a cuBLASLt without the blockwise scale
@@ -60,12 +60,13 @@ _EPILOGUE_BIAS = 4
 _SCALE_VEC128_32F, _SCALE_BLK128X128_32F = 4, 5
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
-# The largest workspace an algorithm may ask for. torch._scaled_mm's limit is 1 MiB
-# (CUBLASLT_WORKSPACE_SIZE, KiB, default 1024); with 32 MiB the heuristic takes split-K algorithms
-# where few output tiles leave SMs idle (H100, CUDA graphs: 2112x7168 at M=64 17.4 against 23.6 us,
-# a 1.03 MiB workspace). An algorithm's workspace comes from torch's caching allocator per call, its
-# own size only (not the limit).
-LT_WORKSPACE_LIMIT = 32 * 2**20
+# The largest workspace an algorithm may ask for, by default: torch._scaled_mm's (1 MiB,
+# CUBLASLT_WORKSPACE_SIZE's default), so shapes in no routes table run torch's algorithm. Routes
+# tables name 32 MiB where it measured faster (fp8linear.ops.cublas_gemm.CublasConfig): there the
+# heuristic takes split-K algorithms where few output tiles leave SMs idle (H100, CUDA graphs:
+# 2112x7168 at M=64 17.4 against 23.6 us, a 1.03 MiB workspace). An algorithm's workspace comes from
+# torch's caching allocator per call, its own size only (not the limit).
+LT_WORKSPACE_LIMIT = 1 * 2**20
 # torch._scaled_mm's limit, in KiB, where CUBLASLT_WORKSPACE_SIZE does not set it (tests and probes
 # compare against torch's algorithm with it).
 _TORCH_LT_WORKSPACE_KIB = 1024

@@ -37,9 +37,9 @@ TABLE_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512
                              4096, 6144, 8192)
 _QUICK_MS: tuple[int, ...] = (16, 96, 384, 1024)
 # Narrow tiles (N 32) spread weights of 1-4M elements (2048x1408, 576x2048) over more SMs.
-# cuBLAS is timed with the default cuBLASLt workspace limit and with this one (torch._scaled_mm's):
-# the heuristic's pick at 32 MiB is slower on some long-K shapes (fp8linear.ops.cublas_gemm.CublasConfig).
-_SMALL_WORKSPACE_MIB = 1
+# cuBLAS is timed with the default cuBLASLt workspace limit (torch._scaled_mm's, 1 MiB) and with this
+# one, where split-K algorithms fit (fp8linear.ops.cublas_gemm.CublasConfig).
+_LARGE_WORKSPACE_MIB = 32
 # Tiles below 64x64 are timed up to this M (above it they need 4x the programs of 64x64 tiles).
 _NARROW_TILE_MAX_M = 512
 _SPLIT_TILES = ((16, 32), (32, 32), (16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
@@ -101,8 +101,8 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     if cublas_ok:
         out["cublas"] = ("cublas", None)
-        small = CublasConfig(workspace_mib=_SMALL_WORKSPACE_MIB)
-        out[_label("cublas", small)] = ("cublas", small)
+        large = CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)
+        out[_label("cublas", large)] = ("cublas", large)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     if heur.kernel in ("tiled", "splitk"):
         out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)

@@ -105,19 +105,23 @@ def test_direct_cublaslt_at_torchs_workspace_limit_matches_scaled_mm(n, k, granu
 @pytest.mark.parametrize("n,k,granularity,bias", SHAPES[:4])
 @pytest.mark.parametrize("m", [77, 256, 1024])
 def test_route_workspace_limit_reaches_module_and_functional_paths(n, k, granularity, bias, m):
-    """A cuBLAS route's workspace limit (CublasConfig) is the one both paths run: at 1 MiB, torch's
-    limit, the module's call, the functional route and torch._scaled_mm give the same bits."""
+    """A cuBLAS route's workspace limit (CublasConfig) is the one both paths run: at 32 MiB the module's
+    call and the functional route give the same bits; at the default (torch's limit) both give
+    torch._scaled_mm's."""
     from fp8linear.ops.cublas_gemm import CublasConfig
     from fp8linear.ops.linear import run_linear_route
     from fp8linear.ops.router import Route
 
     w_q, w_s, b, direct, via_torch = _pair(n, k, granularity, bias)
-    small = CublasConfig(workspace_mib=1)
+    large = CublasConfig(workspace_mib=32)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = direct(x, small.workspace_limit)
-    assert same_bits(y, run_linear_route(Route("cublas", small), x, w_q, w_s, granularity, b))
-    assert same_bits(y, via_torch(x))
-    assert direct.lt_for(small.workspace_limit) is not direct.lt  # one held GEMM per limit
+    y = direct(x, large.workspace_limit)
+    assert same_bits(y, run_linear_route(Route("cublas", large), x, w_q, w_s, granularity, b))
+    assert rel_err(y, x.double() @ dequantize_weight(w_q, w_s, torch.float64).t()
+                   + (b.double() if b is not None else 0)) < FP8_LINEAR_TOL
+    assert direct.lt_for(large.workspace_limit) is not direct.lt  # one held GEMM per limit
+    y = direct(x)
+    assert same_bits(y, run_linear_route(Route("cublas"), x, w_q, w_s, granularity, b)) and same_bits(y, via_torch(x))
 
 
 @pytest.mark.gpu

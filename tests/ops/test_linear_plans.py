@@ -503,7 +503,7 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
     assert not layer._plans and layer._cublas_linear is not None
     from fp8linear.ops.cublas_gemm import CublasConfig
 
-    small = Route("cublas", CublasConfig(workspace_mib=1))  # a table entry's workspace limit, routed and planned
+    small = Route("cublas", CublasConfig(workspace_mib=32))  # a table entry's workspace limit, routed and planned
     monkeypatch.setattr(router, "route_linear", lambda *a, **kw: small)
     x = torch.randn(1, 333, 512, device="cuda", dtype=torch.bfloat16)
     ref = run_linear_route(small, x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block", layer.bias)
