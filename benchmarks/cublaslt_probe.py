@@ -5,9 +5,10 @@ the two give the same bits.
 
 With ``--gemm``: the GEMM alone on quantized activations under CUDA graphs (the `fp8linear bench`
 timer, operands rotated past L2, methods interleaved): BF16, per-tensor cuBLAS FP8, our router's
-choice without cuBLAS, cuBLASLt with torch's workspace limit (torch._scaled_mm's algorithm), with
-LT_WORKSPACE_LIMIT (the heuristic's first algorithm, what the package runs) and the fastest of the
-heuristic's first --algos algorithms at that limit (with its index).
+choice without cuBLAS, cuBLASLt with torch's workspace limit (torch._scaled_mm's algorithm, the
+package's default), with a 32 MiB limit (the heuristic's first algorithm, what a routes-table entry
+naming 32 MiB runs) and the fastest of the heuristic's first --algos algorithms at 32 MiB (with its
+index).
 
     python benchmarks/cublaslt_probe.py [--m 64 128 512 2048]
     python benchmarks/cublaslt_probe.py --gemm [--m 77 128 256 512] [--algos 8]
@@ -61,7 +62,8 @@ def main() -> None:
 
 def gemm_probe(args: argparse.Namespace) -> None:
     from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale
-    from fp8linear.ops.cublaslt import LT_WORKSPACE_LIMIT, LtBlockGemm, torch_workspace_limit
+    from fp8linear.ops.cublas_gemm import CublasConfig
+    from fp8linear.ops.cublaslt import LtBlockGemm, torch_workspace_limit
     from fp8linear.ops.gemm import block_fp8_gemm
     from fp8linear.ops.quant import act_quant
     from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
@@ -77,7 +79,8 @@ def gemm_probe(args: argparse.Namespace) -> None:
         scale_b = cublas_weight_scale(w_q, w_s, "block")
         rows_scales = cublas_row_scales(w_q, "block")
         small = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None, workspace_limit=torch_workspace_limit())
-        big = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None, workspace_limit=LT_WORKSPACE_LIMIT)
+        big = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None,
+                                     workspace_limit=CublasConfig(workspace_mib=32).workspace_limit)
         one = torch.ones((), device=dev)
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

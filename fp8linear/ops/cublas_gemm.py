@@ -1,6 +1,7 @@
-"""Prefill-sized blockwise FP8 GEMMs on cuBLAS (``torch._scaled_mm``), where it is faster than ours.
+"""Prefill-sized blockwise FP8 GEMMs on cuBLAS, where it is faster than ours.
 
-On Hopper, cuBLAS (CUDA >= 12.9, reached through ``torch._scaled_mm``) runs the DeepSeek-V3
+On Hopper, cuBLAS (CUDA >= 12.9; cuBLASLt called directly, :mod:`fp8linear.ops.cublaslt`, with
+``torch._scaled_mm`` where that cannot run) runs the DeepSeek-V3
 recipe itself: 1x128 activation scales with 128x128 ("block") or 1x128 ("row") weight scales,
 promoted to fp32 per K group like our kernel. At M >= 1024 it beat our Triton kernel by 1.43x
 (geometric mean of the H100 benchmark, docs/benchmarks.md): with fp32 promotion the register
@@ -35,7 +36,7 @@ from functools import lru_cache
 import torch
 
 from ..formats import GROUP_SIZE
-from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, shape_gemm
+from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, lt_operands_ok, shape_gemm
 
 __all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
            "cublas_row_scales", "cublas_weight_scale"]
@@ -62,10 +63,12 @@ _MIN_CUDA = (12, 9)
 @dataclass(frozen=True)
 class CublasConfig:
     """A cuBLAS route's option: the largest cuBLASLt workspace (MiB) its algorithm may use. cuBLASLt's
-    heuristic picks per M among the algorithms that fit. The default, 1 MiB, is torch._scaled_mm's;
-    32 MiB admits split-K algorithms that pay at mid M on many shapes (H100, 1536x7168 at M=128:
-    17.1 against 22.2 us) and lose on others (8192x29568 at M=128: 113.6 against 103.3), so the
-    routes tables measure both and name 32 where it won."""
+    heuristic picks per M among the algorithms that fit. The default, 1 MiB, is torch's default
+    for torch._scaled_mm; 32 MiB admits split-K algorithms that pay at mid M on many shapes (H100,
+    1536x7168 at M=128: 17.1 against 22.2 us) and lose on others (8192x29568 at M=128: 113.6
+    against 103.3). `fp8linear tune-routes` times both and its table names 32 where that won (the
+    H200 tables and the H100 row-wise section were measured with 32 MiB only, and name it wherever
+    cuBLAS won)."""
 
     workspace_mib: int = LT_WORKSPACE_LIMIT >> 20
 
@@ -137,6 +140,9 @@ def cublas_fp8_gemm(
     'block', (N, K/128) for 'row'. Shapes must pass cublas_accepts. An M that is not a multiple of
     4 runs on a padded copy of x_q and its scales (:func:`fp8linear.ops.quant.act_quant`
     writes that layout directly, so the linear layer never copies); the padding rows are dropped.
+    `config`: the route's cuBLASLt workspace limit (:class:`CublasConfig`; None: the default).
+    Operands cuBLASLt is not called on here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an
+    unaligned or strided x_q) run ``torch._scaled_mm``, at torch's own limit.
     """
     m = x_q.shape[0]
     if m % CUBLAS_ROW_ALIGN:
@@ -146,7 +152,8 @@ def cublas_fp8_gemm(
     scale_b = cublas_weight_scale(w_q, w_s, granularity)
     rows, (n, k) = x_q.shape[0], w_q.shape
     lt = None
-    if x_q.is_contiguous() and w_q.is_contiguous() and lt_aligned(x_q, w_q) and (bias is None or bias.is_contiguous()):
+    if (x_q.dtype == w_q.dtype and x_q.shape[1] == k and x_s.dtype == torch.float32 and x_q.is_contiguous()
+            and lt_aligned(x_q) and lt_operands_ok(w_q, scale_b, bias)):
         lt = shape_gemm(x_q.device.index if x_q.device.index is not None else torch.cuda.current_device(), n, k,
                         cublas_row_scales(w_q, granularity), bias is not None, workspace_limit(config))
     if lt is not None:  # the algorithm the module's cuBLAS route runs (fp8linear.ops.cublaslt)

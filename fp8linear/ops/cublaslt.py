@@ -1,5 +1,5 @@
-"""The blockwise FP8 GEMM on cuBLASLt, called directly: descriptors and algorithm chosen once per
-(weight, M), then one ``cublasLtMatmul`` per call.
+"""The blockwise FP8 GEMM on cuBLASLt, called directly: descriptors made once per weight (or weight
+shape) and workspace limit, the algorithm once per M, then one ``cublasLtMatmul`` per call.
 
 ``torch._scaled_mm`` builds its cuBLASLt descriptors and asks cuBLASLt's heuristic for an algorithm
 on every call, and takes tensors: the quantized activations and their scales must be tensor objects
@@ -22,14 +22,17 @@ CUDA-graph capture).
 
 Every cuBLAS-routed GEMM of the package runs here, the functional path's too
 (:func:`fp8linear.ops.cublas_gemm.cublas_fp8_gemm`, through :func:`shape_gemm`: one set of
-descriptors per weight shape, the weight's and bias's addresses set per call), with the workspace
-limit the route names (:class:`fp8linear.ops.cublas_gemm.CublasConfig`; by default LT_WORKSPACE_LIMIT,
-torch's): the heuristic picks the same algorithm for the same M and limit on both paths, so the
-module and the functional ops give the same bits.
+descriptors per weight shape, both scales' and the bias's addresses set per call), with the
+workspace limit the route names (:class:`fp8linear.ops.cublas_gemm.CublasConfig`; by default
+LT_WORKSPACE_LIMIT, torch's default): the heuristic picks the same algorithm for the same M and
+limit on both paths, so the module and the functional ops give the same bits. Both take cuBLASLt
+only for operands that pass :func:`lt_operands_ok` (contiguous, 256-byte aligned: what the
+heuristic assumes) and run ``torch._scaled_mm`` otherwise.
 
 Where anything is missing (no libcublasLt in the process, a cuBLASLt without the blockwise scale
-modes, no algorithm for a shape) :func:`lt_block_gemm` or :meth:`LtBlockGemm.plan` returns None and
-the caller runs ``torch._scaled_mm``; a log line says why.
+modes, no algorithm for a shape) :func:`lt_block_gemm`, :func:`shape_gemm` or
+:meth:`LtBlockGemm.plan` returns None (:meth:`LtBlockGemm.run_on` False) and the caller runs
+``torch._scaled_mm``; a log line says why.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["LT_WORKSPACE_LIMIT", "LtBlockGemm", "lt_aligned", "lt_block_gemm", "shape_gemm", "torch_workspace_limit"]
+__all__ = ["LT_WORKSPACE_LIMIT", "LtBlockGemm", "lt_aligned", "lt_block_gemm", "lt_operands_ok", "shape_gemm",
+           "torch_workspace_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +64,9 @@ _EPILOGUE_BIAS = 4
 _SCALE_VEC128_32F, _SCALE_BLK128X128_32F = 4, 5
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
-# The largest workspace an algorithm may ask for, by default: torch._scaled_mm's (1 MiB,
-# CUBLASLT_WORKSPACE_SIZE's default), so shapes in no routes table run torch's algorithm. Routes
+# The largest workspace an algorithm may ask for, by default: torch's default for torch._scaled_mm
+# (1 MiB, where CUBLASLT_WORKSPACE_SIZE does not set another), so shapes in no routes table run
+# torch's algorithm. Routes
 # tables name 32 MiB where it measured faster (fp8linear.ops.cublas_gemm.CublasConfig): there the
 # heuristic takes split-K algorithms where few output tiles leave SMs idle (H100, CUDA graphs:
 # 2112x7168 at M=64 17.4 against 23.6 us, a 1.03 MiB workspace). An algorithm's workspace comes from
@@ -318,14 +323,24 @@ class LtBlockGemm:
         addresses: x_q (M, K) row-major, x_s (M, K/128) M-major, y (M, N) bf16, and `plan`'s
         workspace bytes (256-byte aligned)."""
         with self.lock:  # the descriptor's B-scale address is per call: one thread at a time sets and uses it
-            self._set_ptr(_DESC_B_SCALE_POINTER, x_s)
-            self._matmul(plan, self.w_ptr, x_q, y, workspace)
+            self.run_locked(plan, x_q, x_s, y, workspace)
+
+    def run_locked(self, plan: tuple, x_q: int, x_s: int, y: int, workspace: int) -> None:
+        """:meth:`run` for a caller that holds :attr:`lock` (from :meth:`plan` on, so that the plan is
+        not dropped for another M by another thread before its GEMM is enqueued)."""
+        if not self.w_ptr:
+            raise ValueError("LtBlockGemm.run needs a weight held by for_weight(); a shape's GEMM runs with run_on()")
+        self._set_ptr(_DESC_B_SCALE_POINTER, x_s)
+        self._matmul(plan, self.w_ptr, x_q, y, workspace)
 
     def run_on(self, m: int, w_q: torch.Tensor, scale_b: torch.Tensor, bias: torch.Tensor | None,
                x_q: torch.Tensor, x_s: torch.Tensor, y: torch.Tensor) -> bool:
         """Enqueue y = the GEMM of M rows on this weight (this object's shape), on the current stream;
         False (nothing enqueued) where cuBLASLt has no algorithm for M. Tensors as :meth:`run`'s
         addresses; the workspace is allocated here."""
+        if (bias is not None) != self.has_bias:
+            raise ValueError(f"this cuBLASLt GEMM was made {'with' if self.has_bias else 'without'} a bias, "
+                             f"got bias={'a tensor' if bias is not None else 'None'}")
         with self.lock:  # the descriptor's addresses are per call
             self._set_ptr(_DESC_A_SCALE_POINTER, scale_b.data_ptr())
             self._set_ptr(_DESC_B_SCALE_POINTER, x_s.data_ptr())
@@ -339,11 +354,23 @@ class LtBlockGemm:
         return True
 
 
+def lt_operands_ok(w_q: torch.Tensor, scale_b: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a weight, its cuBLAS-layout scale and bias can go to cuBLASLt here (both paths ask the
+    same, so they run the same algorithm): float8_e4m3fn row-major weight at a 256-byte aligned
+    address (what the heuristic assumes), fp32 scales, a contiguous bf16 bias at such an address."""
+    return (w_q.dtype == torch.float8_e4m3fn and w_q.is_contiguous() and scale_b.dtype == torch.float32
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+            and lt_aligned(w_q, bias))
+
+
 def lt_block_gemm(w_q: torch.Tensor, scale_b: torch.Tensor, row_scales: bool, bias: torch.Tensor | None,
                   workspace_limit: int = LT_WORKSPACE_LIMIT) -> LtBlockGemm | None:
     """The direct cuBLASLt GEMM holding this weight, or None where it cannot be set up (logged once
-    per reason): no CUDA tensor, no libcublasLt, or a cuBLASLt that refuses the descriptors."""
-    if w_q.device.type != "cuda" or torch.version.hip is not None or _lib() is None:
+    per reason): no CUDA tensor, no libcublasLt, operands :func:`lt_operands_ok` refuses, or a
+    cuBLASLt that refuses the descriptors."""
+    if w_q.device.type != "cuda" or torch.version.hip is not None or not lt_operands_ok(w_q, scale_b, bias):
+        return None
+    if _lib() is None:
         return None
     try:
         return LtBlockGemm.for_weight(w_q, scale_b, row_scales, bias, workspace_limit)
@@ -357,12 +384,17 @@ def lt_aligned(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.data_ptr() % _LT_ALIGN == 0 for t in tensors)
 
 
-@lru_cache(maxsize=_MAX_SHAPES)
 def shape_gemm(device_index: int, n: int, k: int, row_scales: bool, has_bias: bool,
                workspace_limit: int = LT_WORKSPACE_LIMIT) -> LtBlockGemm | None:
-    """The functional path's cuBLASLt GEMM for one weight shape, device and workspace limit (kept: the least recently
-    used of _MAX_SHAPES is dropped), or None where cuBLASLt cannot be set up (logged) or
+    """The functional path's cuBLASLt GEMM for one weight shape, device and workspace limit (kept: the
+    least recently used of _MAX_SHAPES is dropped), or None where cuBLASLt cannot be set up (logged) or
     ``FP8LINEAR_CUBLASLT=0`` when the shape is first met: the caller runs torch._scaled_mm."""
+    return _shape_gemm(int(device_index), int(n), int(k), bool(row_scales), bool(has_bias), int(workspace_limit))
+
+
+@lru_cache(maxsize=_MAX_SHAPES)
+def _shape_gemm(device_index: int, n: int, k: int, row_scales: bool, has_bias: bool,
+                workspace_limit: int) -> LtBlockGemm | None:
     if torch.version.hip is not None or os.environ.get("FP8LINEAR_CUBLASLT", "1") == "0" or _lib() is None:
         return None
     try:

@@ -69,7 +69,8 @@ def fp8_linear_tokens(
 class CublasLinear:
     """One weight's cuBLAS blockwise route for inputs of any M: act_quant straight into cuBLAS's
     layout (M padded to a multiple of 4, M-major scales), then the GEMM on cuBLASLt called directly
-    (:mod:`fp8linear.ops.cublaslt`: its descriptors and algorithm made once per M, about a tenth of
+    (:mod:`fp8linear.ops.cublaslt`: descriptors made once per workspace limit, the algorithm once per
+    (workspace limit, M), about a tenth of
     ``torch._scaled_mm``'s host time), or ``torch._scaled_mm`` where that is not available
     (`direct=False`, or the environment variable ``FP8LINEAR_CUBLASLT=0`` when it is made).
 
@@ -119,38 +120,40 @@ class CublasLinear:
                                if self.direct else None)
         return self.lts[limit]
 
-    def __call__(self, x: torch.Tensor, workspace_limit: int = LT_WORKSPACE_LIMIT) -> torch.Tensor:
-        """y (..., N) for x (..., K); `workspace_limit`: the route's cuBLASLt workspace limit in bytes
+    def __call__(self, x: torch.Tensor, limit: int = LT_WORKSPACE_LIMIT) -> torch.Tensor:
+        """y (..., N) for x (..., K); `limit`: the route's cuBLASLt workspace limit in bytes
         (:class:`~fp8linear.ops.cublas_gemm.CublasConfig`)."""
         k = self.k
         m = x.numel() // k
         rows = cublas_rows(m)
         block_m, num_warps = act_quant_launch(rows, k)
         grid = (-(-rows // block_m), -(-k // GROUP_SIZE), 1)
-        lt = self.lt if workspace_limit == LT_WORKSPACE_LIMIT else self.lt_for(workspace_limit)
-        plan = lt.plan(rows) if lt is not None else None
-        if plan is not None:  # one scratch allocation, raw addresses, cuBLASLt called directly
-            scratch = self.scratch.get((rows, plan[3])) or self._scratch(rows, plan[3])
-            buf = scratch.allocate(x.device)
-            y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
-            q_addr, s_addr, ws_addr = scratch.addresses(buf)
-            quant = self.quant_calls.get((block_m, num_warps))
-            if quant is not None and quant.direct:
-                quant.launch(grid, x.data_ptr(), q_addr, s_addr, rows, m, rows)
-            else:
-                x_q, x_s_t, _ = scratch.views(buf)
-                x_s = x_s_t.t()  # (rows, K/128), M-major
-                (quant or self.quant_call(x, x_q, x_s)).launch(grid, x, x_q, x_s, rows, m, rows)
-            lt.run(plan, q_addr, s_addr, y.data_ptr(), ws_addr)
+        lt = self.lt if limit == LT_WORKSPACE_LIMIT else self.lt_for(limit)
+        if lt is not None:
+            with lt.lock:  # the plan stays live (not evicted by another thread) until its GEMM is enqueued
+                plan = lt.plan(rows)
+                if plan is not None:  # one scratch allocation, raw addresses, cuBLASLt called directly
+                    scratch = self.scratch.get((rows, plan[3])) or self._scratch(rows, plan[3])
+                    buf = scratch.allocate(x.device)
+                    y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
+                    q_addr, s_addr, ws_addr = scratch.addresses(buf)
+                    quant = self.quant_calls.get((block_m, num_warps))
+                    if quant is not None and quant.direct:
+                        quant.launch(grid, x.data_ptr(), q_addr, s_addr, rows, m, rows)
+                    else:
+                        x_q, x_s_t, _ = scratch.views(buf)
+                        x_s = x_s_t.t()  # (rows, K/128), M-major
+                        (quant or self.quant_call(x, x_q, x_s)).launch(grid, x, x_q, x_s, rows, m, rows)
+                    lt.run_locked(plan, q_addr, s_addr, y.data_ptr(), ws_addr)
+                    return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
+        x_q, x_s = act_quant_outputs(m, k, self.fp8_dtype, x.device, cublas_layout=True)
+        quant = self.quant_calls.get((block_m, num_warps)) or self.quant_call(x, x_q, x_s)
+        if quant.direct:
+            quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
         else:
-            x_q, x_s = act_quant_outputs(m, k, self.fp8_dtype, x.device, cublas_layout=True)
-            quant = self.quant_calls.get((block_m, num_warps)) or self.quant_call(x, x_q, x_s)
-            if quant.direct:
-                quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
-            else:
-                quant.launch(grid, x, x_q, x_s, rows, m, rows)
-            y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias,
-                                 out_dtype=torch.bfloat16)
+            quant.launch(grid, x, x_q, x_s, rows, m, rows)
+        y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias,
+                             out_dtype=torch.bfloat16)
         return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
 
     def _scratch(self, rows: int, workspace_bytes: int) -> Scratch:
@@ -229,7 +232,7 @@ class LinearPlan:
             runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
             limit = workspace_limit(route.config)
-            run = runner if limit == LT_WORKSPACE_LIMIT else (lambda x: runner(x, limit))
+            run = runner if limit == LT_WORKSPACE_LIMIT else (lambda x: runner(x, limit))  # noqa: E731
             return run, (runner.quant_call(x, x_q0, x_s0),)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         groups = triton.cdiv(k, GROUP_SIZE)

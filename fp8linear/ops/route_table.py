@@ -82,9 +82,14 @@ def _entry(raw: Any, where: str) -> RouteEntry:
                                                    split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
                                                    num_stages=int(raw["num_stages"])))
         if "workspace_mib" in raw:
-            return RouteEntry(kernel, CublasConfig(workspace_mib=int(raw["workspace_mib"])))
+            mib = raw["workspace_mib"]
+            if type(mib) is not int:
+                raise ValueError(f"workspace_mib must be an integer, got {mib!r}")
+            return RouteEntry(kernel, CublasConfig(workspace_mib=mib))
     except KeyError as e:
         raise ValueError(f"{where}: a {kernel} entry needs field {e.args[0]!r}, got {raw!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
     return RouteEntry(kernel)
 
 

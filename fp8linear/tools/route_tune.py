@@ -7,7 +7,7 @@ our split-K kernel at several tiles and splits, the heuristic's own choice, and 
 The fastest of ours or cuBLAS becomes the table entry (:mod:`fp8linear.ops.route_table`), so
 GEMMs of these shapes run what measured fastest on this GPU model. 128x128-block and 1x128
 row-wise weights are measured apart (``--granularity``), each into its section of the table;
-``--update`` keeps the sections not measured from the table already in ``--out``. Writes the table (JSON, by a
+``--update`` keeps the shapes not measured now (per granularity) from the table already in ``--out``. Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
 the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -195,16 +195,18 @@ def _entry_from_label(label: str) -> dict[str, Any]:
 def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str, Any],
                 base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The routes table document: per granularity and (N, K, M) the fastest candidate, with its and
-    BF16's µs. `base`: a table whose sections these rows did not measure are kept."""
+    BF16's µs. `base`: a table whose shapes these rows did not measure are kept (per granularity
+    and shape: a measured shape's entries are all replaced)."""
     from ..ops.route_table import ROUTE_SECTIONS, ROUTES_FORMAT, ROUTES_VERSION, parse_routes
 
     doc = {"format": ROUTES_FORMAT, "version": ROUTES_VERSION, "device": device_name, "meta": meta, "routes": {}}
-    measured = {r.get("granularity", "block") for r in rows}
+    measured = {(ROUTE_SECTIONS[r.get("granularity", "block")], f"{r['n']},{r['k']}") for r in rows}
     if base is not None:
         for gran, section in ROUTE_SECTIONS.items():
             parse_routes(base, "base routes table", gran)  # it must read back too
-            if gran not in measured and section in base:
-                doc[section] = base[section]
+            kept = {shape: per_m for shape, per_m in base.get(section, {}).items() if (section, shape) not in measured}
+            if kept:
+                doc.setdefault(section, {}).update(kept)
     for r in rows:
         best_us, best = min((v, lab) for lab, v in r["us"].items() if lab != "bf16")
         entry = _entry_from_label(best)
@@ -247,7 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--granularity", nargs="+", choices=("block", "row"), default=["block", "row"],
                         help="weight granularities to measure (default: both)")
     parser.add_argument("--update", action="store_true",
-                        help="keep the granularities not measured now from the table already in --out")
+                        help="keep the shapes (per granularity) not measured now from the table already in --out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,11 +276,16 @@ def run(args: argparse.Namespace) -> int:
 
     base = None
     if args.update:
+        from ..ops.route_table import ROUTE_SECTIONS, parse_routes
+
+        path = routes_path(name, out)
         try:
-            with open(routes_path(name, out), encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 base = json.load(f)
+            for gran in ROUTE_SECTIONS:  # refused now, not after the sweep
+                parse_routes(base, str(path), gran)
         except (OSError, ValueError) as e:
-            print(f"fp8linear tune-routes: --update needs a readable table in {out}: {e}", file=sys.stderr)
+            print(f"fp8linear tune-routes: --update needs a valid table in {out}: {e}", file=sys.stderr)
             return 2
     rows = sweep(shapes, ms, device, args.deadline_s, lambda s: print(s, file=sys.stderr, flush=True),
                  tuple(dict.fromkeys(args.granularity)))

@@ -126,23 +126,42 @@ def test_route_workspace_limit_reaches_module_and_functional_paths(n, k, granula
 
 @pytest.mark.gpu
 @needs_hopper
-def test_functional_cublas_path_falls_back_on_unaligned_or_strided_operands():
-    """An operand cuBLASLt's heuristic does not assume (an address off 256 bytes, a strided weight)
-    runs torch._scaled_mm: a correct result within the reference's bound."""
-    from fp8linear.ops.cublas_gemm import cublas_fp8_gemm
+def test_functional_cublas_path_falls_back_on_unaligned_or_strided_operands(monkeypatch):
+    """Operands cuBLASLt's heuristic does not assume (an activation address off 256 bytes, a strided
+    weight) run torch._scaled_mm, aligned ones cuBLASLt: each within the reference's bound."""
+    import fp8linear.ops.cublas_gemm as cg
     from fp8linear.ops.quant import act_quant
 
     torch.manual_seed(3)
-    w_q, w_s = quantize_weight(torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.02, "block")
+    w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+    w_q, w_s = quantize_weight(w, "block")
     x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ dequantize_weight(w_q, w_s, torch.float64).t()
     x_q, x_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
-    aligned = cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", None)
-    big = torch.empty(64 * 2048 + 16, dtype=torch.float8_e4m3fn, device="cuda")
-    shifted = big[16:].view(64, 2048)
+    calls = {"lt": 0, "torch": 0}
+    real_shape_gemm, real_scaled_mm = cg.shape_gemm, torch._scaled_mm
+
+    def counting_shape_gemm(*a):
+        calls["lt"] += 1
+        return real_shape_gemm(*a)
+
+    def counting_scaled_mm(*a, **kw):
+        calls["torch"] += 1
+        return real_scaled_mm(*a, **kw)
+
+    monkeypatch.setattr(cg, "shape_gemm", counting_shape_gemm)
+    monkeypatch.setattr(torch, "_scaled_mm", counting_scaled_mm)
+    assert rel_err(cg.cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", None), ref) < FP8_LINEAR_TOL
+    assert calls == {"lt": 1, "torch": 0}
+    shifted = torch.empty(64 * 2048 + 16, dtype=torch.float8_e4m3fn, device="cuda")[16:].view(64, 2048)
     shifted.copy_(x_q)
-    y = cublas_fp8_gemm(shifted, x_s, w_q, w_s, "block", None)
-    assert rel_err(y, ref) < FP8_LINEAR_TOL and rel_err(aligned, ref) < FP8_LINEAR_TOL
+    assert rel_err(cg.cublas_fp8_gemm(shifted, x_s, w_q, w_s, "block", None), ref) < FP8_LINEAR_TOL
+    assert calls == {"lt": 1, "torch": 1}
+    w_wide = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+    w_wide[:, :2048] = w_q
+    strided = w_wide[:, :2048]  # row stride 4096: not contiguous
+    assert rel_err(cg.cublas_fp8_gemm(x_q, x_s, strided, w_s, "block", None), ref) < FP8_LINEAR_TOL
+    assert calls == {"lt": 1, "torch": 2}
 
 
 @pytest.mark.gpu

@@ -503,10 +503,10 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
     assert not layer._plans and layer._cublas_linear is not None
     from fp8linear.ops.cublas_gemm import CublasConfig
 
-    small = Route("cublas", CublasConfig(workspace_mib=32))  # a table entry's workspace limit, routed and planned
-    monkeypatch.setattr(router, "route_linear", lambda *a, **kw: small)
+    large = Route("cublas", CublasConfig(workspace_mib=32))  # a table entry's workspace limit, routed and planned
+    monkeypatch.setattr(router, "route_linear", lambda *a, **kw: large)
     x = torch.randn(1, 333, 512, device="cuda", dtype=torch.bfloat16)
-    ref = run_linear_route(small, x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block", layer.bias)
+    ref = run_linear_route(large, x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block", layer.bias)
     for _ in range(3):  # first sight (routed), second (planned), third (the plan)
         assert same_bits(layer(x), ref.view(1, 333, 4096))
     assert layer._plans

@@ -41,6 +41,9 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     (_doc({"128,256": {"4": {"kernel": "magic"}}}), "kernel in"),
     (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16}}}), "needs field"),
     (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": 0}}}), "workspace_mib"),
+    (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": None}}}), r"routes\['128,256'\]\['4'\].*workspace_mib"),
+    (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": 1.9}}}), "workspace_mib must be an integer"),
+    (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": True}}}), "workspace_mib must be an integer"),
     (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16, "block_n": 64, "split_k": 0,
                              "num_warps": 4, "num_stages": 4}}}), "split_k"),
 ])

@@ -113,8 +113,8 @@ def test_entry_labels_round_trip_through_the_table():
 
 
 def test_row_rows_go_to_their_section_and_update_keeps_the_other():
-    """Rows of row-wise weights fill the row section; a base table's section not measured now is kept,
-    one that is measured now is replaced; the heuristic report is per granularity."""
+    """Rows of row-wise weights fill the row section; a base table's shapes not measured now are kept
+    (per granularity), those measured now are replaced; the heuristic report is per granularity."""
     block_rows = [{"n": 576, "k": 7168, "m": 1, "heuristic": "cublas", "us": {"bf16": 8.0, "cublas": 7.0}}]
     row_rows = [{"granularity": "row", "n": 576, "k": 7168, "m": 1, "heuristic": "tiled:16x32x128w4s4g8",
                  "us": {"bf16": 8.0, "cublas": 9.0, "tiled:16x32x128w4s4g8": 7.5}}]
@@ -126,6 +126,9 @@ def test_row_rows_go_to_their_section_and_update_keeps_the_other():
     new_block = [{**block_rows[0], "us": {"bf16": 8.0, "cublas": 9.0, "tiled:16x32x128w4s4g8": 6.0}}]
     again = route_tune.build_table(new_block, "X", {}, base=both)
     assert again["routes"]["576,7168"]["1"]["kernel"] == "tiled" and again["row_routes"] == both["row_routes"]
+    other = [{**block_rows[0], "n": 1024, "k": 4096}]
+    merged = route_tune.build_table(other, "X", {}, base=again)
+    assert merged["routes"]["576,7168"] == again["routes"]["576,7168"] and "1024,4096" in merged["routes"]
     report = route_tune.heuristic_report(block_rows + row_rows)
     assert "(block)" in report and "(row)" in report
 
