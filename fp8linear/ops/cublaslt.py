@@ -64,17 +64,15 @@ _EPILOGUE_BIAS = 4
 _SCALE_VEC128_32F, _SCALE_BLK128X128_32F = 4, 5
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
-# The largest workspace an algorithm may ask for, by default: torch's default for torch._scaled_mm
-# (1 MiB, where CUBLASLT_WORKSPACE_SIZE does not set another), so shapes in no routes table run
-# torch's algorithm. Routes
-# tables name 32 MiB where it measured faster (fp8linear.ops.cublas_gemm.CublasConfig): there the
-# heuristic takes split-K algorithms where few output tiles leave SMs idle (H100, CUDA graphs:
-# 2112x7168 at M=64 17.4 against 23.6 us, a 1.03 MiB workspace). An algorithm's workspace comes from
-# torch's caching allocator per call, its own size only (not the limit).
-LT_WORKSPACE_LIMIT = 1 * 2**20
-# torch._scaled_mm's limit, in KiB, where CUBLASLT_WORKSPACE_SIZE does not set it (tests and probes
-# compare against torch's algorithm with it).
+# torch._scaled_mm's cuBLASLt workspace limit, in KiB, where CUBLASLT_WORKSPACE_SIZE does not set it.
 _TORCH_LT_WORKSPACE_KIB = 1024
+# The largest workspace an algorithm may ask for, by default: torch's default, so shapes in no
+# routes table run torch._scaled_mm's algorithm. Routes tables name 32 MiB where it measured faster
+# (fp8linear.ops.cublas_gemm.CublasConfig): there the heuristic takes split-K algorithms where few
+# output tiles leave SMs idle (H100, CUDA graphs: 2112x7168 at M=64 17.4 against 23.6 us, a 1.03 MiB
+# workspace). An algorithm's workspace comes from torch's caching allocator per call, its own size
+# only (not the limit).
+LT_WORKSPACE_LIMIT = _TORCH_LT_WORKSPACE_KIB * 1024
 # Weight shapes the functional path keeps descriptors for (shape_gemm; the least recently used is dropped).
 _MAX_SHAPES = 256
 # cuBLASLt's heuristic assumes 256-byte aligned matrices (its default minimum alignment preference);
@@ -310,12 +308,12 @@ class LtBlockGemm:
         _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(self.ptr), 8),
                "cublasLtMatmulDescSetAttribute(address)")
 
-    def _matmul(self, plan: tuple, w: int, x_q: int, y: int, workspace: int, algo: _Algo | None = None) -> None:
-        b_layout, d_layout, plan_algo, ws_bytes = plan
+    def _matmul(self, plan: tuple, w: int, x_q: int, y: int, workspace: int) -> None:
+        b_layout, d_layout, algo, ws_bytes = plan
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         _check(self.lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.one), w, self.a_layout, x_q,
                                        b_layout, ctypes.byref(self.zero), y, d_layout, y, d_layout,
-                                       ctypes.byref(algo or plan_algo), workspace if ws_bytes else None, ws_bytes,
+                                       ctypes.byref(algo), workspace if ws_bytes else None, ws_bytes,
                                        stream), "cublasLtMatmul")
 
     def run(self, plan: tuple, x_q: int, x_s: int, y: int, workspace: int) -> None:
