@@ -22,7 +22,7 @@ import torch
 import triton
 
 from ..formats import GROUP_SIZE
-from .cublas_gemm import CublasConfig, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
+from .cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_block_gemm
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
@@ -32,7 +32,7 @@ from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_launc
 from .router import Route, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
-__all__ = ["CublasConfig", "CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]
+__all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]
 
 # Row counts a CublasLinear keeps a scratch layout for (the oldest is dropped), as many as the
 # cuBLASLt plans it keeps per M (fp8linear.ops.cublaslt).
