@@ -14,7 +14,8 @@ Three parts, each printed as a table (one run, CUDA-graph replays over operand s
   as 1x128 weights with the expanded scale grid held (made once per layer), against our kernel and BF16;
 - ``newm``: eager host cost of a layer whose M is new at every call (transformers' DeepSeek
   attention projects the whole cached sequence through kv_b_proj each decode step): the first,
-  second and third call of each M against BF16, and a cProfile of first calls.
+  second and third call of each M against BF16, four layers of the shape meeting each new M in turn
+  (as a decode step's kv_b_proj), and a cProfile of first calls.
 
     python benchmarks/midm_probe.py [--parts edge sweep host forward shortk newm] [--json out.json]
 """
@@ -219,6 +220,22 @@ def newm(device: torch.device, out: dict) -> None:
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         res[label] = (t1 - t0) / len(seq) * 1e6
+    # Four layers of the shape, each meeting the step's new M in turn (a decode step's kv_b_proj):
+    # the cuBLASLt plan of an M is made by the first layer and shared by the others.
+    lins = [torch.nn.Linear(512, 32768, bias=False, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    fp8s = [Fp8BlockLinear.from_linear(layer) for layer in lins]
+    for layer in lins + fp8s:
+        layer(torch.randn(1, 1503, 512, device=device, dtype=torch.bfloat16))
+    for label, stack, seq in (("bf16 4 layers", lins, [m + 300 for m in ms]), ("fp8 4 layers", fp8s, [m + 400 for m in ms])):
+        xs.update({m: torch.randn(1, m, 512, device=device, dtype=torch.bfloat16) for m in seq})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for m in seq:
+            for layer in stack:
+                layer(xs[m])
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        res[label] = (t1 - t0) / len(seq) / len(stack) * 1e6
     out["newm"] = res
     for label, v in res.items():
         print(f"{label:20s} {v:8.1f}")

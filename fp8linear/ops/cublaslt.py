@@ -4,8 +4,9 @@ shape) and workspace limit, the algorithm once per M, then one ``cublasLtMatmul`
 ``torch._scaled_mm`` builds its cuBLASLt descriptors and asks cuBLASLt's heuristic for an algorithm
 on every call, and takes tensors: the quantized activations and their scales must be tensor objects
 (two allocations), and the output a third. :class:`LtBlockGemm` holds the weight's descriptors, and
-per M the activation and output layouts and the algorithm, so a call is one attribute update (the
-activation scales' address) and the matmul, through ``ctypes`` into the libcublasLt that torch
+per M the activation and output layouts and the algorithm (planned once per M for every GEMM of the
+same shape, limit and modes: all the layers of a model share one plan book), so a call is one
+attribute update (the activation scales' address) and the matmul, through ``ctypes`` into the libcublasLt that torch
 itself loaded, on raw addresses: :class:`fp8linear.ops.linear.CublasLinear` puts the quantized
 activations, their scales and the workspace in one allocation. H100 host, torch 2.11: the whole
 eager call (act_quant + GEMM) 0.66-0.82x the wall time of the same call on ``torch._scaled_mm``
@@ -78,9 +79,12 @@ _MAX_SHAPES = 256
 # cuBLASLt's heuristic assumes 256-byte aligned matrices (its default minimum alignment preference);
 # the functional path runs other addresses on torch._scaled_mm.
 _LT_ALIGN = 256
-# M values a weight keeps layouts and an algorithm for (the oldest is dropped): transformers'
+# M values a GEMM kind keeps layouts and an algorithm for (the oldest is dropped): transformers'
 # DeepSeek attention meets a new M (the cached sequence length) at every decode step.
 _MAX_PLANS = 512
+# GEMM kinds (device, shape, scale modes, bias, workspace limit) whose plan books are kept alive by
+# this module for GEMMs made later (a book also lives as long as any GEMM using it).
+_MAX_BOOKS = 256
 
 
 class _Algo(ctypes.Structure):
@@ -186,6 +190,41 @@ def _layout(lib: ctypes.CDLL, dtype: int, rows: int, cols: int, ld: int) -> int:
     return layout.value
 
 
+class _PlanBook:
+    """The per-M plans of one GEMM kind (device, N, K, scale modes, bias, workspace limit), shared by
+    every :class:`LtBlockGemm` of that kind: a plan (the activation and output layouts, the
+    algorithm and its workspace bytes) depends on nothing else, so the heuristic runs once per M for
+    all the layers of a shape and for the functional path alike (one algorithm per (shape, M,
+    limit): the same bits everywhere). Its `lock` is held from planning to enqueueing a GEMM, so
+    that no plan is dropped (its layouts destroyed) by another thread in between."""
+
+    __slots__ = ("lib", "plans", "lock")
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.plans: dict[int, tuple | None] = {}  # M -> (B layout, D layout, algo, workspace bytes), None: no algo
+        self.lock = threading.Lock()
+
+    def drop_oldest(self) -> None:
+        _destroy_plan(self.lib, self.plans.pop(next(iter(self.plans))))
+
+    def __del__(self) -> None:
+        if getattr(self, "lib", None) is not None:
+            for plan in self.plans.values():
+                _destroy_plan(self.lib, plan)
+
+
+def _destroy_plan(lib: ctypes.CDLL, plan: tuple | None) -> None:
+    if plan is not None:
+        lib.cublasLtMatrixLayoutDestroy(plan[0])
+        lib.cublasLtMatrixLayoutDestroy(plan[1])
+
+
+@lru_cache(maxsize=_MAX_BOOKS)
+def _plan_book(device_index: int, n: int, k: int, row_scales: bool, has_bias: bool, workspace_limit: int) -> _PlanBook:
+    return _PlanBook(_lib())
+
+
 class LtBlockGemm:
     """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, scale_b).T (+ bias) for one weight shape, on cuBLASLt.
 
@@ -196,11 +235,12 @@ class LtBlockGemm:
     Made by :meth:`for_weight`, the weight, its scale and bias are held (their addresses stay in the
     descriptors) and :meth:`run` enqueues a GEMM on them. Made for a shape (:func:`shape_gemm`),
     :meth:`run_on` takes the weight, scale and bias per call. :meth:`plan` gives the per-M part
-    (layouts, algorithm, workspace bytes); M a multiple of 4. `workspace_limit`: the largest
-    workspace the heuristic may choose an algorithm for (LT_WORKSPACE_LIMIT).
+    (layouts, algorithm, workspace bytes), kept in the plan book every GEMM of the same kind shares
+    (:class:`_PlanBook`); M a multiple of 4. `workspace_limit`: the largest workspace the heuristic
+    may choose an algorithm for (LT_WORKSPACE_LIMIT). :attr:`lock` is the book's.
     """
 
-    __slots__ = ("lib", "handle", "desc", "a_layout", "plans", "w_q", "w_ptr", "scale_b", "bias", "n", "k",
+    __slots__ = ("lib", "handle", "desc", "a_layout", "book", "plans", "w_q", "w_ptr", "scale_b", "bias", "n", "k",
                  "has_bias", "workspace_limit", "device_index", "ptr", "one", "zero", "lock")
 
     def __init__(self, device_index: int, n: int, k: int, row_scales: bool, has_bias: bool,
@@ -223,9 +263,9 @@ class LtBlockGemm:
             _set(lib, self.desc, _DESC_EPILOGUE, ctypes.c_int32(_EPILOGUE_BIAS))
             _set(lib, self.desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int32(_CUDA_R_16BF))
         self.a_layout = _layout(lib, _CUDA_R_8F_E4M3, k, n, k)
-        self.plans: dict[int, tuple | None] = {}  # M -> (B layout, D layout, algo, workspace bytes), None: no algo
+        self.book = _plan_book(device_index, n, k, row_scales, has_bias, workspace_limit)
+        self.plans, self.lock = self.book.plans, self.book.lock
         self.ptr = _P()  # an address set per call
-        self.lock = threading.Lock()
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     @classmethod
@@ -245,13 +285,14 @@ class LtBlockGemm:
         return self
 
     def plan(self, m: int) -> tuple | None:
-        """(B layout, D layout, algorithm, workspace bytes) for M rows, made on first use and kept
-        (_MAX_PLANS of them); None where cuBLASLt has no algorithm for this M. The descriptor's
-        scale addresses must be set (non-null) when an M is first planned."""
+        """(B layout, D layout, algorithm, workspace bytes) for M rows, made on first use by any GEMM
+        of this kind and kept in the shared book (_MAX_PLANS of them); None where cuBLASLt has no
+        algorithm for this M. The caller holds :attr:`lock` from here until its GEMM is enqueued. The
+        descriptor's scale addresses must be set (non-null) when an M is first planned."""
         plan = self.plans.get(m, False)
         if plan is False:
             if len(self.plans) >= _MAX_PLANS:
-                self._destroy(self.plans.pop(next(iter(self.plans))))
+                self.book.drop_oldest()
             plan = self.plans[m] = self._make_plan(m)
         return plan
 
@@ -284,20 +325,13 @@ class LtBlockGemm:
     def _make_plan(self, m: int) -> tuple | None:
         b_layout, d_layout, algos = self._heuristic(m, 1)
         if not algos:
-            self._destroy((b_layout, d_layout))
+            _destroy_plan(self.lib, (b_layout, d_layout))
             return None
         return b_layout, d_layout, algos[0][0], algos[0][1]
-
-    def _destroy(self, plan: tuple | None) -> None:
-        if plan is not None:
-            self.lib.cublasLtMatrixLayoutDestroy(plan[0])
-            self.lib.cublasLtMatrixLayoutDestroy(plan[1])
 
     def __del__(self) -> None:
         if getattr(self, "lib", None) is None:
             return
-        for plan in getattr(self, "plans", {}).values():
-            self._destroy(plan)
         if getattr(self, "a_layout", None):
             self.lib.cublasLtMatrixLayoutDestroy(self.a_layout)
         if getattr(self, "desc", None):

@@ -32,10 +32,10 @@ def test_no_direct_gemm_off_nvidia_gpus():
     assert lt_block_gemm(w_q, w_s.t(), False, None) is None  # a CPU weight
 
 
-def _pair(n: int, k: int, granularity: str, bias: bool):
+def _pair(n: int, k: int, granularity: str, bias: bool, seed: int = 0):
     from fp8linear.ops.linear import CublasLinear
 
-    torch.manual_seed(n * 7 + k)
+    torch.manual_seed(n * 7 + k + seed)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     w_q, w_s = quantize_weight(w, granularity)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
@@ -73,14 +73,49 @@ def test_direct_cublaslt_matches_functional_path_and_reference(n, k, granularity
             ref = ref + b.double()
         assert rel_err(y, ref) < FP8_LINEAR_TOL
     rows = -(-2 * m // 4) * 4
-    assert len(direct.lt.plans) == 1 and direct.lt.plans[rows] is not None
+    assert direct.lt.plans[rows] is not None
     from fp8linear.ops.cublas_gemm import cublas_row_scales
 
     from fp8linear.ops.cublaslt import LT_WORKSPACE_LIMIT
 
     shared = shape_gemm(torch.cuda.current_device(), n, k, cublas_row_scales(w_q, granularity), bias,
                         LT_WORKSPACE_LIMIT)
-    assert shared is not None and shared.plans[rows] is not None
+    assert shared is not None and shared.plans is direct.lt.plans  # one plan book per GEMM kind
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("limit_mib", [1, 32])
+def test_layers_of_one_shape_share_plans(limit_mib, monkeypatch):
+    """Every GEMM of one kind (shape, scale modes, bias, workspace limit) plans an M once: a second
+    layer meets the first layer's plan (no heuristic call), and computes its own weight's product
+    with it; another limit or a bias is another kind."""
+    from fp8linear.ops.cublaslt import LtBlockGemm
+
+    calls = []
+    make_plan = LtBlockGemm._make_plan
+
+    def counting(self, m):
+        calls.append(m)
+        return make_plan(self, m)
+
+    layers = [_pair(1536, 7168, "block", False, seed) for seed in range(3)]
+    limit = limit_mib << 20
+    lts = [direct.lt_for(limit) for _, _, _, direct, _ in layers]
+    assert lts[0].plans is lts[1].plans is lts[2].plans
+    m = 1000 + 4 * limit_mib + 1  # an M no other test plans
+    rows = -(-m // 4) * 4
+    lts[0].plans.pop(rows, None)
+    monkeypatch.setattr(LtBlockGemm, "_make_plan", counting)
+    x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
+    ys = [direct(x, limit) for _, _, _, direct, _ in layers]
+    assert calls == [rows]
+    for (w_q, w_s, _, _, via_torch), y in zip(layers, ys):
+        ref = x.double() @ dequantize_weight(w_q, w_s, torch.float64).t()
+        assert rel_err(y, ref) < FP8_LINEAR_TOL
+    assert not same_bits(ys[0], ys[1])  # different weights, one plan
+    other = _pair(1536, 7168, "block", True)[3].lt_for(limit)  # with a bias: another kind
+    assert other.plans is not lts[0].plans
 
 
 @pytest.mark.gpu
@@ -188,4 +223,4 @@ def test_direct_cublaslt_in_cuda_graphs_and_fallback(monkeypatch):
     monkeypatch.setattr(type(direct.lt), "_make_plan", lambda self, m: None)
     x = torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16)
     assert same_bits(direct(x), via_torch(x))
-    assert direct.lt.plans[100] is None
+    assert direct.lt.plans.pop(100) is None  # (the book is shared with later tests of this shape)
