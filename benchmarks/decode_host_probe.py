@@ -4,7 +4,8 @@ Builds the DeepSeek-V3-width model of `examples/deepseek_v3_small.py` (preset v3
 an FP8 copy (`quantize_model_`), prefills one prompt, then times eager decode steps of both models
 (interleaved): wall time per step (synchronised), host time per step (enqueue only), and the host
 time spent inside each kind of submodule (attention, router gate, routed experts, shared experts,
-dense MLP, norms, lm_head), summed over a step, from forward hooks. Ends with a cProfile of one FP8
+dense MLP, norms, lm_head), summed over a step, from forward hooks; decode time per token inside
+`generate()` (and a cProfile of one generate per model). Ends with a cProfile of one FP8
 step sorted by cumulative time. Every sequence length is run once before it is timed (its first
 step pays for attention plans that are the same for both models).
 
@@ -59,7 +60,7 @@ def attach_timers(model: torch.nn.Module, acc: dict) -> None:
         mod.register_forward_hook(post)
 
 
-@torch.no_grad()
+@torch.no_grad()  # as generate() runs: without autograd's bookkeeping on the BF16 layers
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prefill", type=int, default=2048)
@@ -116,6 +117,78 @@ def main() -> None:
         for name in models:
             print(f"  {name}: wall {statistics.median(walls[name]):.2f} ms/step, "
                   f"host {statistics.median(hosts[name]):.2f}")
+    # generate(): what transformers' loop adds around the same steps. Decode ms per token =
+    # (generate of 1 + steps tokens - generate of 1 token) / steps, medians of interleaved rounds.
+    kw = dict(do_sample=False, pad_token_id=0)
+    gen = {(name, n): [] for name in models for n in (1, a.steps + 1)}
+    for r in range(4):
+        for name in list(models)[::(-1) ** r]:
+            for n in (1, a.steps + 1):
+                sync()
+                t0 = time.perf_counter()
+                models[name].generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+                sync()
+                gen[(name, n)].append((time.perf_counter() - t0) * 1e3)
+    print(" generate():")
+    for name in models:
+        g1, gn = (statistics.median(gen[(name, n)][1:]) for n in (1, a.steps + 1))
+        print(f"  {name}: decode {(gn - g1) / a.steps:.2f} ms/token (generate of 1 token {g1:.2f} ms)")
+    # Per-token intervals inside one generate (a stopping criterion synchronises and stamps each
+    # step): the steady-state decode step, without the prefill's GPU tail in the difference above.
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Stamp(StoppingCriteria):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            sync()
+            self.t.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    steps = {name: [] for name in models}
+    for r in range(3):
+        for name in list(models)[::(-1) ** r]:
+            stamp = Stamp()
+            models[name].generate(prompt, max_new_tokens=a.steps + 1, min_new_tokens=a.steps + 1,
+                                  stopping_criteria=StoppingCriteriaList([stamp]), **kw)
+            steps[name] += [(b - a_) * 1e3 for a_, b in zip(stamp.t[1:], stamp.t[2:])]
+    for name in models:
+        print(f"  {name}: step interval inside generate (synchronised) {statistics.median(steps[name]):.2f} ms")
+    # FP8 layer calls that miss their plan (validation and routing on the call), per decode token
+    from fp8linear.module import Fp8BlockLinear
+
+    slow = defaultdict(int)
+    unplanned = Fp8BlockLinear._forward_and_plan
+
+    def counted(self, x):
+        slow[(tuple(x.shape), x.is_contiguous(), x.data_ptr() % 16)] += 1
+        return unplanned(self, x)
+
+    Fp8BlockLinear._forward_and_plan = counted
+    try:
+        for label, fn in (("step loop", lambda: [step("fp8") for _ in range(a.steps)]),
+                          ("generate", lambda: fp8.generate(prompt, max_new_tokens=a.steps + 1,
+                                                            min_new_tokens=a.steps + 1, **kw))):
+            prefill_all()
+            slow.clear()
+            fn()
+            sync()
+            top = sorted(slow.items(), key=lambda kv: -kv[1])[:6]
+            print(f"  fp8 {label}: {sum(slow.values()) / a.steps:.1f} unplanned layer calls per token; "
+                  f"(shape, contiguous, address % 16): count {top}")
+    finally:
+        Fp8BlockLinear._forward_and_plan = unplanned
+    for name in ("fp8", "bf16"):
+        pr = cProfile.Profile()
+        pr.enable()
+        models[name].generate(prompt, max_new_tokens=a.steps + 1, min_new_tokens=a.steps + 1, **kw)
+        sync()
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        print(f"\n--- cProfile, generate of {a.steps + 1} tokens, {name}, tottime ---")
+        print("\n".join(line[:170] for line in buf.getvalue().splitlines()[:40]))
     accs = {name: defaultdict(float) for name in models}
     for name, m in models.items():
         attach_timers(m, accs[name])

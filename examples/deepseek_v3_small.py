@@ -69,8 +69,23 @@ def timed_generation_pair(models: dict, prompt: torch.Tensor, new_tokens: int, r
     then the other, so slow phases of the machine (this example's eager runs are bound by the host
     CPU, whose speed was seen to drift by 30% between runs) and whatever the first caller of a
     shape pays hit all of them. Medians of `repeats` rounds after a warm-up.
-    Prefill = generate(max_new_tokens=1); decode = (full generation - prefill) / (new_tokens - 1).
+    Prefill = generate(max_new_tokens=1). Decode = the median interval between consecutive
+    generated tokens inside the full generations (a stopping criterion synchronises and stamps each
+    step; generate() synchronises at every step anyway, to check for finished sequences): the
+    steady-state time per output token. Also (full generation - prefill) / (new_tokens - 1), which
+    carries the prefill's GPU tail and each run's setup, and so drifts with the host.
     """
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StepStamps(StoppingCriteria):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            sync(dev)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
     dev = prompt.device
     for model in models.values():
@@ -86,18 +101,22 @@ def timed_generation_pair(models: dict, prompt: torch.Tensor, new_tokens: int, r
 
     pre = {name: [] for name in models}
     full = {name: [] for name in models}
+    steps = {name: [] for name in models}
     outs = {}
     for r in range(repeats):
         order = list(models.items())[::(-1) ** r]  # which model goes first alternates round by round
         for name, model in order:
             pre[name].append(timed(lambda: model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)))
         for name, model in order:
-            full[name].append(timed(lambda: outs.__setitem__(name, model.generate(prompt, max_new_tokens=new_tokens, **kw))))
+            stamps = StepStamps()
+            full[name].append(timed(lambda: outs.__setitem__(name, model.generate(
+                prompt, max_new_tokens=new_tokens, stopping_criteria=StoppingCriteriaList([stamps]), **kw))))
+            steps[name] += [b - a for a, b in zip(stamps.times, stamps.times[1:])]
     result = {}
     for name in models:
         p, f = statistics.median(pre[name]), statistics.median(full[name])
-        result[name] = (prompt.numel() / p, prompt.shape[0] * (new_tokens - 1) / max(f - p, 1e-9),
-                        outs[name][:, prompt.shape[1]:])
+        result[name] = (prompt.numel() / p, prompt.shape[0] / statistics.median(steps[name]),
+                        outs[name][:, prompt.shape[1]:], prompt.shape[0] * (new_tokens - 1) / max(f - p, 1e-9))
     return result
 
 
@@ -246,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         out_logits = fp8(probe).logits.float()
     timings = timed_generation_pair({"bf16": model, "fp8": fp8}, prompt, new_tokens)
-    (bf16_pre, bf16_dec, bf16_ids), (fp8_pre, fp8_dec, fp8_ids) = timings["bf16"], timings["fp8"]
+    (bf16_pre, bf16_dec, bf16_ids, bf16_diff), (fp8_pre, fp8_dec, fp8_ids, fp8_diff) = timings["bf16"], timings["fp8"]
     if args.profile is not None:
         profile_forward(fp8, prompt, "fp8", args.profile or None)
 
@@ -258,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'weight memory (GiB)':24}{bf16_bytes / gib:12.3f}{fp8_bytes / gib:12.3f}{fp8_bytes / bf16_bytes:10.3f}")
     print(f"{f'prefill tok/s ({prefill})':24}{bf16_pre:12.1f}{fp8_pre:12.1f}{fp8_pre / bf16_pre:10.2f}")
     print(f"{'decode tok/s (batch 1)':24}{bf16_dec:12.1f}{fp8_dec:12.1f}{fp8_dec / bf16_dec:10.2f}")
+    print(f"{'  (full-prefill)/(n-1)':24}{bf16_diff:12.1f}{fp8_diff:12.1f}{fp8_diff / bf16_diff:10.2f}")
     print(f"logits vs BF16 (random weights): relative L2 error {rel:.3f}, top-1 agreement {top1 * 100:.1f}%; "
           f"generated tokens identical to BF16: {same * 100:.1f}%")
     if on_gpu:
