@@ -17,6 +17,7 @@ index).
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from torch import nn
@@ -34,7 +35,12 @@ def main() -> None:
     p.add_argument("--gemm", action="store_true", help="GEMM alone under CUDA graphs, cuBLASLt workspace limits")
     p.add_argument("--algos", type=int, default=8, help="with --gemm: heuristic algorithms timed")
     p.add_argument("--shapes", nargs="+", default=None, help="with --gemm: NxK shapes (default: SHAPES)")
+    p.add_argument("--borrow", action="store_true",
+                   help="GEMM alone under CUDA graphs at Ms between the routes table's measured Ms: cuBLASLt's "
+                        "heuristic at M, the algorithm of the table's M run at M, and M padded to the table's M")
     args = p.parse_args()
+    if args.borrow:
+        return borrow_probe(args)
     if args.gemm:
         return gemm_probe(args)
     dev = torch.device("cuda")
@@ -128,6 +134,90 @@ def gemm_probe(args: argparse.Namespace) -> None:
                   f" {min(lt, us['ours']) / us['bf16']:8.2f}")
         del w, w_q, w_s, small, big
         torch.cuda.empty_cache()
+
+
+BORROW_SHAPES = [(7168, 2048), (32768, 512), (2112, 7168), (2048, 7168), (1536, 7168), (24576, 1536), (4096, 4096),
+                 (3584, 3584), (8192, 8192), (14336, 4096), (4096, 14336), (8192, 29568), (7168, 18432), (1024, 8192)]
+
+
+def borrow_probe(args: argparse.Namespace) -> None:
+    """Per (shape, M) whose routes-table entry is cuBLAS measured at another M (M_t): the GEMM at M
+    with cuBLASLt's heuristic for M ("heur", what runs now), with the algorithm chosen for M_t
+    ("borrow"), and on M_t rows ("pad": M padded to the measured M), against BF16 and ours."""
+    from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale, workspace_limit
+    from fp8linear.ops.cublaslt import LtBlockGemm
+    from fp8linear.ops.gemm import block_fp8_gemm
+    from fp8linear.ops.quant import act_quant, cublas_rows
+    from fp8linear.ops.route_table import MAX_M_RATIO, _device_name, _table
+    from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
+
+    dev = torch.device("cuda")
+    table = _table(_device_name(torch.cuda.current_device()), "block")
+    ms = args.m if args.m != [64, 128, 512, 2048] else [77, 160, 320, 333, 640, 1000, 1500, 3000]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else BORROW_SHAPES
+    print(f"{torch.cuda.get_device_name()}; GEMM us per call under CUDA graphs")
+    print(f"{'shape':>12s} {'M':>5s} {'M_t':>5s} ws {'bf16':>7s} {'ours':>7s} {'heur':>7s} {'borrow':>7s} {'pad':>7s}"
+          f"  borrow/heur pad/heur")
+    ratios = {"borrow": [], "pad": []}
+    for n, k in shapes:
+        per_m = table.get((n, k))
+        if not per_m:
+            continue
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w_q, w_s = quantize_weight(w, "block")
+        scale_b = cublas_weight_scale(w_q, w_s, "block")
+        gemms = {}
+        for m in ms:
+            above = [mm for mm in per_m if m <= mm <= m * MAX_M_RATIO]
+            below = [mm for mm in per_m if mm < m and m <= mm * MAX_M_RATIO]
+            m_t = min(above) if above else (max(below) if below else None)
+            if m_t is None or per_m[m_t].kernel != "cublas" or m_t == cublas_rows(m):
+                continue
+            limit = workspace_limit(per_m[m_t].config)
+            if limit not in gemms:
+                gemms[limit] = LtBlockGemm.for_weight(w_q, scale_b, cublas_row_scales(w_q, "block"), None, limit)
+            gemm = gemms[limit]
+            x = torch.randn(max(m, m_t), k, device=dev, dtype=torch.bfloat16)
+            x_q, x_s = act_quant(x[:m], torch.float8_e4m3fn)
+            xp_q, xp_s = act_quant(x[:m], torch.float8_e4m3fn, cublas_layout=True)
+            xt_q, xt_s = act_quant(x[:m_t], torch.float8_e4m3fn, cublas_layout=True)
+            rows = xp_q.shape[0]
+            plans = {"heur": (gemm.plan(rows), rows, (xp_q, xp_s)), "borrow": (gemm.borrowed_plan(rows, m_t), rows, (xp_q, xp_s)),
+                     "pad": (gemm.plan(cublas_rows(m_t)), cublas_rows(m_t), (xt_q, xt_s))}
+
+            def lt_fn(plan, r):
+                def run(a, sa):
+                    y = torch.empty((r, n), dtype=torch.bfloat16, device=dev)
+                    ws = torch.empty(max(plan[3], 1), dtype=torch.uint8, device=dev)
+                    gemm.run(plan, a.data_ptr(), sa.data_ptr(), y.data_ptr(), ws.data_ptr())
+                    return y
+                return run
+
+            fns = {"bf16": (lambda a, b: a @ b.t(), (x[:m], w)),
+                   "ours": (lambda a, sa: block_fp8_gemm(a, sa, w_q, w_s, "block", torch.bfloat16), (x_q, x_s))}
+            for name, (plan, r, fargs) in plans.items():
+                if plan is not None:
+                    fns[name] = (lt_fn(plan, r), fargs)
+            rounds = {}
+            with torch.inference_mode():
+                for name, (fn, fargs) in fns.items():
+                    nbytes = sum(t.numel() * t.element_size() for t in fargs)
+                    rounds[name], _ = prepare_cuda(fn, rotation_sets(fargs, nbytes, dev), 3, True, 1500.0)
+                us = time_rounds(rounds, 5)
+                del rounds
+            nan = float("nan")
+            for name in ratios:
+                if name in us:
+                    ratios[name].append(us[name] / us["heur"])
+            print(f"{n:>5d}x{k:<6d} {m:5d} {m_t:5d} {limit >> 20:2d} {us['bf16']:7.1f} {us['ours']:7.1f}"
+                  f" {us['heur']:7.1f} {us.get('borrow', nan):7.1f} {us.get('pad', nan):7.1f}"
+                  f"  {us.get('borrow', nan) / us['heur']:8.2f} {us.get('pad', nan) / us['heur']:8.2f}")
+        del w, w_q, w_s, gemms
+        torch.cuda.empty_cache()
+    for name, r in ratios.items():
+        if r:
+            geo = math.exp(sum(math.log(v) for v in r) / len(r))
+            print(f"{name}/heur: geomean {geo:.3f} over {len(r)} cases, min {min(r):.2f}, max {max(r):.2f}")
 
 
 if __name__ == "__main__":

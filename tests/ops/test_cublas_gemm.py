@@ -43,6 +43,26 @@ def test_act_quant_cublas_layout(m, k):
     assert torch.equal(x_s[m:], torch.full_like(x_s[m:], AMAX_FLOOR / 448.0))
 
 
+@pytest.mark.parametrize("m,k", [(1, 128), (2, 300), (3, 576), (77, 1000), (18, 2048)])
+@pytest.mark.parametrize("scale_layout", ["row-major", "m-major"])
+def test_pad_rows_for_cublas(m, k, scale_layout):
+    """Quantized activations of M % 4 != 0 rows (given to block_fp8_matmul already quantized) go to
+    cuBLAS on a copy with M rounded up to 4: real rows and scales copied bit for bit, scales M-major,
+    padding rows zero with scale 1."""
+    from fp8linear.ops.cublas_gemm import _pad_rows
+
+    x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16) * 5
+    x_q, x_s = quantize_activation(x, backend="triton")
+    if scale_layout == "m-major":
+        x_s = x_s.t().contiguous().t()
+    x_p, s_p = _pad_rows(x_q, x_s)
+    rows, groups = -(-m // 4) * 4, -(-k // 128)
+    assert x_p.shape == (rows, k) and x_p.is_contiguous() and x_p.dtype == x_q.dtype
+    assert s_p.shape == (rows, groups) and s_p.stride() == (1, rows)
+    assert same_bits(x_p[:m], x_q) and same_bits(s_p[:m].contiguous(), x_s.contiguous())
+    assert (x_p[m:].float() == 0).all() and (s_p[m:] == 1).all()
+
+
 @pytest.mark.parametrize(
     "n,k,gran,fp8,out,bias,ok",
     [
