@@ -27,7 +27,7 @@ from .grouped_gemm import (
     grouped_gemm_args,
     moe_align_block_size,
 )
-from .launch import KernelCall, Scratch
+from .launch import KernelCall, Scratch, scratch_buffer
 from .quant import _act_quant_kernel, act_quant_args
 from .router import align_on_kernel
 from .router import grouped_config
@@ -111,7 +111,7 @@ class ExpertsPlan:
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """y (T, H) in x's dtype; x (T, H) contiguous and 16-byte aligned (the caller checks)."""
-        buf = self.scratch.allocate(x.device)
+        buf = scratch_buffer(self.scratch.nbytes, x.device)
         direct = self.direct
         if direct:
             sorted_ids, block_expert, x_q, x_s, h_q, h_s = self.scratch.addresses(buf)

@@ -3,6 +3,8 @@ bit-identical to the routed functional path, dropped when what they were made fr
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -510,3 +512,70 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
     for _ in range(3):  # first sight (routed), second (planned), third (the plan)
         assert same_bits(layer(x), ref.view(1, 333, 4096))
     assert layer._plans
+
+
+def test_scratch_buffer_off_cuda_is_a_fresh_allocation():
+    from fp8linear.ops.launch import scratch_buffer
+
+    a, b = scratch_buffer(1000, torch.device("cpu")), scratch_buffer(1000, torch.device("cpu"))
+    assert a.numel() == 1000 and a.dtype == torch.uint8 and a.data_ptr() != b.data_ptr()
+
+
+@pytest.mark.gpu
+def test_gpu_scratch_arena_per_stream_and_not_in_capture():
+    """Calls on one stream (and thread) share one scratch buffer, grown on demand; another stream has
+    its own; graph capture and requests above ARENA_MAX_BYTES allocate."""
+    from fp8linear.ops.launch import ARENA_MAX_BYTES, scratch_buffer
+
+    dev = torch.device("cuda")
+    a = scratch_buffer(1000, dev)
+    assert scratch_buffer(1500, dev).data_ptr() == a.data_ptr() and a.numel() >= 1500
+    grown = scratch_buffer(a.numel() + 1, dev)
+    assert grown.numel() > a.numel() and scratch_buffer(10, dev).data_ptr() == grown.data_ptr()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = scratch_buffer(1000, dev)
+    assert other.data_ptr() != grown.data_ptr()
+    big = scratch_buffer(ARENA_MAX_BYTES + 1, dev)
+    assert big.data_ptr() not in (grown.data_ptr(), scratch_buffer(10, dev).data_ptr())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = scratch_buffer(1000, dev)
+    assert captured.data_ptr() != scratch_buffer(1000, dev).data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 300, 1024])
+def test_gpu_layers_sharing_the_arena_back_to_back_and_on_two_streams(m):
+    """Planned layers that reuse one scratch buffer, called back to back without synchronising (and
+    on two streams at once, each with its own buffer), give the bits each gives alone: decode-sized,
+    mid-M and cuBLAS routes."""
+    torch.manual_seed(m)
+    layers = [Fp8BlockLinear.from_linear(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
+              for n, k in ((2112, 7168), (7168, 2048), (576, 7168))]
+    xs = {(i, j): torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
+          for i, layer in enumerate(layers) for j in range(3)}
+    alone = {}
+    for (i, j), x in xs.items():
+        for _ in range(3):  # routed, planned, then from the plan
+            y = layers[i](x)
+        torch.cuda.synchronize()
+        alone[(i, j)] = y.clone()
+    for _ in range(2):
+        out = {key: layers[key[0]](x) for key, x in xs.items()}  # every call reuses the arena
+        assert all(same_bits(out[key], alone[key]) for key in xs)
+    # a layer's split-K counters are its own: the other stream runs copies of the layers
+    copies = [copy.deepcopy(layer) for layer in layers]
+    for key, x in xs.items():
+        for _ in range(3):
+            copies[key[0]](x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    out_main, out_side = {}, {}
+    with torch.cuda.stream(side):
+        for key, x in xs.items():
+            out_side[key] = copies[key[0]](x)
+    for key, x in xs.items():
+        out_main[key] = layers[key[0]](x)
+    torch.cuda.synchronize()
+    assert all(same_bits(out_main[key], alone[key]) and same_bits(out_side[key], alone[key]) for key in xs)
