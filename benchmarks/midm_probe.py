@@ -265,6 +265,7 @@ def _host_us(fn, calls: int = 200) -> float:
 
 def host(device: torch.device, out: dict) -> None:
     from fp8linear import Fp8BlockLinear
+    from fp8linear.ops.launch import scratch_buffer
 
     print("\n== host: per-call host cost of eager pieces (us, best of 5 bursts) ==")
     x = torch.randn(8, 7168, device=device, dtype=torch.bfloat16)
@@ -282,6 +283,8 @@ def host(device: torch.device, out: dict) -> None:
         "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
         "torch.compiler.is_compiling": torch.compiler.is_compiling,
         "getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "torch.empty(64 KiB, uint8)": lambda: torch.empty(1 << 16, dtype=torch.uint8, device=device),
+        "scratch_buffer(64 KiB) (the arena)": lambda: scratch_buffer(1 << 16, device),
     }
     res = {}
     for label, fn in pieces.items():
