@@ -15,7 +15,8 @@ where cuBLAS computes it correctly (:func:`cublas_accepts`) and is the faster ke
 What cuBLAS takes, probed on H100 with torch 2.11 + CUDA 13.0 (the GPU tests in
 tests/test_cublas_gemm.py check these rules against the reference):
 
-- activations: FP8 (M, K) row-major, M a multiple of 4 (other M run on a padded copy), K a multiple of 16; scales (M, K/128)
+- activations: FP8 (M, K) row-major, M a multiple of 4 (other M run on a padded copy, made by one
+  kernel), K a multiple of 16; scales (M, K/128)
   M-major (stride (1, M)). :func:`fp8linear.ops.quant.act_quant` writes them that way directly
   (``cublas_layout=True``), padding M with zero rows, so no copy is needed;
 - 128x128 weights: scale_b = ``w_s.t()`` of the contiguous (N/128, K/128) grid. With K/128 not a
