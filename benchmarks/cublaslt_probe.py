@@ -66,6 +66,16 @@ def main() -> None:
                   f" {wall['direct'] / wall['scaled_mm']:7.3f} {wall['direct'] / wall['bf16']:8.3f} {same}")
 
 
+def _lt_call(gemm, plan: tuple, rows: int, n: int, dev: torch.device):
+    """A call of `gemm` (held weight) on `plan` for x_q, x_s of `rows` rows: y and the workspace allocated per call."""
+    def run(a, sa):
+        y = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
+        ws = torch.empty(max(plan[3], 1), dtype=torch.uint8, device=dev)
+        gemm.run(plan, a.data_ptr(), sa.data_ptr(), y.data_ptr(), ws.data_ptr())
+        return y
+    return run
+
+
 def gemm_probe(args: argparse.Namespace) -> None:
     from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale
     from fp8linear.ops.cublas_gemm import CublasConfig
@@ -100,19 +110,11 @@ def gemm_probe(args: argparse.Namespace) -> None:
                                                             out_dtype=torch.bfloat16), (x_q, w_q)),
                    "ours": (lambda a, sa: block_fp8_gemm(a, sa, w_q, w_s, "block", torch.bfloat16), (x_q, x_s))}
 
-            def lt_fn(gemm, plan):
-                def run(a, sa):
-                    y = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
-                    ws = torch.empty(max(plan[3], 1), dtype=torch.uint8, device=dev)
-                    gemm.run(plan, a.data_ptr(), sa.data_ptr(), y.data_ptr(), ws.data_ptr())
-                    return y
-                return run
-
             for name, plan in plans.items():
                 if plan is not None:
-                    fns[name] = (lt_fn(small if name == "lt-1M" else big, plan), (xp_q, xp_s))
+                    fns[name] = (_lt_call(small if name == "lt-1M" else big, plan, rows, n, dev), (xp_q, xp_s))
             for i, plan in enumerate(cands):
-                fns[f"algo{i}"] = (lt_fn(big, plan), (xp_q, xp_s))
+                fns[f"algo{i}"] = (_lt_call(big, plan, rows, n, dev), (xp_q, xp_s))
             rounds = {}
             with torch.inference_mode():
                 for name, (fn, fargs) in fns.items():
@@ -185,19 +187,11 @@ def borrow_probe(args: argparse.Namespace) -> None:
             plans = {"heur": (gemm.plan(rows), rows, (xp_q, xp_s)), "borrow": (gemm.borrowed_plan(rows, m_t), rows, (xp_q, xp_s)),
                      "pad": (gemm.plan(cublas_rows(m_t)), cublas_rows(m_t), (xt_q, xt_s))}
 
-            def lt_fn(plan, r):
-                def run(a, sa):
-                    y = torch.empty((r, n), dtype=torch.bfloat16, device=dev)
-                    ws = torch.empty(max(plan[3], 1), dtype=torch.uint8, device=dev)
-                    gemm.run(plan, a.data_ptr(), sa.data_ptr(), y.data_ptr(), ws.data_ptr())
-                    return y
-                return run
-
             fns = {"bf16": (lambda a, b: a @ b.t(), (x[:m], w)),
                    "ours": (lambda a, sa: block_fp8_gemm(a, sa, w_q, w_s, "block", torch.bfloat16), (x_q, x_s))}
             for name, (plan, r, fargs) in plans.items():
                 if plan is not None:
-                    fns[name] = (lt_fn(plan, r), fargs)
+                    fns[name] = (_lt_call(gemm, plan, r, n, dev), fargs)
             rounds = {}
             with torch.inference_mode():
                 for name, (fn, fargs) in fns.items():
