@@ -3,7 +3,8 @@
 - one module per Triton kernel, each `@triton.jit` kernel followed by its thin launcher:
   :mod:`.quant`, :mod:`.gemm`, :mod:`.splitk_gemm`, :mod:`.fused_gemv`, :mod:`.fused_decode`,
   :mod:`.grouped_gemm` (shared building blocks in :mod:`.gemm_common`), and cuBLAS blockwise FP8
-  in :mod:`.cublas_gemm`;
+  in :mod:`.cublas_gemm` (cuBLASLt called in :mod:`.cublaslt`, activations padded for it in
+  :mod:`.cublas_pad`);
 - the FP8 linear on CPU tensors: :mod:`.cpu_linear`;
 - the one router (:mod:`.router`) and the plans that run its routes (:mod:`.linear`, :mod:`.launch`);
 - launch configs: heuristics in :mod:`.configs`, tuned per-device tables read from the data

@@ -63,6 +63,14 @@ def test_pad_rows_for_cublas(m, k, scale_layout):
     assert (x_p[m:].float() == 0).all() and (s_p[m:] == 1).all()
 
 
+def test_pad_rows_refuses_fewer_rows():
+    from fp8linear.ops.cublas_pad import pad_rows
+
+    x_q, x_s = quantize_activation(torch.randn(6, 256, device=KERNEL_DEVICE), backend="triton")
+    with pytest.raises(ValueError, match="rows >= M = 6"):
+        pad_rows(x_q, x_s, 4)
+
+
 @pytest.mark.parametrize(
     "n,k,gran,fp8,out,bias,ok",
     [
