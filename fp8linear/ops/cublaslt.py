@@ -151,7 +151,6 @@ def _lib() -> ctypes.CDLL | None:
                                             ctypes.POINTER(ctypes.c_int)]),
         ("cublasLtMatmul", [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.POINTER(_Algo), _P,
                             ctypes.c_size_t, _P]),
-        ("cublasLtMatmulAlgoCheck", [_P, _P, _P, _P, _P, _P, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)]),
     ):
         f = getattr(lib, fn, None)
         if f is None:
@@ -302,15 +301,18 @@ class LtBlockGemm:
         cuBLASLt accepts it for M (``cublasLtMatmulAlgoCheck``), else None. Not kept: the caller
         destroys its layouts (:func:`_destroy_plan`) or keeps the plan."""
         source = self.plan(algo_m)
-        if source is None:
-            return None
         lib = self.lib
+        check = getattr(lib, "cublasLtMatmulAlgoCheck", None)  # a probe's need: not one the GEMMs depend on
+        if source is None or check is None:
+            return None
+        check.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)]
+        check.restype = ctypes.c_int
         b_layout = _layout(lib, _CUDA_R_8F_E4M3, self.k, m, self.k)
         d_layout = _layout(lib, _CUDA_R_16BF, self.n, m, self.n)
         algo, result = _Algo(), _Heuristic()
         ctypes.memmove(ctypes.byref(algo), ctypes.byref(source[2]), ctypes.sizeof(_Algo))
-        status = lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, self.a_layout, b_layout, d_layout, d_layout,
-                                             ctypes.byref(algo), ctypes.byref(result))
+        status = check(self.handle, self.desc, self.a_layout, b_layout, d_layout, d_layout, ctypes.byref(algo),
+                       ctypes.byref(result))
         if status != 0 or result.workspace_size > self.workspace_limit:
             _destroy_plan(lib, (b_layout, d_layout))
             return None
