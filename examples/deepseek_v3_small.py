@@ -63,7 +63,8 @@ def sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def timed_generation_pair(models: dict, prompt: torch.Tensor, new_tokens: int, repeats: int = 5) -> dict:
-    """Per model: (prefill tokens/s, decode tokens/s, generated ids) for greedy generation at this batch.
+    """Per model: (prefill tokens/s, decode tokens/s, generated ids, decode tokens/s by the whole-run
+    measure) for greedy generation at this batch; `new_tokens` >= 2.
 
     The models are timed side by side: each round calls every model once, first one model first,
     then the other, so slow phases of the machine (this example's eager runs are bound by the host
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.layers or {"small": 6, "v3": 4}.get(args.preset, 3)
     prefill = args.prefill or (2048 if on_gpu else 32)
     new_tokens = args.new_tokens or (64 if on_gpu else 8)
+    if new_tokens < 2:
+        raise ValueError(f"--new-tokens must be at least 2 (decode speed is timed between tokens), got {new_tokens}")
 
     config = make_config(args.preset, layers)
     torch.manual_seed(0)

@@ -203,15 +203,19 @@ class _PlanBook:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.plans: dict[int, tuple | None] = {}  # M -> (B layout, D layout, algo, workspace bytes), None: no algo
-        self.lock = threading.Lock()
+        # reentrant: every GEMM of the kind shares it, so a holder may call another GEMM's methods
+        self.lock = threading.RLock()
 
     def drop_oldest(self) -> None:
         _destroy_plan(self.lib, self.plans.pop(next(iter(self.plans))))
 
     def __del__(self) -> None:
-        if getattr(self, "lib", None) is not None:
+        lib = getattr(self, "lib", None)
+        if lib is not None:  # no module-level names here: at interpreter exit they may be gone first
             for plan in self.plans.values():
-                _destroy_plan(self.lib, plan)
+                if plan is not None:
+                    lib.cublasLtMatrixLayoutDestroy(plan[0])
+                    lib.cublasLtMatrixLayoutDestroy(plan[1])
 
 
 def _destroy_plan(lib: ctypes.CDLL, plan: tuple | None) -> None:
@@ -300,6 +304,10 @@ class LtBlockGemm:
         """A plan for M rows that runs the algorithm the heuristic chose for `algo_m` rows, where
         cuBLASLt accepts it for M (``cublasLtMatmulAlgoCheck``), else None. Not kept: the caller
         destroys its layouts (:func:`_destroy_plan`) or keeps the plan."""
+        with self.lock:  # planning algo_m may drop another M's plan from the shared book
+            return self._borrowed_plan(m, algo_m)
+
+    def _borrowed_plan(self, m: int, algo_m: int) -> tuple | None:
         source = self.plan(algo_m)
         lib = self.lib
         check = getattr(lib, "cublasLtMatmulAlgoCheck", None)  # a probe's need: not one the GEMMs depend on

@@ -129,6 +129,8 @@ class ExpertsPlan:
         self.quant_x(xp, x_q, x_s)
         h = torch.empty((self.num_pairs, self.n_up), dtype=self.dtype, device=x.device)
         self.gemm_up(x_q, x_s, h.data_ptr() if direct else h, sorted_ids, block_expert)
+        # `gate` (the model's activation) runs while buf still holds the routing and h_q for the down
+        # GEMM: it must not run planned FP8 layers on this stream (they would reuse the arena buffer)
         g = self.gate(h)
         if not g.is_contiguous():
             g = g.contiguous()

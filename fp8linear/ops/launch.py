@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import triton
 
-__all__ = ["ALIGN", "ARENA_MAX_BYTES", "KernelCall", "Scratch", "aligned", "scratch_buffer"]
+__all__ = ["ALIGN", "ARENA_MAX_BYTES", "ARENA_MAX_STREAMS", "KernelCall", "Scratch", "aligned", "scratch_buffer"]
 
 # Triton specializes pointers on 16-byte alignment.
 ALIGN = 16
@@ -125,6 +125,8 @@ class KernelCall:
 # Scratch up to this size comes from the arena of the calling thread and stream (scratch_buffer):
 # decode and mid-M calls (x_q, scales, split-K partials, a cuBLASLt workspace); larger ones allocate.
 ARENA_MAX_BYTES = 16 << 20
+# Streams a thread keeps an arena buffer for (the least recently added is released first).
+ARENA_MAX_STREAMS = 4
 
 
 class _Arenas(threading.local):
@@ -151,6 +153,8 @@ def scratch_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     buffers = _ARENAS.buffers
     buf = buffers.get(key)
+    if buf is None and len(buffers) >= ARENA_MAX_STREAMS:
+        del buffers[next(iter(buffers))]  # freed on its own stream: reused only after its queued work
     if buf is None or buf.numel() < nbytes:
         # the old buffer may still be read by queued kernels of this stream: freed, the caching
         # allocator hands it out again only to work queued after them on this stream

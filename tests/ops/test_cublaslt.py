@@ -105,7 +105,9 @@ def test_layers_of_one_shape_share_plans(limit_mib, monkeypatch):
     assert lts[0].plans is lts[1].plans is lts[2].plans
     m = 1000 + 4 * limit_mib + 1  # an M no other test plans
     rows = -(-m // 4) * 4
-    lts[0].plans.pop(rows, None)
+    from fp8linear.ops.cublaslt import _destroy_plan
+
+    _destroy_plan(lts[0].lib, lts[0].plans.pop(rows, None))
     monkeypatch.setattr(LtBlockGemm, "_make_plan", counting)
     x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
     ys = [direct(x, limit) for _, _, _, direct, _ in layers]
@@ -220,7 +222,13 @@ def test_direct_cublaslt_in_cuda_graphs_and_fallback(monkeypatch):
         graph.replay()
         graph_f.replay()
         assert same_bits(static_y, y) and same_bits(static_yf, y)
+    from fp8linear.ops.cublaslt import _destroy_plan
+
+    _destroy_plan(direct.lt.lib, direct.lt.plans.pop(100, None))  # the book is shared: start without M=100
     monkeypatch.setattr(type(direct.lt), "_make_plan", lambda self, m: None)
     x = torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16)
-    assert same_bits(direct(x), via_torch(x))
-    assert direct.lt.plans.pop(100) is None  # (the book is shared with later tests of this shape)
+    try:
+        assert same_bits(direct(x), via_torch(x))
+        assert direct.lt.plans[100] is None
+    finally:
+        direct.lt.plans.pop(100, None)  # later tests of this shape plan M=100 themselves

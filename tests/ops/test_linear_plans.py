@@ -522,11 +522,14 @@ def test_scratch_buffer_off_cuda_is_a_fresh_allocation():
 
 
 @pytest.mark.gpu
-def test_gpu_scratch_arena_per_stream_and_not_in_capture():
+def test_gpu_scratch_arena_per_stream_and_not_in_capture(monkeypatch):
     """Calls on one stream (and thread) share one scratch buffer, grown on demand; another stream has
-    its own; graph capture and requests above ARENA_MAX_BYTES allocate."""
-    from fp8linear.ops.launch import ARENA_MAX_BYTES, scratch_buffer
+    its own; graph capture and requests above ARENA_MAX_BYTES allocate; a thread keeps buffers for
+    ARENA_MAX_STREAMS streams."""
+    from fp8linear.ops import launch
+    from fp8linear.ops.launch import ARENA_MAX_BYTES, ARENA_MAX_STREAMS, scratch_buffer
 
+    monkeypatch.setattr(launch, "_ARENAS", launch._Arenas())  # empty, whatever earlier tests left
     dev = torch.device("cuda")
     a = scratch_buffer(1000, dev)
     assert scratch_buffer(1500, dev).data_ptr() == a.data_ptr() and a.numel() >= 1500
@@ -540,8 +543,14 @@ def test_gpu_scratch_arena_per_stream_and_not_in_capture():
     assert big.data_ptr() not in (grown.data_ptr(), scratch_buffer(10, dev).data_ptr())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = scratch_buffer(1000, dev)
-    assert captured.data_ptr() != scratch_buffer(1000, dev).data_ptr()
+        captured = [scratch_buffer(1000, dev) for _ in range(2)]
+    assert captured[0].data_ptr() != captured[1].data_ptr()  # each capture-time call allocates
+    assert all(c.data_ptr() != b.data_ptr() for c in captured for b in launch._ARENAS.buffers.values())
+    streams = [torch.cuda.Stream() for _ in range(ARENA_MAX_STREAMS + 1)]
+    for s in streams:
+        with torch.cuda.stream(s):
+            scratch_buffer(1000, dev)
+    assert len(launch._ARENAS.buffers) == ARENA_MAX_STREAMS
 
 
 @pytest.mark.gpu
