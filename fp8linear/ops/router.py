@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ..backend import interpreting
 from ..formats import GROUP_SIZE
@@ -313,14 +314,10 @@ def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, f
 ALIGN_KERNEL_MAX_WORK = 512 * 256
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def align_on_kernel(num_pairs: int, num_experts: int) -> bool:
     """Whether :func:`fp8linear.ops.grouped_gemm.moe_align_block_size` aligns `num_pairs` pairs over `num_experts` experts with
     its one-launch kernel (else with torch ops), see ALIGN_KERNEL_MAX_WORK."""
-    return 0 < num_pairs and num_pairs * _next_power_of_2(num_experts + 1) <= ALIGN_KERNEL_MAX_WORK
+    return 0 < num_pairs and num_pairs * triton.next_power_of_2(num_experts + 1) <= ALIGN_KERNEL_MAX_WORK
 
 
 # Average rows per expert up to which the grouped GEMM uses 64x128 tiles (see grouped_config).
