@@ -12,6 +12,13 @@ index).
 
     python benchmarks/cublaslt_probe.py [--m 64 128 512 2048]
     python benchmarks/cublaslt_probe.py --gemm [--m 77 128 256 512] [--algos 8]
+    python benchmarks/cublaslt_probe.py --padded-grid [--m 4 77 128 512 2048]
+
+With ``--padded-grid``: 128x128 weights whose K/128 is not a multiple of 4, on cuBLASLt with the
+weight-scale grid's rows padded to a multiple of 4 (the layout cuBLAS's 2-D block scaling reads)
+against the same weight expanded to 1x128 scales; relative error of each against the float64
+reference, and GEMM time under CUDA graphs. Also M not a multiple of 4 on M rows (no padded copy
+of x_q) with the activation scales' leading dimension padded to a multiple of 4.
 """
 
 from __future__ import annotations
@@ -38,7 +45,11 @@ def main() -> None:
     p.add_argument("--borrow", action="store_true",
                    help="GEMM alone under CUDA graphs at Ms between the routes table's measured Ms: cuBLASLt's "
                         "heuristic at M, the algorithm of the table's M run at M, and M padded to the table's M")
+    p.add_argument("--padded-grid", action="store_true",
+                   help="128x128 weights with K/128 not a multiple of 4: padded scale grid against 1x128 expansion")
     args = p.parse_args()
+    if args.padded_grid:
+        return padded_grid_probe(args)
     if args.borrow:
         return borrow_probe(args)
     if args.gemm:
@@ -212,6 +223,81 @@ def borrow_probe(args: argparse.Namespace) -> None:
         if r:
             geo = math.exp(sum(math.log(v) for v in r) / len(r))
             print(f"{name}/heur: geomean {geo:.3f} over {len(r)} cases, min {min(r):.2f}, max {max(r):.2f}")
+
+
+PADDED_GRID_SHAPES = [(8192, 29568), (2048, 1408), (7168, 640), (4096, 384), (7168, 2304), (1536, 576), (576, 2112)]
+
+
+def padded_grid_probe(args: argparse.Namespace) -> None:
+    from fp8linear.ops.cublas_gemm import cublas_weight_scale
+    from fp8linear.ops.cublaslt import LtBlockGemm
+    from fp8linear.ops.gemm import block_fp8_gemm
+    from fp8linear.ops.quant import act_quant
+    from fp8linear.reference import block_fp8_matmul_ref
+    from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
+
+    dev = torch.device("cuda")
+    ms = args.m if args.m != [64, 128, 512, 2048] else [4, 77, 128, 333, 512, 2048, 4096]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else PADDED_GRID_SHAPES
+    print(f"{torch.cuda.get_device_name()}; GEMM us per call under CUDA graphs; rel err vs float64 reference")
+    print(f"{'shape':>12s} {'M':>5s} {'bf16':>7s} {'ours':>7s} {'row':>7s} {'blk-pad':>7s} {'blk-raw':>7s}"
+          f" {'err row':>8s} {'err pad':>8s} {'err raw':>8s} {'err ours':>8s}  pad/row  unpadded-M err")
+    for n, k in shapes:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w_q, w_s = quantize_weight(w, "block")
+        groups = w_s.shape[1]
+        padded = torch.zeros((w_s.shape[0], -(-groups // 4) * 4), device=dev, dtype=torch.float32)
+        padded[:, :groups] = w_s
+        row_scale = cublas_weight_scale(w_q, w_s, "block")  # the 1x128 expansion where K/128 % 4 != 0
+        gemms = {"row": LtBlockGemm.for_weight(w_q, row_scale, True, None),
+                 "blk-pad": LtBlockGemm.for_weight(w_q, padded.t(), False, None),
+                 "blk-raw": LtBlockGemm.for_weight(w_q, w_s.contiguous().t(), False, None)}
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            x_q, x_s = act_quant(x, torch.float8_e4m3fn)
+            xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+            rows = xp_q.shape[0]
+            ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float32)
+            ref = ref.double()
+
+            def err(y: torch.Tensor) -> float:
+                return ((y[:m].double() - ref).norm() / ref.norm()).item()
+
+            fns = {"bf16": (lambda a, b: a @ b.t(), (x, w)),
+                   "ours": (lambda a, sa: block_fp8_gemm(a, sa, w_q, w_s, "block", torch.bfloat16, allow_cublas=True),
+                            (x_q, x_s))}
+            errs = {"ours": err(block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, allow_cublas=True))}
+            for name, gemm in gemms.items():
+                plan = gemm.plan(rows)
+                if plan is None:
+                    continue
+                fn = _lt_call(gemm, plan, rows, n, dev)
+                errs[name] = err(fn(xp_q, xp_s))
+                fns[name] = (fn, (xp_q, xp_s))
+            # M rows (no padded copy of x_q), activation scales with the leading dimension padded to 4
+            unpadded = "-"
+            if m % 4:
+                plan_m = gemms["blk-pad"].plan(m)
+                if plan_m is None:
+                    unpadded = "no algo"
+                else:
+                    xq_m = xp_q[:m].clone()
+                    y = _lt_call(gemms["blk-pad"], plan_m, m, n, dev)(xq_m, xp_s)
+                    unpadded = f"{err(y):.2e}"
+            rounds = {}
+            with torch.inference_mode():
+                for name, (fn, fargs) in fns.items():
+                    nbytes = sum(t.numel() * t.element_size() for t in fargs)
+                    rounds[name], _ = prepare_cuda(fn, rotation_sets(fargs, nbytes, dev), 3, True, 1500.0)
+                us = time_rounds(rounds, 5)
+                del rounds
+            nan = float("nan")
+            print(f"{n:>5d}x{k:<6d} {m:5d} {us['bf16']:7.1f} {us['ours']:7.1f} {us.get('row', nan):7.1f}"
+                  f" {us.get('blk-pad', nan):7.1f} {us.get('blk-raw', nan):7.1f} {errs.get('row', nan):8.1e}"
+                  f" {errs.get('blk-pad', nan):8.1e} {errs.get('blk-raw', nan):8.1e} {errs['ours']:8.1e}"
+                  f" {us.get('blk-pad', nan) / us.get('row', nan):7.2f}  {unpadded}")
+        del w, w_q, w_s, gemms
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
