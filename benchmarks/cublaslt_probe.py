@@ -229,7 +229,6 @@ PADDED_GRID_SHAPES = [(8192, 29568), (2048, 1408), (7168, 640), (4096, 384), (71
 
 
 def padded_grid_probe(args: argparse.Namespace) -> None:
-    from fp8linear.ops.cublas_gemm import cublas_weight_scale
     from fp8linear.ops.cublaslt import LtBlockGemm
     from fp8linear.ops.gemm import block_fp8_gemm
     from fp8linear.ops.quant import act_quant
@@ -248,10 +247,14 @@ def padded_grid_probe(args: argparse.Namespace) -> None:
         groups = w_s.shape[1]
         padded = torch.zeros((w_s.shape[0], -(-groups // 4) * 4), device=dev, dtype=torch.float32)
         padded[:, :groups] = w_s
-        row_scale = cublas_weight_scale(w_q, w_s, "block")  # the 1x128 expansion where K/128 % 4 != 0
+        # each block scale repeated over its 128 rows: the same weight as 1x128 scales, (K/128, N)
+        row_scale = w_s.t().repeat_interleave(128, dim=1)[:, :n].contiguous()
+        big = 32 << 20
         gemms = {"row": LtBlockGemm.for_weight(w_q, row_scale, True, None),
                  "blk-pad": LtBlockGemm.for_weight(w_q, padded.t(), False, None),
-                 "blk-raw": LtBlockGemm.for_weight(w_q, w_s.contiguous().t(), False, None)}
+                 "blk-raw": LtBlockGemm.for_weight(w_q, w_s.contiguous().t(), False, None),
+                 "row-32M": LtBlockGemm.for_weight(w_q, row_scale, True, None, big),
+                 "pad-32M": LtBlockGemm.for_weight(w_q, padded.t(), False, None, big)}
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             x_q, x_s = act_quant(x, torch.float8_e4m3fn)
@@ -295,7 +298,9 @@ def padded_grid_probe(args: argparse.Namespace) -> None:
             print(f"{n:>5d}x{k:<6d} {m:5d} {us['bf16']:7.1f} {us['ours']:7.1f} {us.get('row', nan):7.1f}"
                   f" {us.get('blk-pad', nan):7.1f} {us.get('blk-raw', nan):7.1f} {errs.get('row', nan):8.1e}"
                   f" {errs.get('blk-pad', nan):8.1e} {errs.get('blk-raw', nan):8.1e} {errs['ours']:8.1e}"
-                  f" {us.get('blk-pad', nan) / us.get('row', nan):7.2f}  {unpadded}")
+                  f" {us.get('blk-pad', nan) / us.get('row', nan):7.2f}  {unpadded}"
+                  f"  32M: row {us.get('row-32M', nan):7.1f} pad {us.get('pad-32M', nan):7.1f}"
+                  f"  best-row/best-pad {min(us.get('row', nan), us.get('row-32M', nan)) / min(us.get('blk-pad', nan), us.get('pad-32M', nan)):5.2f}")
         del w, w_q, w_s, gemms
         torch.cuda.empty_cache()
 
