@@ -19,13 +19,18 @@ tests/test_cublas_gemm.py check these rules against the reference):
   kernel), K a multiple of 16; scales (M, K/128)
   M-major (stride (1, M)). :func:`fp8linear.ops.quant.act_quant` writes them that way directly
   (``cublas_layout=True``), padding M with zero rows, so no copy is needed;
-- 128x128 weights: scale_b = ``w_s.t()`` of the contiguous (N/128, K/128) grid. With K/128 not a
-  multiple of 4 (K=256, 2304, 384, 640) cuBLAS *accepts* that layout and returns garbage
-  (relative error 0.09 to 1e3). Such weights run as 1x128 weights instead: each 128x128 block's
-  scale repeated over its 128 rows is the same dequantization, exactly (a (K/128, N) grid that
-  ``Fp8BlockLinear`` makes once per layer, :class:`fp8linear.ops.linear.CublasLinear`, and the
-  functional path per call, ~1.5 us), from K = CUBLAS_EXPANDED_MIN_K up;
-- 1x128 weights: scale_b = the (K/128, N) transpose, contiguous (a small copy per call);
+- 128x128 weights: scale_b = ``w_s.t()`` of the contiguous (N/128, K/128) grid whose rows cuBLAS
+  reads with a leading dimension of K/128 rounded up to a multiple of 4. Where K/128 is not a
+  multiple of 4 (K=256, 1408, 2304, 29568, ...) the grid's rows are padded to it (a small copy,
+  made once per layer by :class:`fp8linear.ops.linear.CublasLinear`, per call on the functional
+  path); unpadded, cuBLAS accepts the grid and returns garbage (relative error 0.09 to 1e33).
+  ``torch._scaled_mm`` refuses a padded grid, so where it runs such weights go as 1x128 weights;
+- 128x128 weights as 1x128 weights (``CublasConfig(row_scales=True)``, a routes-table choice):
+  each block scale repeated over its 128 rows is the same dequantization, exactly, and cuBLAS's
+  1x128-scaled kernels are faster at low tile counts (H100, `benchmarks/cublaslt_probe.py
+  --padded-grid`: 0.47-0.66x the 128x128 kernels' time at M <= 128, up to 1.7x slower at M >= 1024);
+- 1x128 weights: scale_b = the (K/128, N) transpose, contiguous (a small copy per call on the
+  functional path);
 - N a multiple of 16; ``float8_e4m3fn`` only; bf16 output (the only one verified), bias fused.
 """
 
@@ -40,17 +45,17 @@ from ..formats import GROUP_SIZE
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, lt_operands_ok, shape_gemm
 
 __all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
-           "cublas_row_scales", "cublas_weight_scale"]
+           "config_row_scales", "cublas_row_scales", "cublas_weight_scale"]
 
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
 _ALIGN_KN = 16
 # and M (the M-major activation scales' leading dimension) a multiple of 4 (16 bytes of fp32).
 CUBLAS_ROW_ALIGN = 4
-# The 128x128 scale grid's row (K/128 fp32 values) must be 16-byte aligned (see module docstring).
+# cuBLAS reads the 128x128 scale grid's rows (K/128 fp32 values) 16 bytes apart (see module docstring).
 _BLOCK_SCALE_ROW_ALIGN = 4
-# 128x128 weights whose K/128 is not a multiple of 4 may go to cuBLAS as 1x128 weights from this K
-# up (the router decides by measurement where it runs them). H100, CUDA graphs, cuBLAS with the
-# expanded grid held against ours (benchmarks/midm_probe.py --parts shortk), M=512/2048/8192:
+# 128x128 weights whose K/128 is not a multiple of 4 go to cuBLAS from this K up (the router
+# decides by measurement where it runs them). H100, CUDA graphs, cuBLAS with the weight as 1x128
+# scales held against ours (benchmarks/midm_probe.py --parts shortk), M=512/2048/8192:
 # 1536x576 5.0/11.0/26.7 vs 5.0/11.7/34.7 us; 7168x640 9.8/30.4/101.1 vs 12.3/33.0/115.7;
 # 4096x384 5.5/15.6/46.5 vs 7.7/14.6/48.6; 7168x256 6.9/20.6/64.8 vs 8.4/19.9/68.0. With the
 # grid made per call (the functional path) 7168x640 and 7168x256 tied or lost at M=1024-4096;
@@ -63,8 +68,10 @@ _MIN_CUDA = (12, 9)
 
 @dataclass(frozen=True)
 class CublasConfig:
-    """A cuBLAS route's option: the largest cuBLASLt workspace (MiB) its algorithm may use. cuBLASLt's
-    heuristic picks per M among the algorithms that fit. The default, 1 MiB, is torch's default
+    """A cuBLAS route's options: the largest cuBLASLt workspace (MiB) its algorithm may use, and
+    whether 128x128 weights go to cuBLAS as 1x128 weights (`row_scales`, see the module docstring;
+    no effect on 1x128 weights, which always do). cuBLASLt's heuristic picks per M among the
+    algorithms that fit. The default, 1 MiB, is torch's default
     for torch._scaled_mm; 32 MiB admits split-K algorithms that pay at mid M on many shapes (H100,
     1536x7168 at M=128: 17.1 against 22.2 us) and lose on others (8192x29568 at M=128: 113.6
     against 103.3). `fp8linear tune-routes` times both and its table names 32 where that won (the
@@ -72,10 +79,13 @@ class CublasConfig:
     cuBLAS won)."""
 
     workspace_mib: int = LT_WORKSPACE_LIMIT >> 20
+    row_scales: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.workspace_mib, int) or not 1 <= self.workspace_mib <= 1024:
             raise ValueError(f"CublasConfig.workspace_mib must be an int in [1, 1024], got {self.workspace_mib!r}")
+        if not isinstance(self.row_scales, bool):
+            raise TypeError(f"CublasConfig.row_scales must be a bool, got {self.row_scales!r}")
 
     @property
     def workspace_limit(self) -> int:
@@ -85,6 +95,11 @@ class CublasConfig:
 def workspace_limit(config: CublasConfig | None) -> int:
     """The cuBLASLt workspace limit in bytes of a cuBLAS route's config (None: the default)."""
     return LT_WORKSPACE_LIMIT if config is None else config.workspace_limit
+
+
+def config_row_scales(config: CublasConfig | None) -> bool:
+    """Whether a cuBLAS route's config hands 128x128 weights to cuBLAS as 1x128 weights."""
+    return config is not None and config.row_scales
 
 
 def _version(text: str | None) -> tuple[int, ...]:
@@ -150,18 +165,19 @@ def cublas_fp8_gemm(
         x_q, x_s = _pad_rows(x_q, x_s)
     elif x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
         x_s = x_s.t().contiguous().t()  # M-major
-    scale_b = cublas_weight_scale(w_q, w_s, granularity)
     rows, (n, k) = x_q.shape[0], w_q.shape
+    as_rows = cublas_row_scales(w_q, granularity, config)
     lt = None
     if (x_q.dtype == w_q.dtype and x_q.shape[1] == k and x_s.dtype == torch.float32 and x_q.is_contiguous()
-            and lt_aligned(x_q) and lt_operands_ok(w_q, scale_b, bias)):
+            and lt_aligned(x_q) and lt_operands_ok(w_q, w_s, bias)):
         lt = shape_gemm(x_q.device.index if x_q.device.index is not None else torch.cuda.current_device(), n, k,
-                        cublas_row_scales(w_q, granularity), bias is not None, workspace_limit(config))
+                        as_rows, bias is not None, workspace_limit(config))
     if lt is not None:  # the algorithm the module's cuBLAS route runs (fp8linear.ops.cublaslt)
         y = torch.empty((rows, n), dtype=torch.bfloat16, device=x_q.device)
-        if not lt.run_on(rows, w_q, scale_b, bias, x_q, x_s, y):
+        if not lt.run_on(rows, w_q, cublas_weight_scale(w_q, w_s, granularity, as_rows), bias, x_q, x_s, y):
             lt = None
     if lt is None:
+        scale_b = cublas_weight_scale(w_q, w_s, granularity, cublas_row_scales(w_q, granularity, config, direct=False))
         y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
     return y if y.shape[0] == m else y[:m]  # a contiguous view
 
@@ -173,17 +189,31 @@ def _pad_rows(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch
     return pad_rows(x_q, x_s, -(-x_q.shape[0] // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN)
 
 
-def cublas_row_scales(w_q: torch.Tensor, granularity: str) -> bool:
-    """Whether cuBLAS reads this weight's scale (:func:`cublas_weight_scale`) as 1x128 scales
-    (row-wise weights, and 128x128 weights whose K/128 is not a multiple of 4) rather than 128x128."""
-    return granularity == "row" or (granularity == "block" and _block_needs_row_scales(w_q.shape[1]))
+def cublas_row_scales(w_q: torch.Tensor, granularity: str, config: CublasConfig | None = None,
+                      direct: bool = True) -> bool:
+    """Whether cuBLAS reads this weight's scale (:func:`cublas_weight_scale`) as 1x128 scales rather
+    than 128x128: 1x128 weights; 128x128 weights where the route's `config` says so, or whose K/128 is
+    not a multiple of 4 when cuBLAS is reached through ``torch._scaled_mm`` (`direct` False), which
+    refuses the padded grid."""
+    if granularity == "row":
+        return True
+    return granularity == "block" and (config_row_scales(config) or (not direct and _block_needs_row_scales(w_q.shape[1])))
 
 
-def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str) -> torch.Tensor:
-    """The weight scale in the layout cuBLAS reads (see the module docstring); a plan makes it once."""
-    if granularity == "block" and _block_needs_row_scales(w_q.shape[1]):
-        # Each block scale repeated over its 128 rows: the same weight, as cuBLAS's 1x128 grid (K/128, N).
-        return w_s.t().repeat_interleave(GROUP_SIZE, dim=1)[:, : w_q.shape[0]].contiguous()
-    if granularity == "block":
-        return (w_s if w_s.is_contiguous() else w_s.contiguous()).t()
-    return w_s.t().contiguous()
+def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as_rows: bool | None = None) -> torch.Tensor:
+    """The weight scale in the layout cuBLAS reads (see the module docstring); a plan makes it once.
+    `as_rows`: :func:`cublas_row_scales` (1x128 scales (K/128, N), else the 128x128 grid, its rows
+    padded to a multiple of 4 where needed); None: what ``torch._scaled_mm`` reads."""
+    if as_rows is None:
+        as_rows = cublas_row_scales(w_q, granularity, direct=False)
+    if granularity == "row":
+        return w_s.t().contiguous()
+    if as_rows:  # each block scale repeated over its 128 rows: the same weight, as cuBLAS's 1x128 grid (K/128, N)
+        groups, blocks = w_s.shape[1], w_s.shape[0]
+        rows = w_s.t().unsqueeze(-1).expand(groups, blocks, GROUP_SIZE).reshape(groups, blocks * GROUP_SIZE)
+        return rows[:, : w_q.shape[0]].contiguous()
+    groups = w_s.shape[1]
+    pad = -groups % _BLOCK_SCALE_ROW_ALIGN
+    if pad:  # cuBLAS reads the grid's rows with a leading dimension rounded up to a multiple of 4
+        return torch.nn.functional.pad(w_s, (0, pad))[:, :groups].t()
+    return (w_s if w_s.is_contiguous() else w_s.contiguous()).t()

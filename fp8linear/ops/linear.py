@@ -22,7 +22,7 @@ import torch
 import triton
 
 from ..formats import GROUP_SIZE
-from .cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
+from .cublas_gemm import config_row_scales, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_block_gemm
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
@@ -83,23 +83,33 @@ class CublasLinear:
     16-byte aligned (the caller checks), of one dtype.
     """
 
-    __slots__ = ("w_t", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt", "lts", "row_scales", "direct",
-                 "w_q", "scratch")
+    __slots__ = ("w_t", "w_s", "granularity", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt", "lts",
+                 "row_scales", "direct", "w_q", "scratch", "scales")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
                  direct: bool | None = None) -> None:
         self.w_t = w_q.t()
-        self.scale_b = cublas_weight_scale(w_q, w_s, granularity)
+        self.w_s, self.granularity = w_s, granularity
         self.bias = bias
         self.n, self.k = w_q.shape
         self.fp8_dtype = w_q.dtype
         self.quant_calls: dict[tuple[int, int], KernelCall] = {}  # (rows per program, warps) -> launch
         if direct is None:
             direct = os.environ.get("FP8LINEAR_CUBLASLT", "1") != "0"
-        self.direct, self.w_q, self.row_scales = direct, w_q, cublas_row_scales(w_q, granularity)
-        # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm; one per workspace limit
-        self.lt = lt_block_gemm(w_q, self.scale_b, self.row_scales, bias) if direct else None
-        self.lts = {LT_WORKSPACE_LIMIT: self.lt}
+        self.w_q = w_q
+        for self.direct in ((True, False) if direct else (False,)):
+            # the default route's weight scale in cuBLAS's layout (torch._scaled_mm reads no padded
+            # 128x128 grid); where 128x128 weights also run as 1x128 weights (a route's
+            # CublasConfig.row_scales), that form is made on first use (scales)
+            self.row_scales = cublas_row_scales(w_q, granularity, direct=self.direct)
+            self.scale_b = cublas_weight_scale(w_q, w_s, granularity, self.row_scales)
+            self.scales = {self.row_scales: self.scale_b}
+            # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm; one per (workspace
+            # limit, 1x128 form)
+            self.lt = lt_block_gemm(w_q, self.scale_b, self.row_scales, bias) if self.direct else None
+            if self.lt is not None or not self.direct:
+                break
+        self.lts = {(LT_WORKSPACE_LIMIT, self.row_scales): self.lt}
         # (rows, workspace bytes) -> x_q, x_s (M-major) and the cuBLASLt workspace, one buffer
         self.scratch: dict[tuple[int, int], Scratch] = {}
 
@@ -113,22 +123,41 @@ class CublasLinear:
                 _act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr", "M", "M_IN", "stride_sg"))
         return quant
 
-    def lt_for(self, limit: int):
-        """The held cuBLASLt GEMM with this workspace limit (made on first use), or None (torch._scaled_mm)."""
-        if limit not in self.lts:
-            self.lts[limit] = (lt_block_gemm(self.w_q, self.scale_b, self.row_scales, self.bias, limit)
-                               if self.direct else None)
-        return self.lts[limit]
+    def scale_for(self, as_rows: bool) -> torch.Tensor:
+        """The weight scale in cuBLAS's layout, as 1x128 scales or not (made on first use)."""
+        scale = self.scales.get(as_rows)
+        if scale is None:
+            scale = self.scales[as_rows] = cublas_weight_scale(self.w_q, self.w_s, self.granularity, as_rows)
+        return scale
 
-    def __call__(self, x: torch.Tensor, limit: int = LT_WORKSPACE_LIMIT) -> torch.Tensor:
-        """y (..., N) for x (..., K); `limit`: the route's cuBLASLt workspace limit in bytes
-        (:class:`~fp8linear.ops.cublas_gemm.CublasConfig`)."""
+    def form(self, config) -> tuple[int, bool]:
+        """(workspace limit, 1x128 form) of a cuBLAS route's config (:class:`~fp8linear.ops.cublas_gemm.CublasConfig`)."""
+        return workspace_limit(config), self.row_scales or config_row_scales(config)
+
+    def lt_for(self, limit: int, as_rows: bool | None = None):
+        """The held cuBLASLt GEMM with this workspace limit and scale form (made on first use), or None
+        (torch._scaled_mm)."""
+        as_rows = self.row_scales if as_rows is None else as_rows
+        key = (limit, as_rows)
+        if key not in self.lts:
+            self.lts[key] = (lt_block_gemm(self.w_q, self.scale_for(as_rows), as_rows, self.bias, limit)
+                             if self.direct else None)
+        return self.lts[key]
+
+    def __call__(self, x: torch.Tensor, limit: int = LT_WORKSPACE_LIMIT, as_rows: bool | None = None) -> torch.Tensor:
+        """y (..., N) for x (..., K); `limit`: the route's cuBLASLt workspace limit in bytes, `as_rows`:
+        128x128 weights as 1x128 weights (:meth:`form` of the route's
+        :class:`~fp8linear.ops.cublas_gemm.CublasConfig`; None: this weight's default form)."""
         k = self.k
         m = x.numel() // k
         rows = cublas_rows(m)
         block_m, num_warps = act_quant_launch(rows, k)
         grid = (-(-rows // block_m), -(-k // GROUP_SIZE), 1)
-        lt = self.lt if limit == LT_WORKSPACE_LIMIT else self.lt_for(limit)
+        if as_rows is None or as_rows == self.row_scales:
+            as_rows = self.row_scales
+            lt = self.lt if limit == LT_WORKSPACE_LIMIT else self.lt_for(limit)
+        else:
+            lt = self.lt_for(limit, as_rows)
         if lt is not None:
             with lt.lock:  # the plan stays live (not evicted by another thread) until its GEMM is enqueued
                 plan = lt.plan(rows)
@@ -152,7 +181,9 @@ class CublasLinear:
             quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
         else:
             quant.launch(grid, x, x_q, x_s, rows, m, rows)
-        y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_b, bias=self.bias,
+        # torch._scaled_mm reads no padded 128x128 grid: such weights go as 1x128 weights
+        as_rows = as_rows or cublas_row_scales(self.w_q, self.granularity, direct=False)
+        y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_for(as_rows), bias=self.bias,
                              out_dtype=torch.bfloat16)
         return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
 
@@ -231,8 +262,9 @@ class LinearPlan:
         if route.kernel == "cublas":
             runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
-            limit = workspace_limit(route.config)
-            run = runner if limit == LT_WORKSPACE_LIMIT else (lambda x: runner(x, limit))  # noqa: E731
+            limit, as_rows = runner.form(route.config)
+            run = runner if (limit, as_rows) == (LT_WORKSPACE_LIMIT, runner.row_scales) else (
+                lambda x: runner(x, limit, as_rows))
             return run, (runner.quant_call(x, x_q0, x_s0),)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         groups = triton.cdiv(k, GROUP_SIZE)

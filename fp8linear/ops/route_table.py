@@ -15,7 +15,7 @@ CUDA graphs and keeps the fastest. Format::
 row-wise weights (measured apart: their scales cost our kernels and cuBLAS differently);
 per-tensor weights use the heuristic.
 
-``kernel`` is ``cublas`` (with an optional ``workspace_mib``, a
+``kernel`` is ``cublas`` (with an optional ``workspace_mib`` and ``row_scales``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
 :class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk`` (a
 :class:`~fp8linear.ops.splitk_gemm.SplitKConfig`). A GEMM with M rows uses the entry measured at
@@ -81,11 +81,14 @@ def _entry(raw: Any, where: str) -> RouteEntry:
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                    split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
                                                    num_stages=int(raw["num_stages"])))
-        if "workspace_mib" in raw:
-            mib = raw["workspace_mib"]
+        if "workspace_mib" in raw or "row_scales" in raw:
+            mib = raw.get("workspace_mib", CublasConfig.workspace_mib)
             if type(mib) is not int:
                 raise ValueError(f"workspace_mib must be an integer, got {mib!r}")
-            return RouteEntry(kernel, CublasConfig(workspace_mib=mib))
+            rows = raw.get("row_scales", False)
+            if type(rows) is not bool:
+                raise ValueError(f"row_scales must be true or false, got {rows!r}")
+            return RouteEntry(kernel, CublasConfig(workspace_mib=mib, row_scales=rows))
     except KeyError as e:
         raise ValueError(f"{where}: a {kernel} entry needs field {e.args[0]!r}, got {raw!r}") from None
     except (TypeError, ValueError) as e:
@@ -104,6 +107,8 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
                    num_stages=c.num_stages)
     elif isinstance(c, CublasConfig):
         out.update(workspace_mib=c.workspace_mib)
+        if c.row_scales:
+            out.update(row_scales=True)
     return out
 
 

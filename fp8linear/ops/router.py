@@ -7,7 +7,8 @@ Every choice between kernels is made here and nowhere else:
   (:mod:`fp8linear.ops.fused_gemv`), one launch;
 - ``cublas``: on Hopper under backend "auto", GEMMs cuBLAS blockwise FP8 computes correctly
   (:mod:`fp8linear.ops.cublas_gemm`) where it is the faster kernel: as this GPU's routes table
-  measured (:mod:`fp8linear.ops.route_table`), else by the tile-count rule (CUBLAS_MIN_TILES_PER_SM);
+  measured (:mod:`fp8linear.ops.route_table`), else by the tile-count rules (CUBLAS_MIN_TILES_PER_SM;
+  128x128 weights as 1x128 weights below CUBLAS_ROW_FORM_MAX_TILES_PER_SM);
   eager callers only from EAGER_CUBLAS_MIN_MNK, below which a cuBLAS call's host cost
   exceeds the GPU time saved;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
@@ -72,6 +73,7 @@ __all__ = [
     "PERSISTENT_MIN_M",
     "CUBLAS_ANY_TILES_M",
     "CUBLAS_MIN_TILES_PER_SM",
+    "CUBLAS_ROW_FORM_MAX_TILES_PER_SM",
     "MID_M_CONFIG",
     "MID_SPLIT_TILE",
     "Route",
@@ -132,6 +134,13 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # elements 1.24x.
 CUBLAS_MIN_TILES_PER_SM = 0.25
 CUBLAS_ANY_TILES_M = 1024
+# Below this many 128x128 output tiles per SM, 128x128 weights go to cuBLAS as 1x128 weights
+# (CublasConfig(row_scales=True)) above SMALL_M_MAX rows: cuBLAS's 1x128-scaled kernels beat its
+# 128x128 ones and ours there. H100, CUDA graphs, benchmarks/cublaslt_probe.py --padded-grid, 11
+# shapes x M 4-2048, scales held: 1x128 / 128x128 time 0.47-0.91 below 66 tiles (one exception:
+# 576x1536 M=1024, 1.21), 1.01-1.69 from 84 tiles up; against our kernels at M 128-512 0.68-1.02.
+CUBLAS_ROW_FORM_MAX_TILES_PER_SM = 0.5
+_ROW_FORM = CublasConfig(row_scales=True)
 # Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per
 # SM; in that sweep 1 program per SM beat 2), and the tiled kernel with 64x64 tiles where 128x128
 # tiles leave SMs idle (N=576, K=1536, M=512: 6.3 vs 7.8 us for 128x128).
@@ -210,11 +219,16 @@ def mid_splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKCon
 
 def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, cublas_ok: bool,
                operands_tma_ok: bool, pdl: bool) -> Route:
-    """Shapes without a table entry: cuBLAS above SMALL_M_MAX rows once 128x128 tiles give
-    CUBLAS_MIN_TILES_PER_SM per SM; else our split-K where it applies; else cuBLAS from
+    """Shapes without a table entry: above SMALL_M_MAX rows, cuBLAS with 128x128 weights as 1x128
+    weights below CUBLAS_ROW_FORM_MAX_TILES_PER_SM 128x128 tiles per SM, and cuBLAS once the tiles
+    give CUBLAS_MIN_TILES_PER_SM per SM; else our split-K where it applies; else cuBLAS from
     CUBLAS_ANY_TILES_M rows; else our persistent or tiled kernel."""
-    if cublas_ok and m > SMALL_M_MAX and _tiles(m, n, 128, 128) >= CUBLAS_MIN_TILES_PER_SM * sm_count(device):
-        return Route("cublas")
+    if cublas_ok and m > SMALL_M_MAX:
+        tiles = _tiles(m, n, 128, 128)
+        if granularity == "block" and tiles < CUBLAS_ROW_FORM_MAX_TILES_PER_SM * sm_count(device):
+            return Route("cublas", _ROW_FORM)
+        if tiles >= CUBLAS_MIN_TILES_PER_SM * sm_count(device):
+            return Route("cublas")
     route = _ours(device, m, n, k, granularity, operands_tma_ok, pdl)
     if route.kernel != "splitk" and cublas_ok and m >= CUBLAS_ANY_TILES_M:
         return Route("cublas")

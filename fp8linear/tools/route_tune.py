@@ -84,7 +84,7 @@ def _label(kernel: str, cfg: Any) -> str:
     if cfg is None:
         return kernel
     if kernel == "cublas":
-        return f"cublas:ws{cfg.workspace_mib}"
+        return f"cublas:ws{cfg.workspace_mib}" + (":row" if cfg.row_scales else "")
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
@@ -103,6 +103,10 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
         out["cublas"] = ("cublas", None)
         large = CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)
         out[_label("cublas", large)] = ("cublas", large)
+        if granularity == "block":  # the weight as 1x128 scales: cuBLAS's faster kernels at low tile counts
+            for mib in (CublasConfig.workspace_mib, _LARGE_WORKSPACE_MIB):
+                rows = CublasConfig(workspace_mib=mib, row_scales=True)
+                out[_label("cublas", rows)] = ("cublas", rows)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     if heur.kernel in ("tiled", "splitk"):
         out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
@@ -179,7 +183,8 @@ def _entry_from_label(label: str) -> dict[str, Any]:
     if label == "cublas":
         return {"kernel": "cublas"}
     if label.startswith("cublas:ws"):
-        return {"kernel": "cublas", "workspace_mib": int(label[len("cublas:ws"):])}
+        mib, _, form = label[len("cublas:ws"):].partition(":")
+        return {"kernel": "cublas", "workspace_mib": int(mib), **({"row_scales": True} if form == "row" else {})}
     kernel, spec = label.split(":")
     dims, rest = spec.split("w", 1)
     sizes = [int(v) for v in dims.split("x")]

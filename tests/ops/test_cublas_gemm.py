@@ -71,6 +71,40 @@ def test_pad_rows_refuses_fewer_rows():
         pad_rows(x_q, x_s, 4)
 
 
+@pytest.mark.parametrize("n", [300, 512])
+@pytest.mark.parametrize("k", [256, 576, 1408, 2048])
+def test_cublas_weight_scale_layouts(n, k):
+    """128x128 grid: (K/128, N/128) values, rows padded to a multiple of 4 in memory; 1x128 form:
+    each block scale over its 128 rows; None: what torch._scaled_mm reads (the 1x128 form where the
+    grid would need padding)."""
+    from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale
+
+    w_q, w_s = quantize_weight(torch.randn(n, k), "block")
+    groups = w_s.shape[1]
+    grid = cublas_weight_scale(w_q, w_s, "block", False)
+    assert torch.equal(grid, w_s.t())
+    assert grid.stride() == (1, -(-groups // 4) * 4)  # cuBLAS reads each block row 16-byte aligned
+    rows = cublas_weight_scale(w_q, w_s, "block", True)
+    assert rows.is_contiguous() and torch.equal(rows, w_s.t().repeat_interleave(128, dim=1)[:, :n])
+    unaligned = groups % 4 != 0
+    assert cublas_row_scales(w_q, "block", direct=False) is unaligned
+    assert cublas_row_scales(w_q, "block") is False
+    assert torch.equal(cublas_weight_scale(w_q, w_s, "block"), rows if unaligned else grid)
+    w_q_r, w_s_r = quantize_weight(torch.randn(n, k), "row")
+    assert cublas_row_scales(w_q_r, "row") is True
+    assert torch.equal(cublas_weight_scale(w_q_r, w_s_r, "row", True), w_s_r.t())
+
+
+def test_cublas_config_row_form():
+    from fp8linear.ops.cublas_gemm import CublasConfig, cublas_row_scales
+
+    w_q, _ = quantize_weight(torch.randn(256, 512), "block")
+    assert cublas_row_scales(w_q, "block", CublasConfig(row_scales=True)) is True
+    assert cublas_row_scales(w_q, "block", CublasConfig(workspace_mib=32)) is False
+    with pytest.raises(TypeError, match="row_scales must be a bool, got 'yes'"):
+        CublasConfig(row_scales="yes")
+
+
 @pytest.mark.parametrize(
     "n,k,gran,fp8,out,bias,ok",
     [
@@ -78,9 +112,9 @@ def test_pad_rows_refuses_fewer_rows():
         (1536, 7168, "row", torch.float8_e4m3fn, torch.bfloat16, None, True),
         (1536, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, torch.bfloat16, True),
         (576, 7168, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
-        (7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 18: as 1x128
-        (4096, 1152, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 9: as 1x128
-        (7168, 640, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 5: as 1x128
+        (7168, 2304, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 18: padded grid
+        (4096, 1152, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 9: padded grid
+        (7168, 640, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),  # K/128 = 5: padded grid
         (1536, 576, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
         (7168, 256, "block", torch.float8_e4m3fn, torch.bfloat16, None, True),
         (7168, 128, "block", torch.float8_e4m3fn, torch.bfloat16, None, False),  # one K group: ours
@@ -204,6 +238,39 @@ def test_gpu_block_fp8_matmul_auto_uses_cublas(gran, monkeypatch):
     assert torch.equal(block_fp8_matmul(x_q, x_s.t().contiguous().t(), w_q, w_s), y)
     ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, backend="reference").double()
     assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] and rel_err(y_t, ref) < GEMM_TOL[torch.bfloat16]
+
+
+ROW_FORM_CASES = [(77, 2048, 1408), (128, 512, 3584), (333, 576, 2112), (1030, 7168, 640), (4, 1536, 576),
+                  (512, 4096, 2304), (2048, 1536, 7168)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("m,n,k", ROW_FORM_CASES)
+@pytest.mark.parametrize("form", ["block-1M", "row-1M", "row-32M"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gpu_cublas_scale_forms_match_reference_and_each_path(m, n, k, form, with_bias):
+    """128x128 weights on cuBLAS as the (padded) 128x128 grid or as 1x128 scales: functional path,
+    the layer's CublasLinear (cuBLASLt and torch._scaled_mm) against the float64 reference; the
+    functional path and the layer's cuBLASLt give the same bits."""
+    from fp8linear.ops.cublas_gemm import CublasConfig, cublas_fp8_gemm
+    from fp8linear.ops.linear import CublasLinear
+
+    config = CublasConfig(workspace_mib=1 if form.endswith("1M") else 32, row_scales=form.startswith("row"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w_q, w_s = quantize_weight(torch.randn(n, k, device="cuda") / k**0.5, "block")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    x_q, x_s = quantize_activation(x)
+    ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias, backend="reference").double()
+    y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", bias, config)
+    layer = CublasLinear(w_q, w_s, "block", bias)
+    limit, as_rows = layer.form(config)
+    assert as_rows is config.row_scales
+    y_layer = layer(x, limit, as_rows)
+    y_torch = CublasLinear(w_q, w_s, "block", bias, direct=False)(x, limit, as_rows)
+    for out in (y, y_layer, y_torch):
+        assert out.shape == (m, n) and rel_err(out, ref) < GEMM_TOL[torch.bfloat16]
+    if layer.lt is not None:
+        assert same_bits(y_layer, y)
 
 
 @needs_hopper

@@ -167,8 +167,9 @@ def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
 
 
 def test_cublas_plans_of_a_layer_share_one_cublas_linear(monkeypatch):
-    """cuBLAS plans run the layer's one CublasLinear (the weight scale in cuBLAS's layout, for K/128
-    not a multiple of 4 a copy expanded to 1x128; one prepared quantization per launch config),
+    """cuBLAS plans run the layer's one CublasLinear (the weight scale in cuBLAS's layout: for K/128
+    not a multiple of 4 the padded grid with cuBLASLt, a copy expanded to 1x128 with torch._scaled_mm;
+    one prepared quantization per launch config),
     made by the first such plan or routed call, dropped with the plans."""
     from fp8linear.ops import linear, router
     from fp8linear.ops.cublas_gemm import cublas_weight_scale
@@ -185,8 +186,9 @@ def test_cublas_plans_of_a_layer_share_one_cublas_linear(monkeypatch):
     runner = layer._cublas_linear
     assert all(p.run is runner for p in plans)
     assert len(runner.quant_calls) == 1  # 96-333 rows of 1408: one launch config
-    expected = cublas_weight_scale(layer.weight, layer.weight_scale_inv, "block")
-    assert expected.shape == (11, 256)  # each block scale over its 128 rows: cuBLAS's 1x128 grid
+    expected = cublas_weight_scale(layer.weight, layer.weight_scale_inv, "block", runner.row_scales)
+    assert runner.row_scales is (runner.lt is None)  # without cuBLASLt: torch._scaled_mm's 1x128 form
+    assert expected.shape == ((11, 256) if runner.row_scales else (11, 2))
     assert torch.equal(runner.scale_b, expected)
     layer.clear_plans()
     assert layer._cublas_linear is None

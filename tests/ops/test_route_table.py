@@ -9,6 +9,7 @@ import torch
 
 from fp8linear.ops import route_table, router
 from fp8linear.ops.configs import GemmConfig
+from fp8linear.ops.cublas_gemm import CublasConfig
 from fp8linear.ops.splitk_gemm import SplitKConfig
 
 
@@ -44,6 +45,7 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": None}}}), r"routes\['128,256'\]\['4'\].*workspace_mib"),
     (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": 1.9}}}), "workspace_mib must be an integer"),
     (_doc({"128,256": {"4": {"kernel": "cublas", "workspace_mib": True}}}), "workspace_mib must be an integer"),
+    (_doc({"128,256": {"4": {"kernel": "cublas", "row_scales": "yes"}}}), "row_scales must be true or false"),
     (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16, "block_n": 64, "split_k": 0,
                              "num_warps": 4, "num_stages": 4}}}), "split_k"),
 ])
@@ -56,6 +58,8 @@ def test_entries_round_trip():
     from fp8linear.ops.cublas_gemm import CublasConfig
 
     entries = [route_table.RouteEntry("cublas"), route_table.RouteEntry("cublas", CublasConfig(workspace_mib=1)),
+               route_table.RouteEntry("cublas", CublasConfig(workspace_mib=32, row_scales=True)),
+               route_table.RouteEntry("cublas", CublasConfig(row_scales=True)),
                route_table.RouteEntry("tiled", GemmConfig(64, 64, 128, num_warps=4, num_stages=4)),
                route_table.RouteEntry("splitk", SplitKConfig(64, 64, 5, num_warps=4, num_stages=4))]
     doc = _doc({"576,7168": {str(i + 1): route_table.entry_to_json(e) for i, e in enumerate(entries)}})
@@ -98,10 +102,14 @@ def test_row_section_is_read_apart_and_optional():
 CPU = torch.device("cpu")  # sm_count: 4 SMs
 
 
+ROW_FORM = CublasConfig(row_scales=True)
+
+
 @pytest.mark.parametrize("m,n,k,cublas_ok,kernel,config", [
     (8, 64, 8192, True, "splitk", None),  # decode: never cuBLAS; one 16x64 tile on 4 SMs splits
-    (128, 512, 8192, True, "cublas", None),  # 4 tiles of 128x128 >= 0.25 per SM
-    (100, 64, 8192, True, "cublas", None),  # 1 tile of 128x128 = 0.25 x 4 SMs
+    (128, 512, 8192, True, "cublas", None),  # 4 tiles of 128x128 >= 0.25 and >= 0.5 per SM: the 128x128 grid
+    (100, 64, 8192, True, "cublas", ROW_FORM),  # 1 tile of 128x128 < 0.5 x 4 SMs: as 1x128 weights
+    (256, 128, 8192, True, "cublas", None),  # 2 tiles = 0.5 x 4 SMs: the 128x128 grid
     (128, 512, 8192, False, "tiled", None),  # 16 tiles of 64x64 fill the 4 SMs: no split
     (100, 64, 8192, False, "splitk", None),  # 2 tiles of 64x64 on 4 SMs: split K
     (70, 256, 256, False, "tiled", router.MID_M_CONFIG),  # 2 K groups: no split; 128x128 tiles leave SMs idle
@@ -109,8 +117,10 @@ CPU = torch.device("cpu")  # sm_count: 4 SMs
 def test_heuristic_rules(m, n, k, cublas_ok, kernel, config):
     route = router._heuristic(CPU, m, n, k, "block", cublas_ok, False, False)
     assert route.kernel == kernel
-    if config is not None:
+    if config is not None or kernel == "cublas":
         assert route.config == config
+    if kernel == "cublas":  # row-wise weights are 1x128 already: never the 1x128 form
+        assert router._heuristic(CPU, m, n, k, "row", cublas_ok, False, False).config is None
 
 
 def test_mid_splitk_config():

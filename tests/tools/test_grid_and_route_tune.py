@@ -99,17 +99,22 @@ def test_entry_labels_round_trip_through_the_table():
             {"n": 576, "k": 7168, "m": 128, "heuristic": "cublas",
              "us": {"bf16": 10.0, "cublas": 12.0, "tiled:64x128x128w4s3g4": 9.5}},
             {"n": 576, "k": 7168, "m": 256, "heuristic": "cublas",
-             "us": {"bf16": 14.0, "cublas": 12.0, "cublas:ws32": 11.0}}]
+             "us": {"bf16": 14.0, "cublas": 12.0, "cublas:ws32": 11.0}},
+            {"n": 576, "k": 7168, "m": 512, "heuristic": "cublas",
+             "us": {"bf16": 14.0, "cublas": 12.0, "cublas:ws1:row": 10.0, "cublas:ws32:row": 10.5}}]
     doc = route_tune.build_table(rows, "X", {"tool": "test"})
     table = route_table.parse_routes(json.loads(json.dumps(doc)))[(576, 7168)]
     assert table[1].kernel == "splitk" and (table[1].config.block_m, table[1].config.split_k) == (16, 8)
     assert table[96].kernel == "cublas"
     assert table[128].kernel == "tiled" and table[128].config.group_m == 4 and table[128].config.num_stages == 3
     assert table[256].kernel == "cublas" and table[256].config.workspace_mib == 32 and table[96].config is None
+    assert not table[256].config.row_scales
+    assert table[512].kernel == "cublas" and table[512].config.row_scales and table[512].config.workspace_mib == 1
     assert doc["routes"]["576,7168"]["1"]["us"] == 6.0 and doc["routes"]["576,7168"]["1"]["bf16_us"] == 8.0
     report = route_tune.heuristic_report(rows)
-    # heuristic 1.0, 1.0, 12/9.5, 12/11
-    assert f"geomean {(12 / 9.5 * 12 / 11) ** (1 / 4):.3f}, max 1.26" in report and "within 1.2x in 3 of 4" in report
+    # heuristic 1.0, 1.0, 12/9.5, 12/11, 12/10
+    assert (f"geomean {(12 / 9.5 * 12 / 11 * 12 / 10) ** (1 / 5):.3f}, max 1.26" in report
+            and "within 1.2x in 4 of 5" in report)
 
 
 def test_row_rows_go_to_their_section_and_update_keeps_the_other():
