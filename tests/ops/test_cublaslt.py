@@ -45,7 +45,7 @@ def _pair(n: int, k: int, granularity: str, bias: bool, seed: int = 0):
     return w_q, w_s, b, direct, via_torch
 
 
-SHAPES = [(2112, 7168, "block", False), (7168, 2048, "block", True), (1536, 576, "block", False),  # K/128 = 4.5: as 1x128
+SHAPES = [(2112, 7168, "block", False), (7168, 2048, "block", True), (1536, 576, "block", False),  # K/128 = 4.5: padded grid
           (7168, 2304, "block", False), (576, 7168, "row", False), (4096, 1152, "row", True)]
 
 
@@ -125,13 +125,15 @@ def test_layers_of_one_shape_share_plans(limit_mib, monkeypatch):
 @pytest.mark.parametrize("n,k,granularity,bias", SHAPES)
 @pytest.mark.parametrize("m", [4, 77, 1024])
 def test_direct_cublaslt_at_torchs_workspace_limit_matches_scaled_mm(n, k, granularity, bias, m):
-    """With torch's workspace limit the descriptors built here make cuBLASLt pick torch._scaled_mm's
+    """With torch's workspace limit and the weight-scale form torch._scaled_mm reads (1x128 where a
+    128x128 grid would need padding) the descriptors built here make cuBLASLt pick torch._scaled_mm's
     algorithm: the same bits (the check that the descriptors say what torch's say)."""
-    from fp8linear.ops.cublas_gemm import cublas_row_scales
+    from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale
     from fp8linear.ops.cublaslt import LtBlockGemm, torch_workspace_limit
 
     w_q, w_s, b, direct, via_torch = _pair(n, k, granularity, bias)
-    direct.lt = LtBlockGemm.for_weight(w_q, direct.scale_b, cublas_row_scales(w_q, granularity), b,
+    as_rows = cublas_row_scales(w_q, granularity, direct=False)
+    direct.lt = LtBlockGemm.for_weight(w_q, cublas_weight_scale(w_q, w_s, granularity, as_rows), as_rows, b,
                                        workspace_limit=torch_workspace_limit())
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     assert same_bits(direct(x), via_torch(x))
