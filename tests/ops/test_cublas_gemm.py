@@ -244,6 +244,7 @@ ROW_FORM_CASES = [(77, 2048, 1408), (128, 512, 3584), (333, 576, 2112), (1030, 7
                   (512, 4096, 2304), (2048, 1536, 7168)]
 
 
+@pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("m,n,k", ROW_FORM_CASES)
 @pytest.mark.parametrize("form", ["block-1M", "row-1M", "row-32M"])
