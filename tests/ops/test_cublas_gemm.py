@@ -145,6 +145,7 @@ def test_cublas_only_under_auto(monkeypatch):
     assert not cublas_device_ok(torch.device("cpu"))
 
 
+@pytest.mark.skipif(HOPPER_CUBLAS, reason="the path without cuBLAS blockwise (no Hopper GPU)")
 def test_cpu_auto_path_never_reaches_cublas(monkeypatch):
     """On the interpreter the "auto" flag reaches the launcher, which must keep our kernels."""
     from fp8linear.ops import linear
@@ -274,15 +275,19 @@ def test_gpu_cublas_scale_forms_match_reference_and_each_path(m, n, k, form, wit
         assert same_bits(y_layer, y)
 
 
+@pytest.mark.gpu
 @needs_hopper
 def test_gpu_cublas_path_captures_in_cuda_graph_and_compiles():
     lin = torch.nn.Linear(2048, 4096, bias=True, device="cuda", dtype=torch.bfloat16)
     mod = Fp8BlockLinear.from_linear(lin)
     x = torch.randn(2, 65, 2048, device="cuda", dtype=torch.bfloat16)  # M=130: padded to 132
     eager = mod(x)
+    # graphs and torch.compile run the functional route (eager calls may take another kernel: the router's eager cut)
+    functional = fp8_linear(x, mod.weight, mod.weight_scale_inv, mod.bias)
     graph, out = capture_graph(mod, x)
     graph.replay()
     torch.cuda.synchronize()
-    assert same_bits(out, eager)
+    assert same_bits(out, functional)
     compiled = torch.compile(mod, fullgraph=True)
-    assert same_bits(compiled(x), eager)
+    assert same_bits(compiled(x), functional)
+    assert rel_err(eager, functional.double()) < GEMM_TOL[torch.bfloat16]
