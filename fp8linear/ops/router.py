@@ -137,8 +137,8 @@ CUBLAS_ANY_TILES_M = 1024
 # Below this many 128x128 output tiles per SM, 128x128 weights go to cuBLAS as 1x128 weights
 # (CublasConfig(row_scales=True)) above SMALL_M_MAX rows: cuBLAS's 1x128-scaled kernels beat its
 # 128x128 ones and ours there. H100, CUDA graphs, benchmarks/cublaslt_probe.py --padded-grid, 11
-# shapes x M 4-2048, scales held: 1x128 / 128x128 time 0.47-0.91 below 66 tiles (one exception:
-# 576x1536 M=1024, 1.21), 1.01-1.69 from 84 tiles up; against our kernels at M 128-512 0.68-1.02.
+# shapes x M 4-2048, scales held: 1x128 / 128x128 time 0.47-1.01 below 66 tiles (one exception:
+# 576x1536 M=1024, 1.21), 1.12-1.69 from 84 tiles up; against our kernels at M 128-512 0.68-1.02.
 CUBLAS_ROW_FORM_MAX_TILES_PER_SM = 0.5
 _ROW_FORM = CublasConfig(row_scales=True)
 # Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per
