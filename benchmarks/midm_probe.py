@@ -15,11 +15,9 @@ Parts, each printed as a table (one run, CUDA-graph replays over operand sets ro
 - ``newm``: eager host cost of a layer whose M is new at every call (transformers' DeepSeek
   attention projects the whole cached sequence through kv_b_proj each decode step): the first,
   second and third call of each M against BF16, four layers of the shape meeting each new M in turn
-  (as a decode step's kv_b_proj), and a cProfile of first calls;
-- ``arena``: eager wall time of planned layers with the scratch arena against a ``torch.empty`` per
-  call, interleaved in one process.
+  (as a decode step's kv_b_proj), and a cProfile of first calls.
 
-    python benchmarks/midm_probe.py [--parts edge sweep host forward shortk newm arena] [--json out.json]
+    python benchmarks/midm_probe.py [--parts edge sweep host forward shortk newm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -267,7 +265,6 @@ def _host_us(fn, calls: int = 200) -> float:
 
 def host(device: torch.device, out: dict) -> None:
     from fp8linear import Fp8BlockLinear
-    from fp8linear.ops.launch import scratch_buffer
 
     print("\n== host: per-call host cost of eager pieces (us, best of 5 bursts) ==")
     x = torch.randn(8, 7168, device=device, dtype=torch.bfloat16)
@@ -286,7 +283,6 @@ def host(device: torch.device, out: dict) -> None:
         "torch.compiler.is_compiling": torch.compiler.is_compiling,
         "getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
         "torch.empty(64 KiB, uint8)": lambda: torch.empty(1 << 16, dtype=torch.uint8, device=device),
-        "scratch_buffer(64 KiB) (the arena)": lambda: scratch_buffer(1 << 16, device),
     }
     res = {}
     for label, fn in pieces.items():
@@ -310,44 +306,6 @@ def host(device: torch.device, out: dict) -> None:
         print(f"{label:55s} {v:7.2f}")
 
 
-def arena(device: torch.device, out: dict) -> None:
-    """Eager wall time per call of planned layers with the scratch arena (`scratch_buffer`) against a
-    `torch.empty` per call, interleaved in one process (bursts of back-to-back calls), BF16 beside."""
-    from fp8linear import Fp8BlockLinear
-    from fp8linear.ops import linear as linear_ops
-    from fp8linear.tools.bench_eager import interleaved_wall_us
-
-    print("\n== arena: eager wall us per call, scratch arena vs torch.empty per call (interleaved) ==")
-    real = linear_ops.scratch_buffer
-
-    def fresh(nbytes, dev):
-        return torch.empty(nbytes, dtype=torch.uint8, device=dev)
-
-    res = {}
-    for n, k in ((2112, 7168), (24576, 1536), (7168, 2048)):
-        lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-        fp8 = Fp8BlockLinear.from_linear(lin)
-        for m in (8, 64, 512):
-            xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(4)]
-
-            def with_arena(x):
-                linear_ops.scratch_buffer = real
-                return fp8(x)
-
-            def with_alloc(x):
-                linear_ops.scratch_buffer = fresh
-                return fp8(x)
-
-            try:
-                us = interleaved_wall_us({"bf16": lin, "arena": with_arena, "alloc": with_alloc}, xs, rounds=15)
-            finally:
-                linear_ops.scratch_buffer = real
-            res[f"{n}x{k} M={m}"] = us
-            print(f"{n:>5d}x{k:<5d} M={m:4d}  bf16 {us['bf16']:6.1f}  arena {us['arena']:6.1f}  alloc {us['alloc']:6.1f}"
-                  f"  arena/alloc {us['arena'] / us['alloc']:.3f}")
-    out["arena"] = res
-
-
 def _capture_args(call, plan, x):
     """The tensors the plan passes to `call` (spied on one run of the plan)."""
     seen = []
@@ -367,15 +325,14 @@ def _capture_args(call, plan, x):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward", "shortk", "newm", "arena"])
+    p.add_argument("--parts", nargs="+", default=["edge", "sweep", "host"], choices=["edge", "sweep", "host", "forward", "shortk", "newm"])
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__)
     out: dict = {}
     for part in a.parts:
-        parts = {"edge": edge, "sweep": sweep, "host": host, "forward": forward, "shortk": shortk, "newm": newm,
-                 "arena": arena}
+        parts = {"edge": edge, "sweep": sweep, "host": host, "forward": forward, "shortk": shortk, "newm": newm}
         parts[part](device, out)
     if a.json:
         with open(a.json, "w") as f:

@@ -27,7 +27,7 @@ from .grouped_gemm import (
     grouped_gemm_args,
     moe_align_block_size,
 )
-from .launch import KernelCall, Scratch, scratch_buffer
+from .launch import KernelCall, Scratch
 from .quant import _act_quant_kernel, act_quant_args
 from .router import align_on_kernel
 from .router import grouped_config
@@ -111,7 +111,7 @@ class ExpertsPlan:
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """y (T, H) in x's dtype; x (T, H) contiguous and 16-byte aligned (the caller checks)."""
-        buf = scratch_buffer(self.scratch.nbytes, x.device)
+        buf = self.scratch.allocate(x.device)
         direct = self.direct
         if direct:
             sorted_ids, block_expert, x_q, x_s, h_q, h_s = self.scratch.addresses(buf)
@@ -129,8 +129,6 @@ class ExpertsPlan:
         self.quant_x(xp, x_q, x_s)
         h = torch.empty((self.num_pairs, self.n_up), dtype=self.dtype, device=x.device)
         self.gemm_up(x_q, x_s, h.data_ptr() if direct else h, sorted_ids, block_expert)
-        # `gate` (the model's activation) runs while buf still holds the routing and h_q for the down
-        # GEMM: it must not run planned FP8 layers on this stream (they would reuse the arena buffer)
         g = self.gate(h)
         if not g.is_contiguous():
             g = g.contiguous()

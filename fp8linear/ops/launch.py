@@ -25,14 +25,13 @@ device addresses in the slots (:attr:`KernelCall.direct`), e.g. into one scratch
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import triton
 
-__all__ = ["ALIGN", "ARENA_MAX_BYTES", "ARENA_MAX_STREAMS", "KernelCall", "Scratch", "aligned", "scratch_buffer"]
+__all__ = ["ALIGN", "KernelCall", "Scratch", "aligned"]
 
 # Triton specializes pointers on 16-byte alignment.
 ALIGN = 16
@@ -120,47 +119,6 @@ class KernelCall:
             # fixed tensors as addresses: the launcher skips data_ptr() and a driver query per call
             self.held = tuple(v.untyped_storage() for v in self.values if isinstance(v, torch.Tensor))
             self.values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self.values]
-
-
-# Scratch up to this size comes from the arena of the calling thread and stream (scratch_buffer):
-# decode and mid-M calls (x_q, scales, split-K partials, a cuBLASLt workspace); larger ones allocate.
-ARENA_MAX_BYTES = 16 << 20
-# Streams a thread keeps an arena buffer for (the least recently added is released first).
-ARENA_MAX_STREAMS = 4
-
-
-class _Arenas(threading.local):
-    """Per thread: (device index, stream) -> the scratch buffer calls on that stream reuse."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
-
-
-# Like a cuBLAS workspace: one buffer per thread and stream, so no two calls that may overlap on the
-# GPU share it (calls on one stream run in order, each reading its scratch before the next writes).
-_ARENAS = _Arenas()
-
-
-def scratch_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer of at least `nbytes` for one call's scratch (consumed by that call's kernels,
-    never part of what it returns). On a CUDA device outside graph capture, up to ARENA_MAX_BYTES, it
-    is the buffer of this thread and the current stream, reused by every such call (H100 host,
-    `benchmarks/midm_probe.py --parts host`: 3.1 us against 4.6 for a CUDA ``torch.empty`` of 64 KiB);
-    a larger request, a CPU device or a capture allocates (a graph's buffers come from its own pool)."""
-    if device.type != "cuda" or nbytes > ARENA_MAX_BYTES or torch._C._cuda_isCurrentStreamCapturing():
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    buffers = _ARENAS.buffers
-    buf = buffers.get(key)
-    if buf is None and len(buffers) >= ARENA_MAX_STREAMS:
-        del buffers[next(iter(buffers))]  # freed on its own stream: reused only after its queued work
-    if buf is None or buf.numel() < nbytes:
-        # the old buffer may still be read by queued kernels of this stream: freed, the caching
-        # allocator hands it out again only to work queued after them on this stream
-        size = min(max(nbytes, 2 * (buf.numel() if buf is not None else 0), 1 << 16), ARENA_MAX_BYTES)
-        buf = buffers[key] = torch.empty(size, dtype=torch.uint8, device=device)
-    return buf
 
 
 class Scratch:

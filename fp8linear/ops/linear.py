@@ -27,7 +27,7 @@ from .cublaslt import LT_WORKSPACE_LIMIT, lt_block_gemm
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
-from .launch import KernelCall, Scratch, aligned, scratch_buffer
+from .launch import KernelCall, Scratch, aligned
 from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_launch, act_quant_outputs, cublas_rows
 from .router import Route, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
@@ -163,7 +163,7 @@ class CublasLinear:
                 plan = lt.plan(rows)
                 if plan is not None:  # one scratch allocation, raw addresses, cuBLASLt called directly
                     scratch = self.scratch.get((rows, plan[3])) or self._scratch(rows, plan[3])
-                    buf = scratch_buffer(scratch.nbytes, x.device)
+                    buf = scratch.allocate(x.device)
                     y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
                     q_addr, s_addr, ws_addr = scratch.addresses(buf)
                     quant = self.quant_calls.get((block_m, num_warps))
@@ -284,7 +284,7 @@ class LinearPlan:
 
             def run_decode(x: torch.Tensor) -> torch.Tensor:
                 y = torch.empty(out_shape, dtype=out_dtype, device=device)
-                buf = scratch_buffer(nbytes, device)
+                buf = scratch.allocate(device)
                 if one.direct:  # raw addresses: no per-buffer tensors, no driver query per pointer
                     yv, bufs, xv = y.data_ptr(), scratch.addresses(buf), x.data_ptr()
                 else:
@@ -335,7 +335,7 @@ class LinearPlan:
 
         def run_two(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(out_shape, dtype=out_dtype, device=device)
-            buf = scratch_buffer(nbytes, device)
+            buf = scratch.allocate(device)
             if gemm.direct and quant.direct:  # raw addresses: no per-buffer tensors, no driver query per pointer
                 yv, bufs, xv = y.data_ptr(), scratch.addresses(buf), x.data_ptr()
             else:

@@ -516,51 +516,11 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
     assert layer._plans
 
 
-def test_scratch_buffer_off_cuda_is_a_fresh_allocation():
-    from fp8linear.ops.launch import scratch_buffer
-
-    a, b = scratch_buffer(1000, torch.device("cpu")), scratch_buffer(1000, torch.device("cpu"))
-    assert a.numel() == 1000 and a.dtype == torch.uint8 and a.data_ptr() != b.data_ptr()
-
-
-@pytest.mark.gpu
-def test_gpu_scratch_arena_per_stream_and_not_in_capture(monkeypatch):
-    """Calls on one stream (and thread) share one scratch buffer, grown on demand; another stream has
-    its own; graph capture and requests above ARENA_MAX_BYTES allocate; a thread keeps buffers for
-    ARENA_MAX_STREAMS streams."""
-    from fp8linear.ops import launch
-    from fp8linear.ops.launch import ARENA_MAX_BYTES, ARENA_MAX_STREAMS, scratch_buffer
-
-    monkeypatch.setattr(launch, "_ARENAS", launch._Arenas())  # empty, whatever earlier tests left
-    dev = torch.device("cuda")
-    a = scratch_buffer(1000, dev)
-    assert scratch_buffer(1500, dev).data_ptr() == a.data_ptr() and a.numel() >= 1500
-    grown = scratch_buffer(a.numel() + 1, dev)
-    assert grown.numel() > a.numel() and scratch_buffer(10, dev).data_ptr() == grown.data_ptr()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        other = scratch_buffer(1000, dev)
-    assert other.data_ptr() != grown.data_ptr()
-    big = scratch_buffer(ARENA_MAX_BYTES + 1, dev)
-    assert big.data_ptr() not in (grown.data_ptr(), scratch_buffer(10, dev).data_ptr())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = [scratch_buffer(1000, dev) for _ in range(2)]
-    assert captured[0].data_ptr() != captured[1].data_ptr()  # each capture-time call allocates
-    assert all(c.data_ptr() != b.data_ptr() for c in captured for b in launch._ARENAS.buffers.values())
-    streams = [torch.cuda.Stream() for _ in range(ARENA_MAX_STREAMS + 1)]
-    for s in streams:
-        with torch.cuda.stream(s):
-            scratch_buffer(1000, dev)
-    assert len(launch._ARENAS.buffers) == ARENA_MAX_STREAMS
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [8, 300, 1024])
-def test_gpu_layers_sharing_the_arena_back_to_back_and_on_two_streams(m):
-    """Planned layers that reuse one scratch buffer, called back to back without synchronising (and
-    on two streams at once, each with its own buffer), give the bits each gives alone: decode-sized,
-    mid-M and cuBLAS routes."""
+def test_gpu_layers_back_to_back_and_on_two_streams(m):
+    """Planned layers called back to back without synchronising (and on two streams at once) give the
+    bits each gives alone: decode-sized, mid-M and cuBLAS routes."""
     torch.manual_seed(m)
     layers = [Fp8BlockLinear.from_linear(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
               for n, k in ((2112, 7168), (7168, 2048), (576, 7168))]
@@ -573,7 +533,7 @@ def test_gpu_layers_sharing_the_arena_back_to_back_and_on_two_streams(m):
         torch.cuda.synchronize()
         alone[(i, j)] = y.clone()
     for _ in range(2):
-        out = {key: layers[key[0]](x) for key, x in xs.items()}  # every call reuses the arena
+        out = {key: layers[key[0]](x) for key, x in xs.items()}
         assert all(same_bits(out[key], alone[key]) for key in xs)
     # a layer's split-K counters are its own: the other stream runs copies of the layers
     copies = [copy.deepcopy(layer) for layer in layers]
