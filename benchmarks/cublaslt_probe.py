@@ -87,6 +87,18 @@ def _lt_call(gemm, plan: tuple, rows: int, n: int, dev: torch.device):
     return run
 
 
+def _graph_us(fns: dict, dev: torch.device) -> dict[str, float]:
+    """µs per call of each (fn, args) under CUDA graphs, operands rotated past L2, methods interleaved."""
+    from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
+
+    rounds = {}
+    with torch.inference_mode():
+        for name, (fn, fargs) in fns.items():
+            nbytes = sum(t.numel() * t.element_size() for t in fargs)
+            rounds[name], _ = prepare_cuda(fn, rotation_sets(fargs, nbytes, dev), 3, True, 1500.0)
+        return time_rounds(rounds, 5)
+
+
 def gemm_probe(args: argparse.Namespace) -> None:
     from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale
     from fp8linear.ops.cublas_gemm import CublasConfig
@@ -162,7 +174,6 @@ def borrow_probe(args: argparse.Namespace) -> None:
     from fp8linear.ops.gemm import block_fp8_gemm
     from fp8linear.ops.quant import act_quant, cublas_rows
     from fp8linear.ops.route_table import MAX_M_RATIO, _device_name, _table
-    from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 
     dev = torch.device("cuda")
     table = _table(_device_name(torch.cuda.current_device()), "block")
@@ -203,13 +214,7 @@ def borrow_probe(args: argparse.Namespace) -> None:
             for name, (plan, r, fargs) in plans.items():
                 if plan is not None:
                     fns[name] = (_lt_call(gemm, plan, r, n, dev), fargs)
-            rounds = {}
-            with torch.inference_mode():
-                for name, (fn, fargs) in fns.items():
-                    nbytes = sum(t.numel() * t.element_size() for t in fargs)
-                    rounds[name], _ = prepare_cuda(fn, rotation_sets(fargs, nbytes, dev), 3, True, 1500.0)
-                us = time_rounds(rounds, 5)
-                del rounds
+            us = _graph_us(fns, dev)
             nan = float("nan")
             for name in ratios:
                 if name in us:
@@ -233,7 +238,6 @@ def padded_grid_probe(args: argparse.Namespace) -> None:
     from fp8linear.ops.gemm import block_fp8_gemm
     from fp8linear.ops.quant import act_quant
     from fp8linear.reference import block_fp8_matmul_ref
-    from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 
     dev = torch.device("cuda")
     ms = args.m if args.m != [64, 128, 512, 2048] else [4, 77, 128, 333, 512, 2048, 4096]
@@ -287,13 +291,7 @@ def padded_grid_probe(args: argparse.Namespace) -> None:
                     xq_m = xp_q[:m].clone()
                     y = _lt_call(gemms["blk-pad"], plan_m, m, n, dev)(xq_m, xp_s)
                     unpadded = f"{err(y):.2e}"
-            rounds = {}
-            with torch.inference_mode():
-                for name, (fn, fargs) in fns.items():
-                    nbytes = sum(t.numel() * t.element_size() for t in fargs)
-                    rounds[name], _ = prepare_cuda(fn, rotation_sets(fargs, nbytes, dev), 3, True, 1500.0)
-                us = time_rounds(rounds, 5)
-                del rounds
+            us = _graph_us(fns, dev)
             nan = float("nan")
             print(f"{n:>5d}x{k:<6d} {m:5d} {us['bf16']:7.1f} {us['ours']:7.1f} {us.get('row', nan):7.1f}"
                   f" {us.get('blk-pad', nan):7.1f} {us.get('blk-raw', nan):7.1f} {errs.get('row', nan):8.1e}"
