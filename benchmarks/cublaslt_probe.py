@@ -87,6 +87,17 @@ def _lt_call(gemm, plan: tuple, rows: int, n: int, dev: torch.device):
     return run
 
 
+def _shapes(args: argparse.Namespace, default: list) -> list[tuple[int, int]]:
+    """The --shapes given (NxK), else `default`."""
+    return [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else list(default)
+
+
+def _block_weight(n: int, k: int, dev: torch.device):
+    """A random BF16 weight (N, K) and its 128x128-block FP8 quantization."""
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    return (w, *quantize_weight(w, "block"))
+
+
 def _graph_us(fns: dict, dev: torch.device) -> dict[str, float]:
     """µs per call of each (fn, args) under CUDA graphs, operands rotated past L2, methods interleaved."""
     from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
@@ -108,13 +119,12 @@ def gemm_probe(args: argparse.Namespace) -> None:
     from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 
     dev = torch.device("cuda")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = _shapes(args, SHAPES)
     print(f"{torch.cuda.get_device_name()}; GEMM us per call under CUDA graphs")
     print(f"{'shape':>12s} {'M':>5s} {'bf16':>6s} {'p-tens':>6s} {'ours':>6s} {'lt-1M':>6s} {'lt-32M':>6s}"
           f" {'best':>6s} idx  ws-MiB  best/ours  min(lt,ours)/bf16")
     for n, k in shapes:
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        w_q, w_s = quantize_weight(w, "block")
+        w, w_q, w_s = _block_weight(n, k, dev)
         scale_b = cublas_weight_scale(w_q, w_s, "block")
         rows_scales = cublas_row_scales(w_q, "block")
         small = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None, workspace_limit=torch_workspace_limit())
@@ -178,7 +188,7 @@ def borrow_probe(args: argparse.Namespace) -> None:
     dev = torch.device("cuda")
     table = _table(_device_name(torch.cuda.current_device()), "block")
     ms = args.m if args.m != [64, 128, 512, 2048] else [77, 160, 320, 333, 640, 1000, 1500, 3000]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else BORROW_SHAPES
+    shapes = _shapes(args, BORROW_SHAPES)
     print(f"{torch.cuda.get_device_name()}; GEMM us per call under CUDA graphs")
     print(f"{'shape':>12s} {'M':>5s} {'M_t':>5s} ws {'bf16':>7s} {'ours':>7s} {'heur':>7s} {'borrow':>7s} {'pad':>7s}"
           f"  borrow/heur pad/heur")
@@ -187,8 +197,7 @@ def borrow_probe(args: argparse.Namespace) -> None:
         per_m = table.get((n, k))
         if not per_m:
             continue
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        w_q, w_s = quantize_weight(w, "block")
+        w, w_q, w_s = _block_weight(n, k, dev)
         scale_b = cublas_weight_scale(w_q, w_s, "block")
         gemms = {}
         for m in ms:
@@ -241,13 +250,11 @@ def padded_grid_probe(args: argparse.Namespace) -> None:
 
     dev = torch.device("cuda")
     ms = args.m if args.m != [64, 128, 512, 2048] else [4, 77, 128, 333, 512, 2048, 4096]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else PADDED_GRID_SHAPES
-    print(f"{torch.cuda.get_device_name()}; GEMM us per call under CUDA graphs; rel err vs float64 reference")
-    print(f"{'shape':>12s} {'M':>5s} {'bf16':>7s} {'ours':>7s} {'row':>7s} {'blk-pad':>7s} {'blk-raw':>7s}"
+    print(f"{torch.cuda.get_device_name()}; GEMM us per call under CUDA graphs; rel err vs float64 reference\n"
+          f"{'shape':>12s} {'M':>5s} {'bf16':>7s} {'ours':>7s} {'row':>7s} {'blk-pad':>7s} {'blk-raw':>7s}"
           f" {'err row':>8s} {'err pad':>8s} {'err raw':>8s} {'err ours':>8s}  pad/row  unpadded-M err")
-    for n, k in shapes:
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        w_q, w_s = quantize_weight(w, "block")
+    for n, k in _shapes(args, PADDED_GRID_SHAPES):
+        w, w_q, w_s = _block_weight(n, k, dev)
         groups = w_s.shape[1]
         padded = torch.zeros((w_s.shape[0], -(-groups // 4) * 4), device=dev, dtype=torch.float32)
         padded[:, :groups] = w_s
