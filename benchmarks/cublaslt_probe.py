@@ -125,8 +125,8 @@ def gemm_probe(args: argparse.Namespace) -> None:
           f" {'best':>6s} idx  ws-MiB  best/ours  min(lt,ours)/bf16")
     for n, k in shapes:
         w, w_q, w_s = _block_weight(n, k, dev)
-        scale_b = cublas_weight_scale(w_q, w_s, "block")
-        rows_scales = cublas_row_scales(w_q, "block")
+        rows_scales = cublas_row_scales(w_q, "block")  # the 128x128 grid (padded where needed)
+        scale_b = cublas_weight_scale(w_q, w_s, "block", rows_scales)
         small = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None, workspace_limit=torch_workspace_limit())
         big = LtBlockGemm.for_weight(w_q, scale_b, rows_scales, None,
                                      workspace_limit=CublasConfig(workspace_mib=32).workspace_limit)
@@ -198,7 +198,6 @@ def borrow_probe(args: argparse.Namespace) -> None:
         if not per_m:
             continue
         w, w_q, w_s = _block_weight(n, k, dev)
-        scale_b = cublas_weight_scale(w_q, w_s, "block")
         gemms = {}
         for m in ms:
             above = [mm for mm in per_m if m <= mm <= m * MAX_M_RATIO]
@@ -207,9 +206,11 @@ def borrow_probe(args: argparse.Namespace) -> None:
             if m_t is None or per_m[m_t].kernel != "cublas" or m_t == cublas_rows(m):
                 continue
             limit = workspace_limit(per_m[m_t].config)
-            if limit not in gemms:
-                gemms[limit] = LtBlockGemm.for_weight(w_q, scale_b, cublas_row_scales(w_q, "block"), None, limit)
-            gemm = gemms[limit]
+            as_rows = cublas_row_scales(w_q, "block", per_m[m_t].config)  # the table entry's scale form
+            if (limit, as_rows) not in gemms:
+                gemms[(limit, as_rows)] = LtBlockGemm.for_weight(
+                    w_q, cublas_weight_scale(w_q, w_s, "block", as_rows), as_rows, None, limit)
+            gemm = gemms[(limit, as_rows)]
             x = torch.randn(max(m, m_t), k, device=dev, dtype=torch.bfloat16)
             x_q, x_s = act_quant(x[:m], torch.float8_e4m3fn)
             xp_q, xp_s = act_quant(x[:m], torch.float8_e4m3fn, cublas_layout=True)

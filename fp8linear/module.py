@@ -340,9 +340,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         eager = not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         route = route_linear(*args, eager=eager)
         if route.kernel == "cublas":  # the layer's cuBLAS route serves any M without a plan
-            from .ops.cublas_gemm import workspace_limit
-
-            return self._cublas_runner(w_s, granularity)(x, workspace_limit(route.config))
+            runner = self._cublas_runner(w_s, granularity)
+            return runner(x, *runner.form(route.config))  # the route's workspace limit and scale form
         k = x.shape[-1]
         y = run_linear_route(route, x.reshape(-1, k), self.weight, w_s, granularity, self.bias, counters)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -360,8 +359,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def _cublas_runner(self, w_s: torch.Tensor, granularity: str):
         """This layer's :class:`fp8linear.ops.linear.CublasLinear`, made once: every cuBLAS-routed
         shape runs it, planned or not, so a new M costs no plan, and the weight scale is held once
-        in cuBLAS's layout (for 128x128 weights whose K/128 is not a multiple of 4 an expanded
-        N*K/128-float copy)."""
+        per form in cuBLAS's layout (for 128x128 weights the grid, its rows padded where K/128 is
+        not a multiple of 4, and a 1x128 copy of N*K/128 floats once a route runs that form)."""
         runner = self.__dict__.get("_cublas_linear")
         if runner is None:
             from .ops.linear import CublasLinear

@@ -121,12 +121,13 @@ def cublas_accepts(n: int, k: int, granularity: str, fp8_dtype: torch.dtype, out
     if bias is not None and bias.dtype != torch.bfloat16:
         return False
     if granularity == "block":
-        return not _block_needs_row_scales(k) or k >= CUBLAS_EXPANDED_MIN_K
+        return not _block_grid_needs_padding(k) or k >= CUBLAS_EXPANDED_MIN_K
     return granularity == "row"
 
 
-def _block_needs_row_scales(k: int) -> bool:
-    """Whether cuBLAS misreads this K's 128x128 scale grid, so the weight must go as 1x128 (see above)."""
+def _block_grid_needs_padding(k: int) -> bool:
+    """Whether this K's 128x128 scale grid needs its rows padded for cuBLAS (see above): through
+    cuBLASLt it goes padded, through ``torch._scaled_mm`` (which refuses a padded grid) as 1x128 scales."""
     return (-(-k // GROUP_SIZE)) % _BLOCK_SCALE_ROW_ALIGN != 0
 
 
@@ -156,9 +157,10 @@ def cublas_fp8_gemm(
     'block', (N, K/128) for 'row'. Shapes must pass cublas_accepts. An M that is not a multiple of
     4 runs on a padded copy of x_q and its scales (:func:`fp8linear.ops.quant.act_quant`
     writes that layout directly, so the linear layer never copies); the padding rows are dropped.
-    `config`: the route's cuBLASLt workspace limit (:class:`CublasConfig`; None: the default).
-    Operands cuBLASLt is not called on here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an
-    unaligned or strided x_q) run ``torch._scaled_mm``, at torch's own limit.
+    `config`: the route's cuBLASLt workspace limit and weight-scale form (:class:`CublasConfig`;
+    None: the defaults); the scale is put in that form per call. Operands cuBLASLt is not called on
+    here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an unaligned or strided x_q) run
+    ``torch._scaled_mm``, at torch's own limit, with the scale form it reads.
     """
     m = x_q.shape[0]
     if m % CUBLAS_ROW_ALIGN:
@@ -197,15 +199,13 @@ def cublas_row_scales(w_q: torch.Tensor, granularity: str, config: CublasConfig 
     refuses the padded grid."""
     if granularity == "row":
         return True
-    return granularity == "block" and (config_row_scales(config) or (not direct and _block_needs_row_scales(w_q.shape[1])))
+    return granularity == "block" and (config_row_scales(config) or (not direct and _block_grid_needs_padding(w_q.shape[1])))
 
 
-def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as_rows: bool | None = None) -> torch.Tensor:
+def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as_rows: bool) -> torch.Tensor:
     """The weight scale in the layout cuBLAS reads (see the module docstring); a plan makes it once.
-    `as_rows`: :func:`cublas_row_scales` (1x128 scales (K/128, N), else the 128x128 grid, its rows
-    padded to a multiple of 4 where needed); None: what ``torch._scaled_mm`` reads."""
-    if as_rows is None:
-        as_rows = cublas_row_scales(w_q, granularity, direct=False)
+    `as_rows`: :func:`cublas_row_scales` of the path it is for (1x128 scales (K/128, N), else the
+    128x128 grid, its rows padded to a multiple of 4 where needed: cuBLASLt only)."""
     if granularity == "row":
         return w_s.t().contiguous()
     if as_rows:  # each block scale repeated over its 128 rows: the same weight, as cuBLAS's 1x128 grid (K/128, N)

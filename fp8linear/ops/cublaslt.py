@@ -11,7 +11,9 @@ itself loaded, on raw addresses: :class:`fp8linear.ops.linear.CublasLinear` puts
 activations, their scales and the workspace in one allocation. H100 host, torch 2.11: the whole
 eager call (act_quant + GEMM) 0.66-0.82x the wall time of the same call on ``torch._scaled_mm``
 where the host sets the pace (e.g. 7168x2048 at M=512 36.8 against 56.1 us), the same GPU time and
-the same bits (``benchmarks/cublaslt_probe.py``).
+the same bits where both read the weight scale in one form (``benchmarks/cublaslt_probe.py``;
+128x128 weights whose K/128 is not a multiple of 4 go here on a padded grid, which
+``torch._scaled_mm`` refuses, and there as 1x128 weights).
 
 The call is the one ``torch._scaled_mm`` makes (cuBLAS's column-major view of y = x @ w.T):
 A = the weight (K x N, transposed), with 128x128 (``BLK128x128_32F``) or 1x128 (``VEC128_32F``)

@@ -69,16 +69,19 @@ def fp8_linear_tokens(
 class CublasLinear:
     """One weight's cuBLAS blockwise route for inputs of any M: act_quant straight into cuBLAS's
     layout (M padded to a multiple of 4, M-major scales), then the GEMM on cuBLASLt called directly
-    (:mod:`fp8linear.ops.cublaslt`: descriptors made once per workspace limit, the algorithm once per
-    (workspace limit, M), about a tenth of
+    (:mod:`fp8linear.ops.cublaslt`: descriptors made once per (workspace limit, weight-scale form),
+    the algorithm once per (workspace limit, form, M), about a tenth of
     ``torch._scaled_mm``'s host time), or ``torch._scaled_mm`` where that is not available
-    (`direct=False`, or the environment variable ``FP8LINEAR_CUBLASLT=0`` when it is made).
+    (`direct=False`, the environment variable ``FP8LINEAR_CUBLASLT=0`` when it is made, or a
+    cuBLASLt that cannot be set up).
 
     ``Fp8BlockLinear`` keeps one per layer and every cuBLAS-routed shape runs it, so an M the layer
     has not met costs no plan: transformers' DeepSeek attention projects the whole cached sequence
     through kv_b_proj at every decode step, a new M each time. The quantization is launched through
     one prepared :class:`~fp8linear.ops.launch.KernelCall` per launch configuration, with the grid
-    and M given per call; the weight scale is converted to cuBLAS's layout once. Results are those
+    and M given per call; the weight scale is converted to cuBLAS's layout once per form (the 128x128
+    grid, or 1x128 scales where a route's :class:`~fp8linear.ops.cublas_gemm.CublasConfig` says
+    so, made on first use). Results are those
     of :func:`run_linear_route` on the cuBLAS route, bit for bit. Inputs: contiguous (..., K),
     16-byte aligned (the caller checks), of one dtype.
     """
@@ -284,7 +287,7 @@ class LinearPlan:
 
             def run_decode(x: torch.Tensor) -> torch.Tensor:
                 y = torch.empty(out_shape, dtype=out_dtype, device=device)
-                buf = scratch.allocate(device)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 if one.direct:  # raw addresses: no per-buffer tensors, no driver query per pointer
                     yv, bufs, xv = y.data_ptr(), scratch.addresses(buf), x.data_ptr()
                 else:
@@ -335,7 +338,7 @@ class LinearPlan:
 
         def run_two(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(out_shape, dtype=out_dtype, device=device)
-            buf = scratch.allocate(device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             if gemm.direct and quant.direct:  # raw addresses: no per-buffer tensors, no driver query per pointer
                 yv, bufs, xv = y.data_ptr(), scratch.addresses(buf), x.data_ptr()
             else:

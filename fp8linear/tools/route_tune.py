@@ -184,6 +184,8 @@ def _entry_from_label(label: str) -> dict[str, Any]:
         return {"kernel": "cublas"}
     if label.startswith("cublas:ws"):
         mib, _, form = label[len("cublas:ws"):].partition(":")
+        if form not in ("", "row"):
+            raise ValueError(f"a cuBLAS label's form is 'row' or absent, got {label!r}")
         return {"kernel": "cublas", "workspace_mib": int(mib), **({"row_scales": True} if form == "row" else {})}
     kernel, spec = label.split(":")
     dims, rest = spec.split("w", 1)

@@ -75,8 +75,8 @@ def test_pad_rows_refuses_fewer_rows():
 @pytest.mark.parametrize("k", [256, 576, 1408, 2048])
 def test_cublas_weight_scale_layouts(n, k):
     """128x128 grid: (K/128, N/128) values, rows padded to a multiple of 4 in memory; 1x128 form:
-    each block scale over its 128 rows; None: what torch._scaled_mm reads (the 1x128 form where the
-    grid would need padding)."""
+    each block scale over its 128 rows; torch._scaled_mm (not direct) reads the 1x128 form where the
+    grid would need padding."""
     from fp8linear.ops.cublas_gemm import cublas_row_scales, cublas_weight_scale
 
     w_q, w_s = quantize_weight(torch.randn(n, k), "block")
@@ -89,7 +89,8 @@ def test_cublas_weight_scale_layouts(n, k):
     unaligned = groups % 4 != 0
     assert cublas_row_scales(w_q, "block", direct=False) is unaligned
     assert cublas_row_scales(w_q, "block") is False
-    assert torch.equal(cublas_weight_scale(w_q, w_s, "block"), rows if unaligned else grid)
+    torch_form = cublas_weight_scale(w_q, w_s, "block", cublas_row_scales(w_q, "block", direct=False))
+    assert torch.equal(torch_form, rows if unaligned else grid)
     w_q_r, w_s_r = quantize_weight(torch.randn(n, k), "row")
     assert cublas_row_scales(w_q_r, "row") is True
     assert torch.equal(cublas_weight_scale(w_q_r, w_s_r, "row", True), w_s_r.t())

@@ -507,13 +507,18 @@ def test_gpu_cublas_linear_serves_any_m_bit_identical(monkeypatch):
     assert not layer._plans and layer._cublas_linear is not None
     from fp8linear.ops.cublas_gemm import CublasConfig
 
-    large = Route("cublas", CublasConfig(workspace_mib=32))  # a table entry's workspace limit, routed and planned
-    monkeypatch.setattr(router, "route_linear", lambda *a, **kw: large)
-    x = torch.randn(1, 333, 512, device="cuda", dtype=torch.bfloat16)
-    ref = run_linear_route(large, x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block", layer.bias)
-    for _ in range(3):  # first sight (routed), second (planned), third (the plan)
-        assert same_bits(layer(x), ref.view(1, 333, 4096))
-    assert layer._plans
+    # a table entry's workspace limit and scale form (1x128 scales: other kernels, other bits), routed and planned
+    routes = [Route("cublas", CublasConfig(workspace_mib=32)), Route("cublas", CublasConfig(row_scales=True)),
+              Route("cublas", CublasConfig(workspace_mib=32, row_scales=True))]
+    for i, route in enumerate(routes):
+        layer.clear_plans()
+        monkeypatch.setattr(router, "route_linear", lambda *a, route=route, **kw: route)
+        x = torch.randn(1, 333 + i, 512, device="cuda", dtype=torch.bfloat16)
+        ref = run_linear_route(route, x.flatten(0, 1), layer.weight, layer.weight_scale_inv, "block", layer.bias)
+        for _ in range(3):  # first sight (routed), second (planned), third (the plan)
+            assert same_bits(layer(x), ref.view(1, 333 + i, 4096))
+        assert layer._plans
+    assert set(layer._cublas_linear.scales) == {False, True}  # both forms held once used
 
 
 @pytest.mark.gpu
