@@ -198,6 +198,7 @@ CUBLAS_CASES = [
 ]
 
 
+@pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("m,n,k,gran", CUBLAS_CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -222,6 +223,7 @@ def test_gpu_auto_matches_triton_and_reference(m, n, k, gran, with_bias, monkeyp
     assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16] and rel_err(y_triton, ref) < GEMM_TOL[torch.bfloat16]
 
 
+@pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("gran", ["block", "row"])
 def test_gpu_block_fp8_matmul_auto_uses_cublas(gran, monkeypatch):
