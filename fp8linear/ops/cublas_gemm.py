@@ -28,7 +28,8 @@ tests/test_cublas_gemm.py check these rules against the reference):
 - 128x128 weights as 1x128 weights (``CublasConfig(row_scales=True)``, a routes-table choice):
   each block scale repeated over its 128 rows is the same dequantization, exactly, and cuBLAS's
   1x128-scaled kernels are faster at low tile counts (H100, `benchmarks/cublaslt_probe.py
-  --padded-grid`: 0.47-0.66x the 128x128 kernels' time at M <= 128, up to 1.7x slower at M >= 1024);
+  --padded-grid`: 0.47-0.70x the 128x128 kernels' time at M <= 32, up to 1.7x slower at M >= 1024;
+  the crossover is near half a 128x128 output tile per SM);
 - 1x128 weights: scale_b = the (K/128, N) transpose, contiguous (a small copy per call on the
   functional path);
 - N a multiple of 16; ``float8_e4m3fn`` only; bf16 output (the only one verified), bias fused.
