@@ -87,7 +87,7 @@ class CublasLinear:
     """
 
     __slots__ = ("w_t", "w_s", "granularity", "scale_b", "bias", "k", "n", "fp8_dtype", "quant_calls", "lt", "lts",
-                 "row_scales", "direct", "w_q", "scratch", "scales")
+                 "row_scales", "torch_rows", "direct", "w_q", "scratch", "scales")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, bias: torch.Tensor | None,
                  direct: bool | None = None) -> None:
@@ -113,6 +113,8 @@ class CublasLinear:
             if self.lt is not None or not self.direct:
                 break
         self.lts = {(LT_WORKSPACE_LIMIT, self.row_scales): self.lt}
+        # the form torch._scaled_mm reads (no padded 128x128 grid: such weights go as 1x128 weights)
+        self.torch_rows = cublas_row_scales(w_q, granularity, direct=False)
         # (rows, workspace bytes) -> x_q, x_s (M-major) and the cuBLASLt workspace, one buffer
         self.scratch: dict[tuple[int, int], Scratch] = {}
 
@@ -184,10 +186,8 @@ class CublasLinear:
             quant.launch(grid, x.data_ptr(), x_q.data_ptr(), x_s.data_ptr(), rows, m, rows)
         else:
             quant.launch(grid, x, x_q, x_s, rows, m, rows)
-        # torch._scaled_mm reads no padded 128x128 grid: such weights go as 1x128 weights
-        as_rows = as_rows or cublas_row_scales(self.w_q, self.granularity, direct=False)
-        y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_for(as_rows), bias=self.bias,
-                             out_dtype=torch.bfloat16)
+        y = torch._scaled_mm(x_q, self.w_t, scale_a=x_s, scale_b=self.scale_for(as_rows or self.torch_rows),
+                             bias=self.bias, out_dtype=torch.bfloat16)
         return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
 
     def _scratch(self, rows: int, workspace_bytes: int) -> Scratch:
