@@ -39,18 +39,19 @@ import torch
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 
-__all__ = ["KERNEL_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel",
+__all__ = ["GEMV_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel",
            "native_quantize"]
 
 log = logging.getLogger(__name__)
 
-# Rows of activations the kernel runs (cpu_fp8_linear hands it up to this many). Its GEMV reads x
-# once per weight row, so from 5 rows on x's reads cost more than the weight's: 2 threads,
-# 2048x7168, ms against the torch-ops path: M=1 1.14 vs 2.01, 2 1.21 vs 3.72, 3 1.48 vs 3.28,
-# 4 1.74 vs 3.67, 6 4.00 vs 3.84, 8 5.26 vs 4.14 (7168x2048 alike; BF16 0.80-0.96).
-NATIVE_MAX_M = 4
-# The largest M the compiled code takes (two fp32 accumulator registers per row).
-KERNEL_MAX_M = 4
+# Rows of activations the kernels run (cpu_fp8_linear hands them up to this many; torch ops above).
+NATIVE_MAX_M = 12
+# Up to this many rows the GEMV runs (two fp32 accumulator registers per row, x read once per weight
+# row); above it the blocked kernel (weight rows decoded once into L1, x reused across them).
+GEMV_MAX_M = 4
+# The blocked kernel walks K in blocks whose slice of x (rows x 128-wide groups, fp32) is at most this
+# many bytes, so that it stays in L2 while the weight rows stream past.
+X_BLOCK_BYTES = 1 << 18
 # Weights of at least this many elements split their rows over the intra-op threads: a hand-off to
 # a Python worker thread costs 40-100 us here. 2 threads, us per call, split / one thread: 576x1536
 # M=1 156 / 83, M=2 184 / 123; 192x576 M=1 122 / 26; 2048x2048 (4M elements) M=1 422 / 432,
@@ -119,6 +120,97 @@ static inline float decode1(int8_t b) {
 
 GEMV_FN(1) GEMV_FN(2) GEMV_FN(3) GEMV_FN(4)
 
+/* 128 FP8 codes of one weight row's group [k0, k1) -> out[0..128) fp32 (the decoded value times
+   2^-8 or 2^-7, as above), zeros past k1; out 32-byte aligned. */
+static inline void decode_group(const int8_t* wr, int64_t k0, int64_t k1, float* out, __m256i mask) {
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+        __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wr + k)));
+        h = _mm256_and_si256(_mm256_slli_epi16(h, 7), mask);
+        _mm256_store_ps(out + (k - k0), _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+        _mm256_store_ps(out + (k - k0) + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+    for (; k < k1; ++k) out[k - k0] = decode1(wr[k]);
+    for (; k < k0 + 128; ++k) out[k - k0] = 0.0f;
+}
+
+/* MM (1..3) rows of x from row m against the decoded group g of four weight rows (wb, 128 floats a
+   row): 12 FMA chains at MM = 3, x read from L1 once per four weight rows. Each (row of x, weight
+   row) group sum is reduced across lanes (four weight rows at once), scaled by the activation and
+   weight scales and added to y, as the GEMV does. */
+#define QUAD_CHUNK(MM)                                                                             \
+    case MM: {                                                                                     \
+        __m256 a[MM][4];                                                                           \
+        for (int i = 0; i < MM; ++i)                                                               \
+            for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();                             \
+        const float* xr = xq + m * Kp + k0;                                                        \
+        for (int kk = 0; kk < 128; kk += 8) {                                                      \
+            const __m256 w0 = _mm256_load_ps(wb + kk), w1 = _mm256_load_ps(wb + 128 + kk);         \
+            const __m256 w2 = _mm256_load_ps(wb + 256 + kk), w3 = _mm256_load_ps(wb + 384 + kk);   \
+            for (int i = 0; i < MM; ++i) {                                                         \
+                const __m256 xv = _mm256_loadu_ps(xr + i * Kp + kk);                               \
+                a[i][0] = _mm256_fmadd_ps(xv, w0, a[i][0]);                                        \
+                a[i][1] = _mm256_fmadd_ps(xv, w1, a[i][1]);                                        \
+                a[i][2] = _mm256_fmadd_ps(xv, w2, a[i][2]);                                        \
+                a[i][3] = _mm256_fmadd_ps(xv, w3, a[i][3]);                                        \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MM; ++i) {                                                             \
+            const __m128 s = _mm_mul_ps(sum4(a[i][0], a[i][1], a[i][2], a[i][3]),                  \
+                                        _mm_mul_ps(_mm_set1_ps(xs[(m + i) * G + g]), wsv));        \
+            float* yr = y + (m + i) * ldy + n;                                                     \
+            if (nr == 4) {                                                                         \
+                _mm_storeu_ps(yr, g == 0 ? s : _mm_add_ps(_mm_loadu_ps(yr), s));                   \
+            } else {                                                                               \
+                float o[4];                                                                        \
+                _mm_storeu_ps(o, s);                                                               \
+                for (int j = 0; j < nr; ++j) yr[j] = g == 0 ? o[j] : yr[j] + o[j];                 \
+            }                                                                                      \
+        }                                                                                          \
+        break;                                                                                     \
+    }
+
+/* The four lane sums of a, b, c, d: (sum a, sum b, sum c, sum d). */
+static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* More rows of x than the GEMV takes: the same sums, each weight element decoded once per call.
+   K is walked in blocks of kb_groups 128-wide groups (x's slice of a block stays in L2 while the
+   weight rows stream past); in a block, four weight rows at a time are decoded group by group into
+   an fp32 buffer that stays in L1 and multiplied into the rows of x three at a time. */
+static void gemm_quads(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const float* xq, int64_t M,
+                       int64_t Kp, const float* xs, int64_t G, const float* ws, int64_t ws_ld, int64_t ws_gs,
+                       int64_t ws_div, float* y, int64_t ldy, int64_t kb_groups) {
+    const __m256i mask = _mm256_set1_epi16((short)0xBF80);
+    float wb[512] __attribute__((aligned(32)));
+    for (int64_t gb = 0; gb < G; gb += kb_groups) {
+        const int64_t g1 = (gb + kb_groups < G) ? gb + kb_groups : G;
+        for (int64_t n = n0; n < n1; n += 4) {
+            const int nr = (n1 - n < 4) ? (int)(n1 - n) : 4;
+            for (int64_t g = gb; g < g1; ++g) {
+                const int64_t k0 = g * 128;
+                const int64_t k1 = (k0 + 128 < K) ? k0 + 128 : K;
+                float wsq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int j = 0; j < 4; ++j) {
+                    if (j < nr) {
+                        decode_group(w + (n + j) * K, k0, k1, wb + 128 * j, mask);
+                        wsq[j] = ws[((n + j) / ws_div) * ws_ld + g * ws_gs];
+                    } else {
+                        for (int t = 0; t < 128; ++t) wb[128 * j + t] = 0.0f;
+                    }
+                }
+                const __m128 wsv = _mm_loadu_ps(wsq);
+                for (int64_t m = 0; m < M; m += 3) {
+                    switch ((M - m < 3) ? M - m : 3) { QUAD_CHUNK(1) QUAD_CHUNK(2) QUAD_CHUNK(3) }
+                }
+            }
+        }
+    }
+}
+
 /* Per-token 1x128 quantization, bit for bit cpu_linear.quantize_activation_grid (and so the
    reference): x (M, K) fp32 / bf16 / fp16 (x_dtype 0 / 1 / 2, row stride ldx elements) ->
    xq (M, Kp) fp32 FP8 values (0 past K), xs (M, G) = scale * x_factor. amax propagates NaN, as
@@ -171,13 +263,16 @@ int fp8_quant_rows(const void* x, int x_dtype, int64_t M, int64_t K, int64_t ldx
 
 int fp8_gemv_rows(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const float* xq, int64_t M,
                   int64_t Kp, const float* xs, int64_t G, const float* ws, int64_t ws_ld, int64_t ws_gs,
-                  int64_t ws_div, float* y, int64_t ldy) {
+                  int64_t ws_div, float* y, int64_t ldy, int64_t kb_groups) {
     switch (M) {
         case 1: gemv_1(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
         case 2: gemv_2(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
         case 3: gemv_3(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
         case 4: gemv_4(w, K, n0, n1, xq, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy); return 0;
-        default: return 1;
+        default:
+            if (M < 1 || kb_groups < 1) return 1;
+            gemm_quads(w, K, n0, n1, xq, M, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, y, ldy, kb_groups);
+            return 0;
     }
 }
 """
@@ -245,7 +340,7 @@ def native_kernel() -> _Kernels | None:
         return None
     i64, i32, f32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
     gemv, quant = lib.fp8_gemv_rows, lib.fp8_quant_rows
-    gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, i64]
+    gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, i64, i64]
     quant.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, f32, f32, i32, i32, f32, p, p]
     gemv.restype = quant.restype = ctypes.c_int
     return _Kernels(gemv, quant)
@@ -302,7 +397,7 @@ def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor
 
 def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int,
                 ws_div: int, y: torch.Tensor) -> None:
-    """y (M, N) fp32 = the FP8 linear's sums, M <= KERNEL_MAX_M (see the module docstring).
+    """y (M, N) fp32 = the FP8 linear's sums for M >= 1 rows of x (see the module docstring).
 
     `codes`: the weight (N, K) as int8, contiguous; `xq` (M, Kp) fp32 quantized activations, zero
     past K, contiguous; `xs` (M, G) fp32 activation scales, times the decode's power of two;
@@ -320,10 +415,13 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
     _check_f32(y, (m, n), "y")
     if ws.dtype != torch.float32 or not ws.is_contiguous():
         raise ValueError(f"ws must be contiguous float32, got {ws.dtype}")
+    if m < 1:
+        raise ValueError(f"the CPU FP8 kernel takes 1 row of x or more, got {m}")
+    kb_groups = max(1, X_BLOCK_BYTES // (m * GROUP_SIZE * 4))
     args = (codes.data_ptr(), k, xq.data_ptr(), m, kp, xs.data_ptr(), groups, ws.data_ptr(), ws_ld, ws_gs, ws_div,
-            y.data_ptr(), y.stride(0))
+            y.data_ptr(), y.stride(0), kb_groups)
     threads = torch.get_num_threads()
-    if threads <= 1 or n * k < NATIVE_THREAD_MIN_ELEMS:
+    if threads <= 1 or n * k * (m if m > GEMV_MAX_M else 1) < NATIVE_THREAD_MIN_ELEMS:
         parts = [(0, n)]
     else:
         step = -(-n // threads)
@@ -339,4 +437,4 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
         status = run(parts[0])
         status |= sum(f.result() for f in futures)
     if status:
-        raise ValueError(f"the CPU FP8 kernel takes 1 to {KERNEL_MAX_M} rows, got {m}")
+        raise ValueError(f"the CPU FP8 kernel refused its arguments (M={m}, K={k})")

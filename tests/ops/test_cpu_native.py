@@ -46,13 +46,14 @@ def _spy(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("n,k", [(576, 2112), (2112, 576), (300, 300), (130, 17), (1, 128)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(576, 2112), (2112, 576), (300, 300), (130, 17), (1, 128), (7, 300)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 33])
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
 def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
-    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", cpu_native.KERNEL_MAX_M)  # every row count the code takes
-    """Every row count it takes, ragged N and K (K % 16 != 0: the scalar tail; K < 16), all
-    granularities, both FP8 formats, bias, output dtypes."""
+    """The GEMV (M <= GEMV_MAX_M) and the blocked kernel (more rows: chunks of 3 rows and a last
+    chunk of 1 or 2, weight rows by 4 and a last 1-3), ragged N and K (K % 16 != 0: the scalar
+    tail; K < 16), all granularities, both FP8 formats, bias, output dtypes."""
+    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 1 << 20)  # every row count to the kernels
     i = n + k + m
     fp8_dtype, out_dtype, with_bias = FP8[i % 2], (torch.bfloat16, torch.float16, torch.float32)[i % 3], i % 2 == 0
     gen = torch.Generator().manual_seed(7 * n + 31 * k + m)
@@ -70,12 +71,14 @@ def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
     assert rel_err(y.float(), y_ops.float()) < 4 * GEMM_TOL[out_dtype]
 
 
+@pytest.mark.parametrize("m", [4, 7])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_rows_split_over_threads(threads, monkeypatch):
-    """Row ranges over the intra-op threads (uneven splits included) give the one-thread result."""
+def test_rows_split_over_threads(threads, m, monkeypatch):
+    """Row ranges over the intra-op threads (uneven splits, weight-row quads cut by a split, included)
+    give the one-thread result, bit for bit."""
     monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 0)
-    w_q, w_s = quantize_weight_ref(torch.randn(1000, 640) / 25, "block", torch.float8_e4m3fn)
-    x = torch.randn(4, 640)
+    w_q, w_s = quantize_weight_ref(torch.randn(1001, 640) / 25, "block", torch.float8_e4m3fn)
+    x = torch.randn(m, 640)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -86,13 +89,14 @@ def test_rows_split_over_threads(threads, monkeypatch):
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("m", [4, 7])
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
-def test_nan_codes_and_nan_inf_inputs(fp8_dtype, granularity):
+def test_nan_codes_and_nan_inf_inputs(fp8_dtype, granularity, m):
     w_q, w_s = quantize_weight_ref(torch.randn(300, 256), granularity, fp8_dtype)
     w_q = w_q.clone()
     w_q.view(torch.uint8)[5, 17] = 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x80
-    x = torch.randn(4, 256)
+    x = torch.randn(m, 256)
     x[1, 3] = float("nan")
     x[2, 200] = float("inf")
     y = cpu_fp8_linear(x, w_q, w_s, granularity)
@@ -166,13 +170,26 @@ def test_strided_rows_of_x(monkeypatch):
     assert calls == [3] and torch.equal(y, cpu_fp8_linear(wide[:, :300].contiguous(), w_q, w_s, "block"))
 
 
-def test_rows_beyond_the_kernel_are_refused():
+@pytest.mark.parametrize("x_block_bytes", [1, 3 * 128 * 4 * 2, 1 << 30])
+def test_k_blocks_of_the_blocked_kernel_give_the_same_bits(x_block_bytes, monkeypatch):
+    """The blocked kernel sums each (row, weight row) group by group in order whatever the K blocks
+    (one group a block, a few, all of K): the same bits."""
+    w_q, w_s = quantize_weight_ref(torch.randn(130, 1000) / 30, "row", torch.float8_e4m3fn)
+    x = torch.randn(11, 1000)
+    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 11)
+    calls = _spy(monkeypatch)
+    expected = cpu_fp8_linear(x, w_q, w_s, "row")
+    monkeypatch.setattr(cpu_native, "X_BLOCK_BYTES", x_block_bytes)
+    assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "row"), expected)
+    assert calls == [11, 11]
+
+
+def test_no_rows_are_refused():
     w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
     p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
-    m = cpu_native.KERNEL_MAX_M + 1
-    with pytest.raises(ValueError, match="rows"):
-        cpu_native.native_gemv(p.codes, torch.zeros(m, 128), torch.ones(m, 1), p.block_scale, 1, 1, 128,
-                               torch.empty(m, 128))
+    with pytest.raises(ValueError, match="1 row"):
+        cpu_native.native_gemv(p.codes, torch.zeros(0, 128), torch.ones(0, 1), p.block_scale, 1, 1, 128,
+                               torch.empty(0, 128))
 
 
 @pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
