@@ -227,6 +227,8 @@ def _prepared_for(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granular
 
 
 # ----------------------------------------------------------------------------- forward
+# Bias dtypes the one-call compiled linear reads itself (others are converted to fp32 first).
+_NATIVE_BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 0-d int16 operands of the decode (a Python scalar is wrapped into a new tensor on every call).
 _I16_128 = torch.tensor(128, dtype=torch.int16)
 _I16_MASK = torch.tensor(_MASK, dtype=torch.int16)
@@ -451,16 +453,25 @@ def cpu_fp8_linear(
     m = x2d.shape[0]
     n, k, groups = p.n, p.k, p.groups
     kp = groups * GROUP_SIZE
-    bias_f = bias.float() if bias is not None else None
     if (0 < m <= cpu_native.NATIVE_MAX_M and p.codes.is_contiguous() and x2d.stride(1) == 1
             and cpu_native.native_kernel() is not None):
-        # the compiled kernels: quantization (bit-exact with quantize_activation_grid), then the GEMV
+        # the compiled kernels: quantization (bit-exact with quantize_activation_grid), then the sums
+        act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
+        if len(cpu_native.row_parts(n, k, m)) == 1:  # one C call, the output in x's dtype
+            y = torch.empty(m, n, dtype=x2d.dtype)
+            if bias is not None and (bias.dtype not in _NATIVE_BIAS_DTYPES or not bias.is_contiguous()):
+                bias = bias.float().contiguous()  # what the other paths add too (fp32)
+            cpu_native.native_linear(x2d, kp, p.fp8_dtype, act_scale, p.codes, ws, ws_ld, ws_gs, ws_div, bias, y)
+            if p.nan_rows is not None:
+                y[:, p.nan_rows] = float("nan")
+            return y
+        bias_f = bias.float() if bias is not None else None
         f32 = torch.float32  # what the C code reads and writes, whatever torch's default dtype
         xq, xs, y_m = torch.empty(m, kp, dtype=f32), torch.empty(m, groups, dtype=f32), torch.empty(m, n, dtype=f32)
-        act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
         cpu_native.native_quantize(x2d, kp, p.fp8_dtype, act_scale, xq, xs)
         cpu_native.native_gemv(p.codes, xq, xs, ws, ws_ld, ws_gs, ws_div, y_m)
         return _m_major_output(y_m, bias_f, x2d.dtype, p)
+    bias_f = bias.float() if bias is not None else None
     pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None
     grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
     if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"

@@ -39,8 +39,8 @@ import torch
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 
-__all__ = ["GEMV_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel",
-           "native_quantize"]
+__all__ = ["GEMV_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel", "native_linear",
+           "native_quantize", "row_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -275,6 +276,46 @@ int fp8_gemv_rows(const int8_t* w, int64_t K, int64_t n0, int64_t n1, const floa
             return 0;
     }
 }
+
+/* fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as torch's conversion). */
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* The whole linear on one thread: x (M, K) quantized (fp8_quant_rows), its sums against weight rows
+   [0, N) (fp8_gemv_rows), and y (M, N) in y_dtype (0 fp32, 1 bf16, 2 fp16; row stride N) = the sums
+   plus the bias (bias_dtype as x_dtype; -1: none) in fp32, rounded once. Returns 0, or 2 where the
+   scratch cannot be allocated. */
+int fp8_linear_rows(const void* x, int x_dtype, int64_t M, int64_t K, int64_t ldx, int64_t Kp, float qmax,
+                    float amax_floor, int32_t emin_bits, int32_t round_offset, float x_factor, const int8_t* w,
+                    int64_t N, const float* ws, int64_t ws_ld, int64_t ws_gs, int64_t ws_div, const void* bias,
+                    int bias_dtype, void* y, int y_dtype, int64_t kb_groups) {
+    const int64_t G = Kp / 128;
+    float* xq = (float*)malloc((size_t)(M * Kp + M * G + M * N) * sizeof(float));
+    if (xq == NULL) return 2;
+    float* xs = xq + M * Kp;
+    float* yf = xs + M * G;
+    int status = fp8_quant_rows(x, x_dtype, M, K, ldx, Kp, qmax, amax_floor, emin_bits, round_offset, x_factor,
+                                xq, xs);
+    if (status == 0)
+        status = fp8_gemv_rows(w, K, 0, N, xq, M, Kp, xs, G, ws, ws_ld, ws_gs, ws_div, yf, N, kb_groups);
+    if (status == 0) {
+        for (int64_t m = 0; m < M; ++m) {
+            for (int64_t n = 0; n < N; ++n) {
+                const float v = yf[m * N + n];
+                const float o = (bias_dtype < 0) ? v : v + load_x(bias, bias_dtype, n);  /* in fp32 */
+                if (y_dtype == 0) ((float*)y)[m * N + n] = o;
+                else if (y_dtype == 1) ((uint16_t*)y)[m * N + n] = to_bf16(o);
+                else ((uint16_t*)y)[m * N + n] = _cvtss_sh(o, _MM_FROUND_TO_NEAREST_INT);
+            }
+        }
+    }
+    free(xq);
+    return status;
+}
 """
 
 _FLAGS = ("-O3", "-march=native", "-mavx2", "-mf16c", "-mfma", "-shared", "-fPIC")
@@ -314,6 +355,7 @@ def _build(compiler: str, flags: set[str]) -> Path:
 class _Kernels(NamedTuple):
     gemv: Callable[..., int]
     quant: Callable[..., int]
+    linear: Callable[..., int]
 
 
 @lru_cache(maxsize=1)
@@ -339,11 +381,13 @@ def native_kernel() -> _Kernels | None:
                  e, detail.decode(errors="replace")[:500])
         return None
     i64, i32, f32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-    gemv, quant = lib.fp8_gemv_rows, lib.fp8_quant_rows
+    gemv, quant, linear = lib.fp8_gemv_rows, lib.fp8_quant_rows, lib.fp8_linear_rows
     gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, i64, i64]
     quant.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, f32, f32, i32, i32, f32, p, p]
-    gemv.restype = quant.restype = ctypes.c_int
-    return _Kernels(gemv, quant)
+    linear.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, f32, f32, i32, i32, f32, p, i64, p, i64, i64, i64, p,
+                       ctypes.c_int, p, ctypes.c_int, i64]
+    gemv.restype = quant.restype = linear.restype = ctypes.c_int
+    return _Kernels(gemv, quant, linear)
 
 
 @lru_cache(maxsize=1)
@@ -395,6 +439,51 @@ def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor
         raise ValueError("the CPU FP8 quantization kernel refused its arguments")
 
 
+def row_parts(n: int, k: int, m: int) -> list[tuple[int, int]]:
+    """The weight-row ranges the kernels split an (M, K) x (N, K) call into, one per intra-op thread
+    (one range below NATIVE_THREAD_MIN_ELEMS of work: weight elements, times M above GEMV_MAX_M)."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or n * k * (m if m > GEMV_MAX_M else 1) < NATIVE_THREAD_MIN_ELEMS:
+        return [(0, n)]
+    step = -(-n // threads)
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def native_linear(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor: float, codes: torch.Tensor,
+                  ws: torch.Tensor, ws_ld: int, ws_gs: int, ws_div: int, bias: torch.Tensor | None,
+                  y: torch.Tensor) -> None:
+    """The whole linear in one call on this thread: :func:`native_quantize` of x2d (M, K), the sums of
+    :func:`native_gemv`, and y (M, N) in y's dtype (fp32, bf16 or fp16, contiguous) = the sums plus
+    the bias (fp32/bf16/fp16, N values) in fp32, rounded once: the bits of the fp32 sums converted
+    as torch converts them. For calls that :func:`row_parts` keeps in one range (the caller checks)."""
+    m, k = x2d.shape
+    n = codes.shape[0]
+    if x2d.dtype not in _X_DTYPES or x2d.stride(1) != 1 or kp < k or kp % GROUP_SIZE or m < 1:
+        raise ValueError(f"x must be (M >= 1, K) fp32/bf16/fp16 with unit column stride and Kp a multiple of 128 "
+                         f">= K, got {x2d.dtype} {tuple(x2d.shape)} strides {x2d.stride()}, Kp={kp}")
+    if codes.dtype != torch.int8 or not codes.is_contiguous() or codes.shape[1] != k:
+        raise ValueError(f"codes must be a contiguous int8 (N, {k}) tensor, got {codes.dtype} {tuple(codes.shape)}")
+    if y.dtype not in _X_DTYPES or not y.is_contiguous() or tuple(y.shape) != (m, n):
+        raise ValueError(f"y must be a contiguous fp32/bf16/fp16 tensor of shape {(m, n)}, got {y.dtype} "
+                         f"{tuple(y.shape)} contiguous={y.is_contiguous()}")
+    if bias is not None and (bias.dtype not in _X_DTYPES or not bias.is_contiguous() or bias.numel() != n):
+        raise ValueError(f"bias must be {n} contiguous fp32/bf16/fp16 values, got {bias.dtype} {tuple(bias.shape)}")
+    if ws.dtype != torch.float32 or not ws.is_contiguous():
+        raise ValueError(f"ws must be contiguous float32, got {ws.dtype}")
+    status = native_kernel().linear(
+        x2d.data_ptr(), _X_DTYPES[x2d.dtype], m, k, x2d.stride(0), kp, *_quant_constants(fp8_dtype), x_factor,
+        codes.data_ptr(), n, ws.data_ptr(), ws_ld, ws_gs, ws_div,
+        None if bias is None else bias.data_ptr(), -1 if bias is None else _X_DTYPES[bias.dtype],
+        y.data_ptr(), _X_DTYPES[y.dtype], _kb_groups(m))
+    if status:
+        raise ValueError(f"the CPU FP8 kernel refused its arguments or its scratch (M={m}, K={k}, N={n})")
+
+
+def _kb_groups(m: int) -> int:
+    """128-wide groups per K block of the blocked kernel (see X_BLOCK_BYTES)."""
+    return max(1, X_BLOCK_BYTES // (m * GROUP_SIZE * 4))
+
+
 def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int,
                 ws_div: int, y: torch.Tensor) -> None:
     """y (M, N) fp32 = the FP8 linear's sums for M >= 1 rows of x (see the module docstring).
@@ -417,15 +506,10 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
         raise ValueError(f"ws must be contiguous float32, got {ws.dtype}")
     if m < 1:
         raise ValueError(f"the CPU FP8 kernel takes 1 row of x or more, got {m}")
-    kb_groups = max(1, X_BLOCK_BYTES // (m * GROUP_SIZE * 4))
     args = (codes.data_ptr(), k, xq.data_ptr(), m, kp, xs.data_ptr(), groups, ws.data_ptr(), ws_ld, ws_gs, ws_div,
-            y.data_ptr(), y.stride(0), kb_groups)
+            y.data_ptr(), y.stride(0), _kb_groups(m))
+    parts = row_parts(n, k, m)
     threads = torch.get_num_threads()
-    if threads <= 1 or n * k * (m if m > GEMV_MAX_M else 1) < NATIVE_THREAD_MIN_ELEMS:
-        parts = [(0, n)]
-    else:
-        step = -(-n // threads)
-        parts = [(i, min(i + step, n)) for i in range(0, n, step)]
 
     def run(part: tuple[int, int]) -> int:
         return fn(args[0], args[1], part[0], part[1], *args[2:])

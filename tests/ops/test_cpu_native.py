@@ -35,14 +35,21 @@ def _ref64(x, w_q, w_s, bias, fp8_dtype):
 
 
 def _spy(monkeypatch) -> list:
+    """The rows of x of each call of the compiled kernels (native_gemv after native_quantize, or the
+    one-call native_linear)."""
     calls = []
-    real = cpu_native.native_gemv
+    gemv, linear = cpu_native.native_gemv, cpu_native.native_linear
 
-    def spy(*args):
+    def spy_gemv(*args):
         calls.append(args[1].shape[0])
-        return real(*args)
+        return gemv(*args)
 
-    monkeypatch.setattr(cpu_native, "native_gemv", spy)
+    def spy_linear(*args):
+        calls.append(args[0].shape[0])
+        return linear(*args)
+
+    monkeypatch.setattr(cpu_native, "native_gemv", spy_gemv)
+    monkeypatch.setattr(cpu_native, "native_linear", spy_linear)
     return calls
 
 
@@ -168,6 +175,49 @@ def test_strided_rows_of_x(monkeypatch):
     wide = torch.randn(3, 512, dtype=torch.bfloat16)
     y = cpu_fp8_linear(wide[:, :300], w_q, w_s, "block")
     assert calls == [3] and torch.equal(y, cpu_fp8_linear(wide[:, :300].contiguous(), w_q, w_s, "block"))
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 7])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_one_call_linear_gives_the_two_call_bits(m, x_dtype, bias_dtype, monkeypatch):
+    """native_linear (one C call: quantization, sums, bias and the output's rounding) gives the bits of
+    native_quantize + native_gemv with the bias added and rounded by torch (the split path's output),
+    NaN/Inf outputs included."""
+    gen = torch.Generator().manual_seed(m * 7 + (bias_dtype is None))
+    n, k = 300, 2112
+    w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=gen) / 40, "block", torch.float8_e4m3fn)
+    x = (torch.randn(m, k, generator=gen) * 3).to(x_dtype)
+    x[0, 5] = float("inf") if m > 1 else x[0, 5]
+    bias = None if bias_dtype is None else (torch.randn(n, generator=gen) * 1e4).to(bias_dtype)
+    calls = _spy(monkeypatch)
+    y = cpu_fp8_linear(x, w_q, w_s, "block", bias)
+    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 0)  # the row split: two C calls, torch's output
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y_split = cpu_fp8_linear(x, w_q, w_s, "block", bias)
+    finally:
+        torch.set_num_threads(saved)
+    assert calls == [m, m] and y.dtype == x_dtype
+    nan = y.isnan()  # (torch writes NaN as 0x7FC0 or 0xFFFF depending on its code path: NaN is compared as NaN)
+    assert nan.any() == (m > 1) and torch.equal(nan, y_split.isnan())
+    bits = torch.int32 if x_dtype == torch.float32 else torch.int16
+    assert torch.equal(y.view(bits)[~nan], y_split.view(bits)[~nan])
+
+
+def test_one_call_linear_checks_its_buffers():
+    w_q, w_s = quantize_weight_ref(torch.randn(128, 256), "block", torch.float8_e4m3fn)
+    p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
+    a, ws, ld, gs, div = p.native_scales
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="y must be"):
+        cpu_native.native_linear(x, 256, p.fp8_dtype, a, p.codes, ws, ld, gs, div, None, torch.empty(2, 127))
+    with pytest.raises(ValueError, match="bias must be"):
+        cpu_native.native_linear(x, 256, p.fp8_dtype, a, p.codes, ws, ld, gs, div, torch.ones(128, dtype=torch.float64),
+                                 torch.empty(2, 128))
+    with pytest.raises(ValueError, match="codes must be"):
+        cpu_native.native_linear(x, 256, p.fp8_dtype, a, p.codes[:, :128], ws, ld, gs, div, None, torch.empty(2, 128))
 
 
 @pytest.mark.parametrize("x_block_bytes", [1, 3 * 128 * 4 * 2, 1 << 30])
