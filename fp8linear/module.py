@@ -311,12 +311,22 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def _make_cpu_plan(self, x: torch.Tensor, granularity: str):
         """The CPU path for x's shape (:func:`fp8linear.ops.cpu_linear.cpu_fp8_linear`, what
         fp8_linear runs for CPU tensors), without fp8_linear's per-call backend lookup and checks."""
-        from .ops.cpu_linear import cpu_fp8_linear
+        from .ops.cpu_linear import cpu_fp8_linear, native_linear_plan
 
         weight, scale, bias = self.weight, self.weight_scale_inv, self.bias
         k, out_shape = x.shape[-1], (*x.shape[:-1], self.out_features)
+        m = x.numel() // k
+        native = native_linear_plan(weight, scale, granularity, bias, m, x.dtype)
 
         def run(x: torch.Tensor) -> torch.Tensor:
+            nonlocal native
+            if native is not None:  # the compiled kernel in one prepared call
+                y = native(x, out_shape)
+                if y is None:  # weight, scales or bias changed in place, or the thread count: prepared again
+                    native = native_linear_plan(weight, scale, granularity, bias, m, x.dtype)
+                    y = None if native is None else native(x, out_shape)
+                if y is not None:
+                    return y
             return cpu_fp8_linear(x.reshape(-1, k), weight, scale, granularity, bias).reshape(out_shape)
 
         return run

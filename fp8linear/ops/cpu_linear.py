@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 from . import cpu_native
 
-__all__ = ["CpuFp8Weight", "prepare_cpu_weight", "quantize_activation_grid", "cpu_fp8_linear"]
+__all__ = ["CpuFp8Weight", "prepare_cpu_weight", "quantize_activation_grid", "cpu_fp8_linear", "native_linear_plan"]
 
 # A decoded tile holds about this many weight elements per intra-op thread (rows = elements // K),
 # so each core's share stays in its L2. M=1 (benchmarks/cpu_linear.py --tile-sweep), 1 thread:
@@ -433,6 +434,39 @@ def _m_major_output(y_m: torch.Tensor, bias_f: torch.Tensor | None, dtype: torch
     if p.nan_rows is not None:
         y_m[:, p.nan_rows] = float("nan")
     return y_m
+
+
+def native_linear_plan(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granularity: str,
+                       bias: torch.Tensor | None, m: int, x_dtype: torch.dtype) -> Callable | None:
+    """:func:`cpu_fp8_linear`'s one-call compiled path prepared for contiguous x of `m` rows and
+    `x_dtype` (validated inputs): ``plan(x, out_shape)`` returns y in x's dtype, the bits
+    cpu_fp8_linear gives, with the C call's arguments made once; or None when the weight, its scales
+    or the bias changed in place or the intra-op thread count changed since (then call
+    cpu_fp8_linear, and make a new plan). None where that path does not run this call."""
+    if not 0 < m <= cpu_native.NATIVE_MAX_M or x_dtype not in _NATIVE_BIAS_DTYPES or cpu_native.native_kernel() is None:
+        return None
+    p = _prepared_for(weight, weight_scale_inv, granularity)
+    if (not p.codes.is_contiguous() or len(cpu_native.row_parts(p.n, p.k, m)) != 1
+            or (bias is not None and (bias.dtype not in _NATIVE_BIAS_DTYPES or not bias.is_contiguous()))):
+        return None
+    act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
+    call = cpu_native.linear_call(m, p.k, p.groups * GROUP_SIZE, x_dtype, p.fp8_dtype, act_scale, p.codes, ws, ws_ld,
+                                  ws_gs, ws_div, bias)
+    watched = (weight, weight_scale_inv) if bias is None else (weight, weight_scale_inv, bias)
+    versions = tuple(t._version for t in watched)
+    threads = torch.get_num_threads()
+    nan_rows = p.nan_rows
+
+    def plan(x: torch.Tensor, out_shape: tuple[int, ...]) -> torch.Tensor | None:
+        if torch.get_num_threads() != threads or tuple(t._version for t in watched) != versions:
+            return None
+        y = torch.empty(out_shape, dtype=x_dtype)
+        call(x.data_ptr(), y.data_ptr())
+        if nan_rows is not None:
+            y.view(m, -1)[:, nan_rows] = float("nan")
+        return y
+
+    return plan
 
 
 def cpu_fp8_linear(

@@ -40,7 +40,7 @@ from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 
 __all__ = ["GEMV_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel", "native_linear",
-           "native_quantize", "row_parts"]
+           "native_quantize", "linear_call", "row_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -477,6 +477,33 @@ def native_linear(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor: 
         y.data_ptr(), _X_DTYPES[y.dtype], _kb_groups(m))
     if status:
         raise ValueError(f"the CPU FP8 kernel refused its arguments or its scratch (M={m}, K={k}, N={n})")
+
+
+def linear_call(m: int, k: int, kp: int, x_dtype: torch.dtype, fp8_dtype: torch.dtype, x_factor: float,
+                codes: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int, ws_div: int,
+                bias: torch.Tensor | None) -> Callable[[int, int], None]:
+    """:func:`native_linear` for contiguous x (m, k) of `x_dtype` into contiguous y (m, N) of that
+    dtype, its arguments checked and made once: ``call(x address, y address)`` (it keeps `codes`,
+    `ws` and `bias` alive)."""
+    n = codes.shape[0]
+    if (x_dtype not in _X_DTYPES or kp < k or kp % GROUP_SIZE or m < 1 or codes.dtype != torch.int8
+            or not codes.is_contiguous() or codes.shape[1] != k or ws.dtype != torch.float32 or not ws.is_contiguous()
+            or (bias is not None and (bias.dtype not in _X_DTYPES or not bias.is_contiguous() or bias.numel() != n))):
+        raise ValueError(f"linear_call: unsupported arguments (M={m}, K={k}, Kp={kp}, x {x_dtype}, codes "
+                         f"{codes.dtype} {tuple(codes.shape)}, ws {ws.dtype}, bias "
+                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))})")
+    fn = native_kernel().linear
+    head = (_X_DTYPES[x_dtype], m, k, k, kp, *_quant_constants(fp8_dtype), x_factor, codes.data_ptr(), n,
+            ws.data_ptr(), ws_ld, ws_gs, ws_div, None if bias is None else bias.data_ptr(),
+            -1 if bias is None else _X_DTYPES[bias.dtype])
+    tail = (_X_DTYPES[x_dtype], _kb_groups(m))
+
+    def call(x_addr: int, y_addr: int) -> None:
+        if fn(x_addr, *head, y_addr, *tail):
+            raise ValueError(f"the CPU FP8 kernel could not allocate its scratch (M={m}, K={k}, N={n})")
+
+    call.operands = (codes, ws, bias)  # the addresses in `head` stay valid while the call lives
+    return call
 
 
 def _kb_groups(m: int) -> int:

@@ -293,3 +293,47 @@ def test_cpu_plan_is_the_cpu_path_without_per_call_checks(granularity, lead, mon
     layer.backend = "reference"  # a new backend drops the plans; the reference runs
     assert not layer._plans
     assert torch.equal(layer(x), fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="reference"))
+
+
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+@pytest.mark.parametrize("lead", [(1,), (2, 5)])
+def test_cpu_plan_follows_in_place_updates_and_thread_counts(lead, granularity, monkeypatch):
+    """The CPU plan's prepared one-call kernel (where the compiled kernel runs) gives the CPU path's
+    bits, and follows in-place updates of the weight (a NaN code included), its scales (a tensor
+    scale is folded into the prepared arguments) and the bias, and a new thread count."""
+    from fp8linear import fp8_linear
+    from fp8linear.ops import cpu_linear, cpu_native
+
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    general = []
+    real = cpu_linear.cpu_fp8_linear
+    monkeypatch.setattr(cpu_linear, "cpu_fp8_linear", lambda *a, **kw: (general.append(1), real(*a, **kw))[1])
+    torch.manual_seed(0)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(300, 200, bias=True).to(torch.bfloat16), granularity=granularity)
+    x = torch.randn(*lead, 300, dtype=torch.bfloat16)
+
+    def expected():
+        return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias)
+
+    assert torch.equal(layer(x), expected()) and torch.equal(layer(x), expected())
+    with torch.no_grad():
+        other = Fp8BlockLinear.from_linear(nn.Linear(300, 200, bias=True).to(torch.bfloat16), granularity=granularity)
+        layer.weight.copy_(other.weight)
+        assert torch.equal(layer(x), expected())
+        layer.weight_scale_inv.mul_(3)
+        y = layer(x)
+        assert torch.equal(y, expected())
+        layer.bias.add_(1)
+        assert torch.equal(layer(x), expected())
+        layer.weight.view(torch.uint8)[7, 3] = 0x7F  # a NaN code: output column 7 is NaN
+        y = layer(x)
+        assert y[..., 7].isnan().all() and y.isnan().sum() == y[..., 7].numel()
+        assert same_bits(y, expected())
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if saved > 1 else 2)
+        assert same_bits(layer(x), expected())
+    finally:
+        torch.set_num_threads(saved)
+    if cpu_native.native_kernel() is not None:
+        assert general == []  # every call ran the prepared kernel
