@@ -228,8 +228,9 @@ def _prepared_for(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granular
 
 
 # ----------------------------------------------------------------------------- forward
-# Bias dtypes the one-call compiled linear reads itself (others are converted to fp32 first).
-_NATIVE_BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# x, output and bias dtypes the one-call compiled linear reads and writes itself (another bias dtype is
+# converted to fp32 first).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 0-d int16 operands of the decode (a Python scalar is wrapped into a new tensor on every call).
 _I16_128 = torch.tensor(128, dtype=torch.int16)
 _I16_MASK = torch.tensor(_MASK, dtype=torch.int16)
@@ -443,11 +444,11 @@ def native_linear_plan(weight: torch.Tensor, weight_scale_inv: torch.Tensor, gra
     cpu_fp8_linear gives, with the C call's arguments made once; or None when the weight, its scales
     or the bias changed in place or the intra-op thread count changed since (then call
     cpu_fp8_linear, and make a new plan). None where that path does not run this call."""
-    if not 0 < m <= cpu_native.NATIVE_MAX_M or x_dtype not in _NATIVE_BIAS_DTYPES or cpu_native.native_kernel() is None:
+    if not 0 < m <= cpu_native.NATIVE_MAX_M or x_dtype not in _NATIVE_DTYPES or cpu_native.native_kernel() is None:
         return None
     p = _prepared_for(weight, weight_scale_inv, granularity)
     if (not p.codes.is_contiguous() or len(cpu_native.row_parts(p.n, p.k, m)) != 1
-            or (bias is not None and (bias.dtype not in _NATIVE_BIAS_DTYPES or not bias.is_contiguous()))):
+            or (bias is not None and (bias.dtype not in _NATIVE_DTYPES or not bias.is_contiguous()))):
         return None
     act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
     call = cpu_native.linear_call(m, p.k, p.groups * GROUP_SIZE, x_dtype, p.fp8_dtype, act_scale, p.codes, ws, ws_ld,
@@ -493,7 +494,7 @@ def cpu_fp8_linear(
         act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
         if len(cpu_native.row_parts(n, k, m)) == 1:  # one C call, the output in x's dtype
             y = torch.empty(m, n, dtype=x2d.dtype)
-            if bias is not None and (bias.dtype not in _NATIVE_BIAS_DTYPES or not bias.is_contiguous()):
+            if bias is not None and (bias.dtype not in _NATIVE_DTYPES or not bias.is_contiguous()):
                 bias = bias.float().contiguous()  # what the other paths add too (fp32)
             cpu_native.native_linear(x2d, kp, p.fp8_dtype, act_scale, p.codes, ws, ws_ld, ws_gs, ws_div, bias, y)
             if p.nan_rows is not None:

@@ -1,14 +1,18 @@
-"""A compiled x86 kernel for the CPU FP8 linear at decode sizes: one pass over the FP8 weight.
+"""Compiled x86 kernels for the CPU FP8 linear at decode sizes: one pass over the FP8 weight.
 
 torch's CPU ops cannot fuse the weight decode into the GEMV, so :mod:`fp8linear.ops.cpu_linear`
-decodes tiles with three vectorised integer passes and a float16 GEMV reads them back. This
-kernel does it in registers: 16 FP8 codes are widened to int16, moved into float16 bits (``<< 7``,
-``& 0xBF80``: the FP8 value times 2^-8 for e4m3fn, 2^-7 for e4m3fnuz, subnormals included),
-converted to fp32 (F16C) and multiplied into up to NATIVE_MAX_M rows of quantized activations
-with FMA; each 128-wide group's fp32 sum is scaled by the activation and weight scales. Same
-numerics contract as the torch path (the reference's quantized products summed in fp32, in
-another order). A second function quantizes the activations per token in 1x128 groups, bit for
-bit as :func:`fp8linear.ops.cpu_linear.quantize_activation_grid` (:func:`native_quantize`).
+decodes tiles with three vectorised integer passes and a float16 GEMV reads them back. These
+kernels do it in registers: 16 FP8 codes are widened to int16, moved into float16 bits (``<< 7``,
+``& 0xBF80``: the FP8 value times 2^-8 for e4m3fn, 2^-7 for e4m3fnuz, subnormals included) and
+converted to fp32 (F16C). Up to GEMV_MAX_M rows of quantized activations a GEMV multiplies them in
+with FMA; above, a blocked kernel decodes each weight group into an L1 buffer once and reuses it
+across the rows (up to NATIVE_MAX_M, where cpu_fp8_linear hands over to torch ops). Each 128-wide
+group's fp32 sum is scaled by the activation and weight scales. Same numerics contract as the torch
+path (the reference's quantized products summed in fp32, in another order). A second function
+quantizes the activations per token in 1x128 groups, bit for bit as
+:func:`fp8linear.ops.cpu_linear.quantize_activation_grid` (:func:`native_quantize`); a third runs
+the whole linear (quantization, sums, bias, output rounding) in one call (:func:`native_linear`,
+:func:`linear_call`).
 
 The C source below is compiled once per machine with the system C compiler (``cc``, AVX2 + F16C +
 FMA, ``-march=native``) into a cache folder (``FP8LINEAR_CACHE``, default ``~/.cache/fp8linear``),
@@ -453,48 +457,35 @@ def native_linear(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor: 
                   ws: torch.Tensor, ws_ld: int, ws_gs: int, ws_div: int, bias: torch.Tensor | None,
                   y: torch.Tensor) -> None:
     """The whole linear in one call on this thread: :func:`native_quantize` of x2d (M, K), the sums of
-    :func:`native_gemv`, and y (M, N) in y's dtype (fp32, bf16 or fp16, contiguous) = the sums plus
-    the bias (fp32/bf16/fp16, N values) in fp32, rounded once: the bits of the fp32 sums converted
-    as torch converts them. For calls that :func:`row_parts` keeps in one range (the caller checks)."""
+    :func:`native_gemv`, and y (M, N) in x's dtype (contiguous) = the sums plus the bias (fp32/bf16/fp16,
+    N values) in fp32, rounded once: the bits of the fp32 sums converted as torch converts them. For
+    calls that :func:`row_parts` keeps in one range (the caller checks)."""
     m, k = x2d.shape
-    n = codes.shape[0]
-    if x2d.dtype not in _X_DTYPES or x2d.stride(1) != 1 or kp < k or kp % GROUP_SIZE or m < 1:
-        raise ValueError(f"x must be (M >= 1, K) fp32/bf16/fp16 with unit column stride and Kp a multiple of 128 "
-                         f">= K, got {x2d.dtype} {tuple(x2d.shape)} strides {x2d.stride()}, Kp={kp}")
-    if codes.dtype != torch.int8 or not codes.is_contiguous() or codes.shape[1] != k:
-        raise ValueError(f"codes must be a contiguous int8 (N, {k}) tensor, got {codes.dtype} {tuple(codes.shape)}")
-    if y.dtype not in _X_DTYPES or not y.is_contiguous() or tuple(y.shape) != (m, n):
-        raise ValueError(f"y must be a contiguous fp32/bf16/fp16 tensor of shape {(m, n)}, got {y.dtype} "
-                         f"{tuple(y.shape)} contiguous={y.is_contiguous()}")
-    if bias is not None and (bias.dtype not in _X_DTYPES or not bias.is_contiguous() or bias.numel() != n):
-        raise ValueError(f"bias must be {n} contiguous fp32/bf16/fp16 values, got {bias.dtype} {tuple(bias.shape)}")
-    if ws.dtype != torch.float32 or not ws.is_contiguous():
-        raise ValueError(f"ws must be contiguous float32, got {ws.dtype}")
-    status = native_kernel().linear(
-        x2d.data_ptr(), _X_DTYPES[x2d.dtype], m, k, x2d.stride(0), kp, *_quant_constants(fp8_dtype), x_factor,
-        codes.data_ptr(), n, ws.data_ptr(), ws_ld, ws_gs, ws_div,
-        None if bias is None else bias.data_ptr(), -1 if bias is None else _X_DTYPES[bias.dtype],
-        y.data_ptr(), _X_DTYPES[y.dtype], _kb_groups(m))
-    if status:
-        raise ValueError(f"the CPU FP8 kernel refused its arguments or its scratch (M={m}, K={k}, N={n})")
+    if x2d.stride(1) != 1 or y.dtype != x2d.dtype or not y.is_contiguous() or tuple(y.shape) != (m, codes.shape[0]):
+        raise ValueError(f"x must have unit column stride and y be contiguous ({m}, {codes.shape[0]}) of x's dtype, "
+                         f"got x {x2d.dtype} strides {x2d.stride()}, y {y.dtype} {tuple(y.shape)} "
+                         f"contiguous={y.is_contiguous()}")
+    linear_call(m, k, kp, x2d.dtype, fp8_dtype, x_factor, codes, ws, ws_ld, ws_gs, ws_div, bias,
+                ldx=x2d.stride(0))(x2d.data_ptr(), y.data_ptr())
 
 
 def linear_call(m: int, k: int, kp: int, x_dtype: torch.dtype, fp8_dtype: torch.dtype, x_factor: float,
                 codes: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int, ws_div: int,
-                bias: torch.Tensor | None) -> Callable[[int, int], None]:
-    """:func:`native_linear` for contiguous x (m, k) of `x_dtype` into contiguous y (m, N) of that
-    dtype, its arguments checked and made once: ``call(x address, y address)`` (it keeps `codes`,
-    `ws` and `bias` alive)."""
+                bias: torch.Tensor | None, ldx: int | None = None) -> Callable[[int, int], None]:
+    """:func:`native_linear` for x (m, k) of `x_dtype` (row stride `ldx`, default k) into contiguous y
+    (m, N) of that dtype, its arguments checked and made once: ``call(x address, y address)`` (it
+    keeps `codes`, `ws` and `bias` alive)."""
     n = codes.shape[0]
     if (x_dtype not in _X_DTYPES or kp < k or kp % GROUP_SIZE or m < 1 or codes.dtype != torch.int8
             or not codes.is_contiguous() or codes.shape[1] != k or ws.dtype != torch.float32 or not ws.is_contiguous()
             or (bias is not None and (bias.dtype not in _X_DTYPES or not bias.is_contiguous() or bias.numel() != n))):
-        raise ValueError(f"linear_call: unsupported arguments (M={m}, K={k}, Kp={kp}, x {x_dtype}, codes "
-                         f"{codes.dtype} {tuple(codes.shape)}, ws {ws.dtype}, bias "
-                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))})")
+        raise ValueError(f"the CPU FP8 linear takes M >= 1 rows of fp32/bf16/fp16 x, Kp a multiple of 128 >= K, "
+                         f"contiguous int8 codes (N, K), contiguous fp32 ws and N contiguous fp32/bf16/fp16 bias "
+                         f"values; got M={m}, K={k}, Kp={kp}, x {x_dtype}, codes {codes.dtype} {tuple(codes.shape)}, "
+                         f"ws {ws.dtype}, bias {None if bias is None else (bias.dtype, tuple(bias.shape))}")
     fn = native_kernel().linear
-    head = (_X_DTYPES[x_dtype], m, k, k, kp, *_quant_constants(fp8_dtype), x_factor, codes.data_ptr(), n,
-            ws.data_ptr(), ws_ld, ws_gs, ws_div, None if bias is None else bias.data_ptr(),
+    head = (_X_DTYPES[x_dtype], m, k, k if ldx is None else ldx, kp, *_quant_constants(fp8_dtype), x_factor,
+            codes.data_ptr(), n, ws.data_ptr(), ws_ld, ws_gs, ws_div, None if bias is None else bias.data_ptr(),
             -1 if bias is None else _X_DTYPES[bias.dtype])
     tail = (_X_DTYPES[x_dtype], _kb_groups(m))
 
