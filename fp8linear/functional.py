@@ -2,8 +2,9 @@
 
 Every public function validates its inputs here (clear ValueError/TypeError) and then runs
 either the Triton kernels (:mod:`fp8linear.ops`) or the reference (:mod:`fp8linear.reference`).
-The Triton paths are registered as custom ops with fake implementations, so `torch.compile`
-traces them and CUDA graphs capture them (no host synchronisation on the forward path).
+The Triton paths and the CPU path of the whole linear are registered as custom ops with fake
+implementations, so `torch.compile` traces them (one op each, no graph breaks) and CUDA graphs
+capture them (no host synchronisation on the forward path); eager calls skip the dispatcher.
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ def eager_or_traced(op: Callable[..., Any], launcher: Callable[..., Any]) -> Cal
         return launcher(*args)
 
     return call
+
+
+@torch.library.custom_op("fp8linear::cpu_fp8_linear", mutates_args=())
+def _cpu_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, granularity: str,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_fp8_linear(x, weight, weight_scale_inv, granularity, bias)
+
+
+@_cpu_linear_op.register_fake
+def _(x, weight, weight_scale_inv, granularity, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+# The CPU path: called directly in eager mode, one opaque op (no graph breaks) under torch.compile.
+_cpu_linear_call = eager_or_traced(_cpu_linear_op, cpu_fp8_linear)
 
 
 if HAS_TRITON:
@@ -413,7 +429,7 @@ def fp8_linear(
     x2 = x.reshape(-1, k)
     if resolve_backend(backend, x.device) == "reference":
         if cpu_fast_path(backend, x.device):
-            y = cpu_fp8_linear(x2, weight, weight_scale_inv, granularity, bias)
+            y = _cpu_linear_call(x2, weight, weight_scale_inv, granularity, bias)
         else:
             x_q, x_s = quantize_activation_ref(x2, weight.dtype)
             y = block_fp8_matmul_ref(x_q, x_s, weight, weight_scale_inv, x.dtype, bias)

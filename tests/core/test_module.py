@@ -337,3 +337,16 @@ def test_cpu_plan_follows_in_place_updates_and_thread_counts(lead, granularity, 
         torch.set_num_threads(saved)
     if cpu_native.native_kernel() is not None:
         assert general == []  # every call ran the prepared kernel
+
+
+def test_cpu_layer_compiles_into_one_graph(monkeypatch):
+    """Under torch.compile the CPU path is one custom op: one graph, no breaks (a fresh weight is
+    prepared inside the op, not traced), the eager bits."""
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    torch.manual_seed(0)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(300, 200, bias=True).to(torch.bfloat16), granularity="tensor")
+    x = torch.randn(2, 3, 300, dtype=torch.bfloat16)
+    explain = torch._dynamo.explain(layer)(x)
+    assert explain.graph_count == 1 and explain.graph_break_count == 0
+    compiled = torch.compile(layer, fullgraph=True)
+    assert same_bits(compiled(x), layer(x))
