@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..backend import interpreting, resolve_backend
+from ..backend import cpu_fast_path, interpreting, resolve_backend
 from ..checkpoint_format import SCALE_SUFFIX
 from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import (
@@ -397,6 +397,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         tensors they were made with)."""
         self.__dict__.get("_plans", {}).clear()
         self.__dict__.get("_seen", set()).clear()
+        self.__dict__.get("_cpu_prepared", {}).clear()  # the CPU path's prepared expert weights
 
     def __setattr__(self, name: str, value) -> None:
         if "_plans" in self.__dict__ and (name in _EXPERTS_PLANNED_FROM or isinstance(value, (torch.Tensor, nn.Module))):
@@ -404,7 +405,7 @@ class Fp8Experts(QuantizedDtypesMixin):
         super().__setattr__(name, value)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_plans": {}, "_seen": set()}
+        return {**super().__getstate__(), "_plans": {}, "_seen": set(), "_cpu_prepared": {}}
 
     def _apply(self, fn, recurse=True):
         self.clear_plans()
@@ -461,6 +462,8 @@ class Fp8Experts(QuantizedDtypesMixin):
         if not is_fp8_dtype(self.down_proj.dtype):
             raise TypeError(f"Fp8Experts weights must be FP8, got {self.down_proj.dtype}")
         top_k = top_k_index.shape[1]
+        if cpu_fast_path(self.backend, x.device):
+            return self._forward_cpu(x, top_k_index, top_k_weights).reshape(*lead, self.hidden_dim)
         backend = resolve_backend(self.backend, x.device)
         dtype = x.dtype
         plan = self._plan_or_none(hidden_states, top_k_index, top_k_weights, backend)
@@ -493,6 +496,50 @@ class Fp8Experts(QuantizedDtypesMixin):
             y = (y.float() * top_k_weights.reshape(-1, 1).float()).to(dtype)
         out = y.view(t, top_k, self.hidden_dim).sum(dim=1, dtype=torch.float32)
         return out.to(dtype).reshape(*lead, self.hidden_dim)
+
+    def _forward_cpu(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """CPU tensors under "auto": per expert that has pairs, its tokens' rows through the CPU FP8
+        linear (:func:`fp8linear.ops.cpu_linear.cpu_fp8_linear`: weight decoded in cache, no
+        dequantized copy), in the grouped path's order of roundings: gate/up output in x's dtype, the
+        gate, down output in fp32 times the routing weight, then x's dtype, the top_k rows summed in fp32."""
+        from ..ops.cpu_linear import cpu_fp8_linear, prepared_in
+
+        t, top_k = top_k_index.shape
+        dtype, num_experts, granularity = x.dtype, self.num_experts, self.granularity
+        up = self.up_name
+        w_up, s_up, b_up = getattr(self, up), getattr(self, f"{up}_scale_inv"), getattr(self, f"{up}_bias")
+        w_down, s_down, b_down = self.down_proj, self.down_proj_scale_inv, self.down_proj_bias
+        up_granularity = weight_granularity(w_up.shape[1:], s_up.shape[1:])
+        prepared = self.__dict__.setdefault("_cpu_prepared", {})
+        fuse_weights = not self.has_post_expert_norm
+        pair_expert = top_k_index.reshape(-1).long()
+        valid = (pair_expert >= 0) & (pair_expert < num_experts)  # other ids: zero rows, as the grouped GEMM
+        order = torch.argsort(torch.where(valid, pair_expert, num_experts), stable=True)
+        counts = torch.bincount(pair_expert[valid], minlength=num_experts).tolist()
+        weights = top_k_weights.reshape(-1)
+        y = torch.zeros(t * top_k, self.hidden_dim, dtype=dtype)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            p_up = prepared_in(prepared, (up, e), w_up[e], s_up[e], up_granularity)
+            h = cpu_fp8_linear(x.index_select(0, pairs // top_k), w_up[e], s_up[e], up_granularity,
+                               None if b_up is None else b_up[e], prepared=p_up)
+            h = self._gate(h).to(dtype)
+            p_down = prepared_in(prepared, ("down_proj", e), w_down[e], s_down[e], granularity)
+            b_e = None if b_down is None else b_down[e]
+            if fuse_weights:  # fp32 sums + bias, times the routing weight, then rounded once
+                ye = cpu_fp8_linear(h.float(), w_down[e], s_down[e], granularity, b_e, prepared=p_down)
+                ye = (ye * weights.index_select(0, pairs).float()[:, None]).to(dtype)
+            else:
+                ye = cpu_fp8_linear(h, w_down[e], s_down[e], granularity, b_e, prepared=p_down)
+            y.index_copy_(0, pairs, ye)
+        if not fuse_weights:
+            y = self.post_expert_norm(y)
+            y = (y.float() * weights.reshape(-1, 1).float()).to(dtype)
+        return y.view(t, top_k, self.hidden_dim).sum(dim=1, dtype=torch.float32).to(dtype)
 
     # -- state dict ---------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

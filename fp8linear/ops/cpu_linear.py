@@ -53,7 +53,8 @@ from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 from . import cpu_native
 
-__all__ = ["CpuFp8Weight", "prepare_cpu_weight", "quantize_activation_grid", "cpu_fp8_linear", "native_linear_plan"]
+__all__ = ["CpuFp8Weight", "prepare_cpu_weight", "prepared_in", "quantize_activation_grid", "cpu_fp8_linear",
+           "native_linear_plan"]
 
 # A decoded tile holds about this many weight elements per intra-op thread (rows = elements // K),
 # so each core's share stays in its L2. M=1 (benchmarks/cpu_linear.py --tile-sweep), 1 thread:
@@ -207,6 +208,17 @@ class CpuFp8Weight:
 def prepare_cpu_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granularity: str) -> CpuFp8Weight:
     """Precompute what :func:`cpu_fp8_linear` needs per weight (one pass over the weight's bytes)."""
     return CpuFp8Weight(weight, weight_scale_inv, granularity)
+
+
+def prepared_in(cache: dict, key: object, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                granularity: str) -> CpuFp8Weight:
+    """The :func:`prepare_cpu_weight` of this weight kept in `cache` under `key` (a caller's own
+    dict, e.g. one per MoE layer for its experts' weight views), prepared again where the weight's
+    data pointer, version counter, shape or scales changed."""
+    p = cache.get(key)
+    if p is None or p.granularity != granularity or p.key != _weight_key(weight, weight_scale_inv):
+        p = cache[key] = CpuFp8Weight(weight, weight_scale_inv, granularity)
+    return p
 
 
 # Weights prepared on the fly (no `prepared` given): id(weight) -> (weak reference, prepared), the

@@ -280,6 +280,53 @@ def test_gate_less_experts():
         assert rel(f(x, idx, w), _emulate(f, x, idx, w)) < EMULATION_TOL
 
 
+@pytest.mark.parametrize("t", [1, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_cpu_path_matches_the_reference_path(name, granularity, dtype, t, monkeypatch):
+    """CPU tensors under "auto" run each expert's rows through the CPU FP8 linear (no dequantized
+    weights, no grouped reference): the float64 emulation's bound, the reference path's result up to
+    the order of the fp32 sums (bf16: a rounding of h may differ by an ulp), sentinel ids included."""
+    import fp8linear.integrations.experts as experts_mod
+
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    ex = _experts(name).to(dtype)
+    f = Fp8Experts.from_experts(ex, granularity=granularity)
+    x, idx, w = _inputs(ex, t=t, top_k=_top_k(name), dtype=dtype)
+    w = w.to(dtype)
+    if t > 1:
+        idx[1, 0] = f.num_experts  # an expert-parallel sentinel: no contribution
+    with torch.no_grad():
+        ref = Fp8Experts.from_experts(ex, granularity=granularity, backend="reference")(x, idx, w)
+        monkeypatch.setattr(experts_mod, "grouped_fp8_matmul", None)  # the CPU path never calls it
+        y = f(x, idx, w)
+        y_again = f(x, idx, w)  # prepared expert weights reused
+    assert y.shape == ref.shape and y.dtype == dtype and torch.equal(y, y_again)
+    assert rel(y, ref) < (1e-5 if dtype == torch.float32 else 1e-3)
+    if dtype == torch.float32 and t == 1:  # (the emulation takes no sentinel ids)
+        assert rel(y, _emulate(f, x, idx, w)) < EMULATION_TOL
+
+
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+def test_cpu_path_follows_in_place_weight_loads(granularity, monkeypatch):
+    """The CPU path's prepared expert weights are made again when the weights and scales change in
+    place (a tensor scale is folded into the prepared weight)."""
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    ex = _experts("mixtral")
+    f = Fp8Experts.from_experts(ex, granularity=granularity)
+    ref = Fp8Experts.from_experts(ex, granularity=granularity, backend="reference")
+    x, idx, w = _inputs(ex, t=3, top_k=2)
+    names = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+    with torch.no_grad():
+        f(x, idx, w)
+        for name in names:  # the experts in reverse order, loaded in place
+            flipped = getattr(f, name).flip(0)
+            getattr(f, name).copy_(flipped)
+            getattr(ref, name).copy_(flipped)
+        assert rel(f(x, idx, w), ref(x, idx, w)) < 1e-5
+
+
 # ----------------------------------------------------------------------------- module API
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
 def test_state_dict_and_scale_shapes(granularity):
