@@ -18,7 +18,9 @@ checkpoint names them (parameter P and ``P_scale_inv``, always (E, out, in)), an
 
 On the Triton backend nothing synchronises with the host (CUDA-graph capturable) and the
 GEMM is a ``torch.library`` custom op with a fake implementation (``torch.compile`` traces it).
-The reference backend computes the same numerics in PyTorch with a loop over experts.
+The reference backend computes the same numerics in PyTorch with a loop over experts; CPU tensors
+under "auto" run each hit expert's rows through the CPU FP8 linear
+(:func:`fp8linear.ops.cpu_linear.cpu_fp8_linear`) in the same order of roundings.
 """
 
 from __future__ import annotations
