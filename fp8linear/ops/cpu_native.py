@@ -465,16 +465,33 @@ def native_linear(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor: 
         raise ValueError(f"x must have unit column stride and y be contiguous ({m}, {codes.shape[0]}) of x's dtype, "
                          f"got x {x2d.dtype} strides {x2d.stride()}, y {y.dtype} {tuple(y.shape)} "
                          f"contiguous={y.is_contiguous()}")
-    linear_call(m, k, kp, x2d.dtype, fp8_dtype, x_factor, codes, ws, ws_ld, ws_gs, ws_div, bias,
-                ldx=x2d.stride(0))(x2d.data_ptr(), y.data_ptr())
+    head, tail = _linear_args(m, k, x2d.stride(0), kp, x2d.dtype, fp8_dtype, x_factor, codes, ws, ws_ld, ws_gs,
+                              ws_div, bias)
+    if native_kernel().linear(x2d.data_ptr(), *head, y.data_ptr(), *tail):
+        raise ValueError(f"the CPU FP8 kernel could not allocate its scratch (M={m}, K={k}, N={codes.shape[0]})")
 
 
 def linear_call(m: int, k: int, kp: int, x_dtype: torch.dtype, fp8_dtype: torch.dtype, x_factor: float,
                 codes: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int, ws_div: int,
-                bias: torch.Tensor | None, ldx: int | None = None) -> Callable[[int, int], None]:
-    """:func:`native_linear` for x (m, k) of `x_dtype` (row stride `ldx`, default k) into contiguous y
-    (m, N) of that dtype, its arguments checked and made once: ``call(x address, y address)`` (it
-    keeps `codes`, `ws` and `bias` alive)."""
+                bias: torch.Tensor | None) -> Callable[[int, int], None]:
+    """:func:`native_linear` for contiguous x (m, k) of `x_dtype` into contiguous y (m, N) of that
+    dtype, its arguments checked and made once: ``call(x address, y address)`` (it keeps `codes`,
+    `ws` and `bias` alive)."""
+    head, tail = _linear_args(m, k, k, kp, x_dtype, fp8_dtype, x_factor, codes, ws, ws_ld, ws_gs, ws_div, bias)
+    fn, n = native_kernel().linear, codes.shape[0]
+
+    def call(x_addr: int, y_addr: int) -> None:
+        if fn(x_addr, *head, y_addr, *tail):
+            raise ValueError(f"the CPU FP8 kernel could not allocate its scratch (M={m}, K={k}, N={n})")
+
+    call.operands = (codes, ws, bias)  # the addresses in `head` stay valid while the call lives
+    return call
+
+
+def _linear_args(m: int, k: int, ldx: int, kp: int, x_dtype: torch.dtype, fp8_dtype: torch.dtype, x_factor: float,
+                 codes: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int, ws_div: int,
+                 bias: torch.Tensor | None) -> tuple[tuple, tuple]:
+    """fp8_linear_rows' arguments around the x and y addresses (checked: the C code trusts them)."""
     n = codes.shape[0]
     if (x_dtype not in _X_DTYPES or kp < k or kp % GROUP_SIZE or m < 1 or codes.dtype != torch.int8
             or not codes.is_contiguous() or codes.shape[1] != k or ws.dtype != torch.float32 or not ws.is_contiguous()
@@ -483,18 +500,10 @@ def linear_call(m: int, k: int, kp: int, x_dtype: torch.dtype, fp8_dtype: torch.
                          f"contiguous int8 codes (N, K), contiguous fp32 ws and N contiguous fp32/bf16/fp16 bias "
                          f"values; got M={m}, K={k}, Kp={kp}, x {x_dtype}, codes {codes.dtype} {tuple(codes.shape)}, "
                          f"ws {ws.dtype}, bias {None if bias is None else (bias.dtype, tuple(bias.shape))}")
-    fn = native_kernel().linear
-    head = (_X_DTYPES[x_dtype], m, k, k if ldx is None else ldx, kp, *_quant_constants(fp8_dtype), x_factor,
-            codes.data_ptr(), n, ws.data_ptr(), ws_ld, ws_gs, ws_div, None if bias is None else bias.data_ptr(),
+    head = (_X_DTYPES[x_dtype], m, k, ldx, kp, *_quant_constants(fp8_dtype), x_factor, codes.data_ptr(), n,
+            ws.data_ptr(), ws_ld, ws_gs, ws_div, None if bias is None else bias.data_ptr(),
             -1 if bias is None else _X_DTYPES[bias.dtype])
-    tail = (_X_DTYPES[x_dtype], _kb_groups(m))
-
-    def call(x_addr: int, y_addr: int) -> None:
-        if fn(x_addr, *head, y_addr, *tail):
-            raise ValueError(f"the CPU FP8 kernel could not allocate its scratch (M={m}, K={k}, N={n})")
-
-    call.operands = (codes, ws, bias)  # the addresses in `head` stay valid while the call lives
-    return call
+    return head, (_X_DTYPES[x_dtype], _kb_groups(m))
 
 
 def _kb_groups(m: int) -> int:

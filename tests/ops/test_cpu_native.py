@@ -234,6 +234,21 @@ def test_k_blocks_of_the_blocked_kernel_give_the_same_bits(x_block_bytes, monkey
     assert calls == [11, 11]
 
 
+def test_rows_split_by_work(monkeypatch):
+    """Up to GEMV_MAX_M rows the split counts weight elements; above, weight elements times rows."""
+    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 1000)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_native.row_parts(20, 30, cpu_native.GEMV_MAX_M) == [(0, 20)]  # 600 elements
+        assert cpu_native.row_parts(20, 30, cpu_native.GEMV_MAX_M + 1) == [(0, 10), (10, 20)]  # 3000 of work
+        assert cpu_native.row_parts(40, 30, 1) == [(0, 20), (20, 40)]  # 1200 elements
+        torch.set_num_threads(1)
+        assert cpu_native.row_parts(40, 30, 8) == [(0, 40)]
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_no_rows_are_refused():
     w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
     p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
