@@ -216,9 +216,14 @@ def prepared_in(cache: dict, key: object, weight: torch.Tensor, weight_scale_inv
     dict, e.g. one per MoE layer for its experts' weight views), prepared again where the weight's
     data pointer, version counter, shape or scales changed."""
     p = cache.get(key)
-    if p is None or p.granularity != granularity or p.key != _weight_key(weight, weight_scale_inv):
+    if not _current(p, weight, weight_scale_inv, granularity):
         p = cache[key] = CpuFp8Weight(weight, weight_scale_inv, granularity)
     return p
+
+
+def _current(p: CpuFp8Weight | None, weight: torch.Tensor, weight_scale_inv: torch.Tensor, granularity: str) -> bool:
+    """Whether `p` is the preparation of this weight as it is now (same data, version, shape, scales)."""
+    return p is not None and p.granularity == granularity and p.key == _weight_key(weight, weight_scale_inv)
 
 
 # Weights prepared on the fly (no `prepared` given): id(weight) -> (weak reference, prepared), the
@@ -232,7 +237,7 @@ def _prepared_for(weight: torch.Tensor, weight_scale_inv: torch.Tensor, granular
     entry = _PREPARED.get(key)
     if entry is not None:
         ref, p = entry
-        if ref() is weight and p.granularity == granularity and p.key == _weight_key(weight, weight_scale_inv):
+        if ref() is weight and _current(p, weight, weight_scale_inv, granularity):
             return p
     p = CpuFp8Weight(weight, weight_scale_inv, granularity)
     _PREPARED[key] = (weakref.ref(weight, lambda _, key=key: _PREPARED.pop(key, None)), p)
