@@ -18,7 +18,7 @@ from fp8linear import Fp8BlockLinear, quantize_weight
 from fp8linear.tools.shapes import DSV3_SHAPES
 from fp8linear.tools.timing import rotation_sets, time_graph
 from fp8linear.tools.bench_eager import interleaved_wall_us
-from fp8linear.ops import fused_gemv, router
+from fp8linear.ops import router
 from fp8linear.ops.linear import run_linear_route
 from fp8linear.ops.splitk_gemm import splitk_counters
 
@@ -35,7 +35,7 @@ def main() -> None:
     real_ok = router._one_launch_decode_ok
     if args.gemv:
         args.m = [1]
-        fused_gemv.FUSED_GEMV_MAX_WEIGHT = 0  # the router's eager rule alone decides
+        router.FUSED_GEMV_MAX_WEIGHT = 0  # the router's eager rule alone decides
 
     def set_rule(one: bool) -> None:
         """Make route_linear(eager=True) pick the method `one` (True) or `two` (False)."""

@@ -5,7 +5,7 @@ does): per-tensor cuBLAS FP8 (GEMM only), our GEMM only (`gemm`: default dispatc
 x), the two-kernel forward (`fwd`: act_quant + GEMM, what Fp8BlockLinear ran before the fused
 kernel), and a grid of fused-kernel configs (`g_bn{block_n}_gs{groups_per_step}_w{warps}_s{stages}`),
 plus the shipped default (`fused`) and row-wise weights with it. This is the sweep behind
-fp8linear.ops.fused_gemv.gemv_config and the M limit in fp8linear.functional; needs a CUDA GPU.
+fp8linear.ops.router.gemv_config and use_fused_gemv; needs a CUDA GPU.
 
     python benchmarks/gemv_sweep.py [M,M,...] [N:K,N:K,...]   # default 1,2,4 and DeepSeek-V3 + small shapes
 """
@@ -20,7 +20,8 @@ import torch
 from fp8linear import quantize_activation, quantize_weight
 from fp8linear.tools.bench import time_cuda
 from fp8linear.tools.timing import clone_set, l2_bytes, n_sets
-from fp8linear.ops.fused_gemv import GemvConfig, fused_fp8_gemv
+from fp8linear.ops.fused_gemv import fused_fp8_gemv
+from fp8linear.ops.configs import GemvConfig
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.quant import act_quant
 

@@ -15,7 +15,8 @@ import triton
 import triton.testing
 
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.ops.configs import GemmConfig, heuristic_config
+from fp8linear.ops.configs import GemmConfig
+from fp8linear.ops.router import heuristic_config
 from fp8linear.ops.gemm import _block_fp8_gemm_kernel, block_fp8_gemm
 
 PREFILL = [(4096, 18432, 7168), (4096, 576, 7168), (4096, 7168, 2304), (4096, 24576, 1536), (4096, 7168, 256), (4096, 7168, 18432)]

@@ -33,7 +33,8 @@ from fp8linear.functional import quantize_weight
 from fp8linear.ops.configs import GemmConfig
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.quant import act_quant
-from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_counters
+from fp8linear.ops.splitk_gemm import splitk_counters
+from fp8linear.ops.configs import SplitKConfig
 from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 
 _GRAPH_US = 1500.0

@@ -8,7 +8,7 @@ clock drift reaches every variant alike. Variants:
     off     plain launches (the default)
     wait    the GEMM launched with PDL, act_quant never releases it early
     always  act_quant releases every GEMM early
-    rule    what ships: early release only ahead of the tiled GEMM (linear.release_early)
+    rule    what ships: the router's Route (early release except ahead of split-K GEMMs of K > 8192)
 
 Needs a Hopper GPU. Prints a table and geometric means; writes pdl_ab.csv to $OUT or here.
 
@@ -17,6 +17,7 @@ Needs a Hopper GPU. Prints a table and geometric means; writes pdl_ab.csv to $OU
 import argparse
 import contextlib
 import csv
+import dataclasses
 import math
 import os
 import statistics
@@ -26,8 +27,7 @@ import torch
 from fp8linear import block_fp8_matmul, fp8_linear, quantize_activation, quantize_weight
 from fp8linear.tools.shapes import default_shapes
 from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
-from fp8linear.ops import gemm, linear, splitk_gemm
-from fp8linear.ops.pdl import use_pdl
+from fp8linear.ops import gemm, linear, router
 from fp8linear.ops.splitk_gemm import splitk_counters
 
 VARIANTS = ("off", "wait", "always", "rule")
@@ -35,19 +35,27 @@ VARIANTS = ("off", "wait", "always", "rule")
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Patch the launch decisions for one variant while its graph is warmed up and captured."""
-    saved = (gemm.use_pdl, splitk_gemm.use_pdl, linear.release_early)
-    if name == "off":
-        gemm.use_pdl = splitk_gemm.use_pdl = lambda device, m: False
-        linear.release_early = lambda device, m, n, k: False
-    elif name == "wait":
-        linear.release_early = lambda device, m, n, k: False
-    elif name == "always":
-        linear.release_early = lambda device, m, n, k: use_pdl(device, m)
+    """Patch the router's PDL decisions for one variant while its graph is warmed up and captured:
+    'off' no PDL, 'wait' PDL without early release, 'always' PDL with early release, 'rule' the router's."""
+    saved = (linear.route_linear, gemm.route_gemm)
+
+    def patched(route_fn):
+        def route(*args, **kwargs):
+            r = route_fn(*args, **kwargs)
+            if name == "off":
+                return dataclasses.replace(r, pdl=False, release_early=False)
+            if name == "wait":
+                return dataclasses.replace(r, release_early=False)
+            if name == "always":
+                return dataclasses.replace(r, release_early=r.pdl)
+            return r
+        return route
+
+    linear.route_linear, gemm.route_gemm = patched(saved[0]), patched(saved[1])
     try:
         yield
     finally:
-        gemm.use_pdl, splitk_gemm.use_pdl, linear.release_early = saved
+        linear.route_linear, gemm.route_gemm = saved
 
 
 def main() -> None:
@@ -77,7 +85,7 @@ def main() -> None:
                         rounds[f"gemm_{v}"], _ = prepare_cuda(
                             lambda a, b, c, d: block_fp8_matmul(a, b, c, d, counters=ws), gemm_sets, 3, True)
             t = time_rounds(rounds, 9)
-            row = {"n": n, "k": k, "m": m, "split_k": splitk_gemm.splitk_config(m, n, k, dev) is not None, **t}
+            row = {"n": n, "k": k, "m": m, "split_k": router.splitk_config(m, n, k, dev) is not None, **t}
             rows.append(row)
             print(f"{n:6}x{k:<6} M={m:3} " + " ".join(f"{kk}={vv:6.2f}" for kk, vv in t.items()), flush=True)
     names = [k for k in rows[0] if k.startswith(("fwd_", "gemm_"))]

@@ -2,7 +2,7 @@
 
 Times, per DeepSeek-V3 shape and M, per-tensor cuBLAS FP8, the tiled kernel with the shipped table
 (`tiled`), the tiled kernel after a separate activation quantization (`tiled_fwd`), the default
-dispatch (`default`: split-K where fp8linear.ops.splitk_gemm.splitk_config asks for it), row-wise
+dispatch (`default`: split-K where fp8linear.ops.router.splitk_config asks for it), row-wise
 weights, and a grid of split-K configs (block_m x block_n x stages x programs-per-SM x warps; p0 =
 no split). CUDA-graph timing over weight copies larger than 2x L2, as `fp8linear bench` does. This
 is the sweep behind splitk_config's rules; needs a CUDA GPU (~1 minute per shape on H100).
@@ -26,8 +26,10 @@ from fp8linear.tools.bench import time_cuda
 from fp8linear.tools.timing import rotation_sets
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.quant import act_quant
-from fp8linear.ops.config_tables import select_config
-from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_config, splitk_fp8_gemm
+from fp8linear.ops.router import select_config
+from fp8linear.ops.splitk_gemm import splitk_fp8_gemm
+from fp8linear.ops.configs import SplitKConfig
+from fp8linear.ops.router import splitk_config
 
 SHAPES = [(1536, 7168), (576, 7168), (24576, 1536), (32768, 512), (7168, 16384), (18432, 7168), (7168, 18432), (2048, 7168), (7168, 2048)]
 cfg = types.SimpleNamespace(warmup=3, replays=5, timer="graph")

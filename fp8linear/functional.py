@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .backend import cpu_fast_path, cublas_allowed, resolve_backend
 from .formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .ops import HAS_TRITON
 from .ops.cpu_linear import cpu_fp8_linear
+from .ops.router import cpu_fast_path, cublas_allowed, resolve_backend
 from .reference import (
     block_fp8_matmul_ref,
     dequantize_weight_ref,

@@ -7,10 +7,10 @@ import sys
 import torch
 from torch import nn
 
-from .backend import cpu_fast_path, cublas_allowed, resolve_backend
 from .formats import SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight, validate_linear
 from .ops import HAS_TRITON
+from .ops.router import cpu_fast_path, cublas_allowed, resolve_backend
 from .reference import weight_granularity, weight_scale_shape
 
 __all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..backend import cpu_fast_path, interpreting, resolve_backend
+from ..backend import interpreting
 from ..checkpoint_format import SCALE_SUFFIX
 from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import (
@@ -45,6 +45,7 @@ from ..functional import (
     quantize_weight,
 )
 from ..module import QuantizedDtypesMixin
+from ..ops.router import cpu_fast_path, resolve_backend
 from ..reference import weight_granularity, weight_scale_shape
 
 __all__ = [

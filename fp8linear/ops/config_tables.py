@@ -10,7 +10,7 @@ Where a config comes from (first hit wins; :func:`lookup_config` only *reads*):
 
 Every source uses one JSON format (see :class:`ConfigTable`), keyed by device name, (N, K)
 and an M bucket (powers of two 1..4096; 4096 stands for 4096 and above). A miss returns
-``None`` and :func:`select_config` falls back to the heuristic of :mod:`fp8linear.ops.configs`.
+``None`` and the router (:func:`fp8linear.ops.router.select_config`) falls back to its heuristic.
 Nothing here launches a kernel; the tuner lives in :mod:`fp8linear.tools.tune`.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .configs import GemmConfig, amd_heuristic_config, heuristic_config, hip_arch, is_amd_arch
+from .configs import GemmConfig, hip_arch, is_amd_arch
 
 __all__ = [
     "TABLE_FORMAT",
@@ -51,8 +51,6 @@ __all__ = [
     "device_name",
     "lookup_config",
     "clear_lookup_cache",
-    "config_for_arch",
-    "select_config",
 ]
 
 # Identifies a table file; bump TABLE_VERSION on incompatible changes to the layout.
@@ -364,23 +362,3 @@ def device_name(device: torch.device | str | int | None = None) -> str:
     if dev.type != "cuda":
         return dev.type
     return _cuda_device_name(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
-# ----------------------------------------------------------------------------- choice
-def config_for_arch(arch: str, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
-    """The config the dispatch picks for a GPU whose tables are keyed `arch` (a device name on
-    NVIDIA, an arch such as 'gfx942' on AMD): its table entry, else the matching heuristic."""
-    cfg = lookup_config(arch, m, n, k, granularity)
-    if cfg is not None:
-        return cfg
-    return amd_heuristic_config(m, n, k, arch) if is_amd_arch(arch) else heuristic_config(m, n, k)
-
-
-def select_config(device: torch.device, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
-    """Tuned table entry for this GPU and shape if there is one, else the heuristic (never tunes here).
-
-    On ROCm the table is the arch's (``fp8linear/ops/tuned_configs/gfx942.json``) and the heuristic
-    :func:`amd_heuristic_config`."""
-    if device.type == "cuda":
-        return config_for_arch(device_name(device), m, n, k, granularity)
-    return heuristic_config(m, n, k)

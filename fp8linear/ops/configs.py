@@ -1,9 +1,12 @@
-"""Launch configurations for the blockwise FP8 GEMM: a dataclass and the heuristics that pick one.
+"""Launch configurations of the FP8 kernels: the dataclasses a route carries, and what turns them into
+launch keywords on the running platform.
 
-NVIDIA GPUs use :func:`heuristic_config`; AMD Instinct GPUs (ROCm builds of torch, arch names
-``gfx9xx``) use :func:`amd_heuristic_config`, whose configs carry the AMD compiler options
-(``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``). :func:`launch_options` turns a config into
-the extra launch keywords for the running platform (none on NVIDIA, where Triton rejects them).
+:class:`GemmConfig` (tiled and grouped kernels), :class:`SplitKConfig` (split-K and one-launch decode)
+and :class:`GemvConfig` (fused GEMV) are plain values; which one runs a call, and with which fields,
+is decided in :mod:`fp8linear.ops.router` alone. AMD Instinct GPUs (ROCm builds of torch, arch
+names ``gfx9xx``) take configs carrying their compiler options (``waves_per_eu``,
+``matrix_instr_nonkdim``, ``kpack``, :data:`AMD_TILE_OPTIONS` per tile); :func:`launch_options`
+gives them as launch keywords there, and none on NVIDIA, where Triton rejects them.
 """
 
 from __future__ import annotations
@@ -17,31 +20,22 @@ import torch
 from ..formats import GROUP_SIZE
 
 __all__ = [
-    "SMALL_M_MAX",
     "AMD_OPTION_FIELDS",
     "AMD_CU_COUNT",
+    "AMD_TILE_OPTIONS",
+    "DEFAULT_CU_COUNT",
     "GemmConfig",
-    "heuristic_config",
-    "amd_heuristic_config",
+    "GemvConfig",
+    "SplitKConfig",
     "amd_gemm_config",
-    "amd_grouped_config",
-    "amd_grouped_config_here",
     "amd_splitk_options",
-    "splitk_num_stages",
-    "moe_align_num_warps",
+    "sm_count",
     "is_amd_arch",
     "hip_arch",
     "device_arch",
     "amd_launch_options",
     "launch_options",
 ]
-
-# GEMMs with at most this many rows may take the split-K kernel (ops/splitk_gemm.py), where its
-# splitk_config asks for a split (long K, few tiles); everything else runs the tiled kernel
-# (ops/gemm.py) with these configs. H100 sweep behind the limit: on the DeepSeek-V3 shapes the
-# split-K kernel beat the tuned tiled kernel up to M=64 (geometric mean 21.5 vs 22.8 us at M=64).
-SMALL_M_MAX = 64
-
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -75,12 +69,64 @@ class GemmConfig:
         return {f: getattr(self, f) for f in AMD_OPTION_FIELDS}
 
 
+@dataclass(frozen=True)
+class SplitKConfig:
+    """Launch configuration of the split-K kernel; ``split_k`` programs share each output tile."""
+
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v > GROUP_SIZE or v & (v - 1):
+                raise ValueError(f"SplitKConfig.{name} must be a power of two in [16, {GROUP_SIZE}], got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"SplitKConfig.split_k must be >= 1, got {self.split_k}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"SplitKConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"SplitKConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch configuration of the fused GEMV: BLOCK_N output columns per program, GROUPS_PER_STEP
+    128-wide K groups per step."""
+
+    block_n: int
+    groups_per_step: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name, hi in (("block_n", GROUP_SIZE), ("groups_per_step", 8)):
+            v = getattr(self, name)
+            if v < 1 or v > hi or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two in [1, {hi}], got {v}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+@lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (4 for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: a small "GPU" so that tests exercise the split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # Field names of the AMD compiler options (HIPOptions) a config may carry.
 AMD_OPTION_FIELDS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # Compute units per arch, for tile-count decisions when no device is at hand (MI300X / MI325X
 # have 304 CUs; MI355X, gfx950, 256).
 AMD_CU_COUNT = {"gfx942": 304, "gfx950": 256}
-_DEFAULT_CU_COUNT = 304
+DEFAULT_CU_COUNT = 304
 
 
 def _check_amd_options(waves_per_eu: int, nonkdim: int, kpack: int, owner: str) -> None:
@@ -120,21 +166,6 @@ def device_arch(device: torch.device | None = None) -> str | None:
     return _device_arch(index)
 
 
-def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
-    """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py, 2026-11-22)."""
-    if m <= SMALL_M_MAX:
-        # Decode shapes split-K does not take. What H100 `fp8linear tune` picked under CUDA graphs
-        # (8 shapes x M 1..64): one tile of 16/32/64 rows covering M, 64 columns up to
-        # M=8 and 32 above, 4 warps, 3-6 stages (18432x7168 M=64: 64x64 54 us where 16x64 with
-        # 6 stages, one tile for every M, took 91 us).
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        return GemmConfig(block_m=block_m, block_n=64 if m <= 8 else 32, block_k=128, num_warps=4, num_stages=4)
-    if m <= 256 or k <= 256:  # short K or few rows: more CTAs (64x128 best for K=256: 47.5 us)
-        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
-    # prefill: 128x128, 8 warps (two consumer warpgroups), 4 stages: 871 TF/s at 4096x18432x7168
-    return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
-
-
 # AMD (gfx942) options per tile (block_m, block_n), at block_k=128 and num_stages=2:
 # (num_warps, waves_per_eu, matrix_instr_nonkdim, kpack). Chosen from the `fp8linear amd-check`
 # compile report of the tiled kernel with the specialization real launches get (16-byte aligned
@@ -165,46 +196,6 @@ def amd_gemm_config(block_m: int, block_n: int, group_m: int = 8) -> GemmConfig:
     warps, wpe, nonkdim, kpack = AMD_TILE_OPTIONS[block_m, block_n]
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=GROUP_SIZE, group_m=group_m, num_warps=warps,
                       num_stages=2, waves_per_eu=wpe, matrix_instr_nonkdim=nonkdim, kpack=kpack)
-
-
-# Rows up to which AMD decode-sized GEMMs use 32x32 tiles, and up to which 64x64.
-AMD_DECODE_MAX_M = 128
-AMD_MID_MAX_M = 1024
-# Prefill tiles from largest to smallest: the first giving every CU a tile is used.
-_AMD_PREFILL_TILES = ((64, 128), (64, 64), (64, 32), (32, 32))
-
-
-def amd_heuristic_config(m: int, n: int, k: int, arch: str = "gfx942") -> GemmConfig:
-    """A config for AMD Instinct GPUs without tuning; unmeasured on hardware (docs/amd.md).
-
-    The tiles follow vLLM's MI300X block-FP8 tunings (files "N=..,K=..,device_name=
-    AMD_Instinct_MI300X,dtype=fp8_w8a8,block_shape=[128,128].json" for N,K = 1536,7168; 576,7168;
-    32768,512; 7168,16384; 7168,18432; 7168,2048: 4 warps and nonkdim 16 throughout; 32x32 tiles
-    up to M=128-256; 64x64 for M=256-1536; 64x128, GROUP_SIZE_M 32, at M=2048-4096; small N
-    64x32 or 64x64), a kernel of the same structure as ours (one scaled dot per 128-wide K group).
-    Options per tile: AMD_TILE_OPTIONS. Decode (M <= 128): 32x32. Up to M=1024 or K <= 256:
-    64x64. Above: the largest of 64x128, 64x64, 64x32, 32x32 that still gives every CU a tile.
-    """
-    if m <= AMD_DECODE_MAX_M:
-        return amd_gemm_config(32, 32)
-    if m <= AMD_MID_MAX_M or k <= 256:
-        return amd_gemm_config(64, 64)
-    cus = AMD_CU_COUNT.get(arch, _DEFAULT_CU_COUNT)
-    for bm, bn in _AMD_PREFILL_TILES:
-        if -(-m // bm) * -(-n // bn) >= cus:
-            return amd_gemm_config(bm, bn, group_m=32)
-    return amd_gemm_config(*_AMD_PREFILL_TILES[-1], group_m=32)
-
-
-def amd_grouped_config(num_pairs: int, num_experts: int) -> GemmConfig:
-    """Grouped MoE GEMM tiles on AMD from the rows per expert, as grouped_config does on NVIDIA,
-    with AMD options and 2 stages (NVIDIA's 128x128 / 4 stages needs 96 KiB of LDS; a CU has 64)."""
-    rows_per_expert = num_pairs / max(num_experts, 1)
-    if rows_per_expert <= 16:
-        return amd_gemm_config(16, 64, group_m=1)
-    if rows_per_expert <= 384:
-        return amd_gemm_config(64, 128, group_m=4)
-    return amd_gemm_config(128, 128, group_m=8)
 
 
 def amd_splitk_options(block_m: int, block_n: int, num_warps: int) -> dict[str, int]:
@@ -240,20 +231,3 @@ def launch_options(config: Any, arch: str | None = _DETECT) -> dict[str, int]:
     if arch == _DETECT:
         arch = device_arch()
     return {} if arch is None else amd_launch_options(config, arch)
-
-
-def amd_grouped_config_here(num_pairs: int, num_experts: int) -> GemmConfig | None:
-    """amd_grouped_config on a ROCm device, None elsewhere (grouped_config's NVIDIA rules apply)."""
-    return None if device_arch() is None else amd_grouped_config(num_pairs, num_experts)
-
-
-def splitk_num_stages(default: int, device: torch.device | None = None) -> int:
-    """Pipeline depth of the split-K kernel: 2 on AMD (the stream pipeliner's usual depth; at 4,
-    64x32 tiles take 36 KiB of LDS and one workgroup per SIMD), `default` elsewhere."""
-    return default if device_arch(device) is None else 2
-
-
-def moe_align_num_warps() -> int:
-    """Warps of the one-program MoE alignment kernel: 8 on AMD (with 4 it spills 23 SGPRs on
-    gfx942), 4 elsewhere."""
-    return 4 if device_arch() is None else 8

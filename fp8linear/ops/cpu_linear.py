@@ -1,16 +1,18 @@
 """Fast CPU forward of the FP8 linear: torch ops, and a compiled kernel at decode sizes.
 
-Up to :data:`fp8linear.ops.cpu_native.NATIVE_MAX_M` rows of x, where the system C compiler and
-the CPU allow it, :mod:`fp8linear.ops.cpu_native` runs the GEMV in one pass over the FP8 weight
-(decoded in registers); everything below describes the torch-ops path, which runs all other
-calls, and those where the kernel is not available.
+Where the router sends a call to the compiled kernels (:func:`fp8linear.ops.router.use_cpu_native`:
+up to ``CPU_NATIVE_MAX_M`` rows of x) and the system C compiler and the CPU allow them,
+:mod:`fp8linear.ops.cpu_native` runs it in one pass over the FP8 weight (decoded in registers);
+everything below describes the torch-ops path, which runs all other calls, and those where the
+kernel is not available.
 
 Same numerics contract as :mod:`fp8linear.reference`: the activations are quantized per token in
 1x128 groups to the same FP8 values and scales as ``quantize_activation_ref`` (bit-exact; the
 FP8 cast itself is skipped, the GEMM reads the grid values as fp32), and the GEMM sums the same
 quantized products in fp32, in another order and with the scales folded differently. One
 exception, for speed, where the compiled kernel is not available: a single row of bf16 x with
-'block' or 'tensor' scales (decode at batch 1) runs float16 tiles through torch's float16 GEMV, which sums in fp32 but rounds the scaled
+'block' or 'tensor' scales (decode at batch 1; :func:`fp8linear.ops.router.use_cpu_half_gemv`)
+runs float16 tiles through torch's float16 GEMV, which sums in fp32 but rounds the scaled
 activations and each output to float16 (11 significant bits) before the bf16 output (8 bits).
 
 What makes it fast, without a BF16/fp32 copy of the weight:
@@ -51,7 +53,7 @@ import torch.nn.functional as F
 
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
-from . import cpu_native
+from . import cpu_native, router
 
 __all__ = ["CpuFp8Weight", "prepare_cpu_weight", "prepared_in", "quantize_activation_grid", "cpu_fp8_linear",
            "native_linear_plan"]
@@ -72,12 +74,6 @@ M_MAJOR_MAX_M = 8
 # 'block' up to XFOLD_MAX_M: the scaled activations of all 128-row blocks are made at once up to this
 # many floats (else per tile).
 A_ALL_MAX = 1 << 18
-# M=1 with bf16 x and 'block'/'tensor' scales: float16 tiles and torch's float16 GEMV (fp32 sums,
-# outputs rounded to float16 before the bf16 output), no float32 tile.
-HALF_GEMV = True
-# ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
-# cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
-HALF_MIN_ELEMS = 96 * 1024
 # Elements per intra-op thread of a float16 tile: whole 128-row blocks (one at least where this
 # budget holds half a block), else a power of two. M=1, 2 threads, ms (rows per tile): 7168x2048
 # 2.42 (128), 2.32 (256), 2.29 (512), 2.77 (1024); 2048x2048 0.76 (128), 0.72 (256), 0.77 (512);
@@ -461,10 +457,10 @@ def native_linear_plan(weight: torch.Tensor, weight_scale_inv: torch.Tensor, gra
     cpu_fp8_linear gives, with the C call's arguments made once; or None when the weight, its scales
     or the bias changed in place or the intra-op thread count changed since (then call
     cpu_fp8_linear, and make a new plan). None where that path does not run this call."""
-    if not 0 < m <= cpu_native.NATIVE_MAX_M or x_dtype not in _NATIVE_DTYPES or cpu_native.native_kernel() is None:
+    if not router.use_cpu_native(m) or x_dtype not in _NATIVE_DTYPES or cpu_native.native_kernel() is None:
         return None
     p = _prepared_for(weight, weight_scale_inv, granularity)
-    if (not p.codes.is_contiguous() or len(cpu_native.row_parts(p.n, p.k, m)) != 1
+    if (not p.codes.is_contiguous() or len(router.cpu_row_parts(p.n, p.k, m)) != 1
             or (bias is not None and (bias.dtype not in _NATIVE_DTYPES or not bias.is_contiguous()))):
         return None
     act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
@@ -505,11 +501,12 @@ def cpu_fp8_linear(
     m = x2d.shape[0]
     n, k, groups = p.n, p.k, p.groups
     kp = groups * GROUP_SIZE
-    if (0 < m <= cpu_native.NATIVE_MAX_M and p.codes.is_contiguous() and x2d.stride(1) == 1
+    if (router.use_cpu_native(m) and p.codes.is_contiguous() and x2d.stride(1) == 1
             and cpu_native.native_kernel() is not None):
         # the compiled kernels: quantization (bit-exact with quantize_activation_grid), then the sums
         act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
-        if len(cpu_native.row_parts(n, k, m)) == 1:  # one C call, the output in x's dtype
+        parts = router.cpu_row_parts(n, k, m)
+        if len(parts) == 1:  # one C call, the output in x's dtype
             y = torch.empty(m, n, dtype=x2d.dtype)
             if bias is not None and (bias.dtype not in _NATIVE_DTYPES or not bias.is_contiguous()):
                 bias = bias.float().contiguous()  # what the other paths add too (fp32)
@@ -521,13 +518,12 @@ def cpu_fp8_linear(
         f32 = torch.float32  # what the C code reads and writes, whatever torch's default dtype
         xq, xs, y_m = torch.empty(m, kp, dtype=f32), torch.empty(m, groups, dtype=f32), torch.empty(m, n, dtype=f32)
         cpu_native.native_quantize(x2d, kp, p.fp8_dtype, act_scale, xq, xs)
-        cpu_native.native_gemv(p.codes, xq, xs, ws, ws_ld, ws_gs, ws_div, y_m)
+        cpu_native.native_gemv(p.codes, xq, xs, ws, ws_ld, ws_gs, ws_div, y_m, parts)
         return _m_major_output(y_m, bias_f, x2d.dtype, p)
     bias_f = bias.float() if bias is not None else None
     pad_buf = _scratch(m, kp, torch.float32, "x", k) if kp != k and m <= PAD_SCRATCH_MAX_M else None
     grid, x_s = quantize_activation_grid(x2d, p.fp8_dtype, pad_buf)
-    if (m == 1 and HALF_GEMV and x2d.dtype == torch.bfloat16 and p.granularity != "row"
-            and n * kp >= HALF_MIN_ELEMS):
+    if router.use_cpu_half_gemv(m, n, kp, x2d.dtype, p.granularity):
         y = _half_gemv(p, grid, x_s, bias_f)
         if y is not None:
             return y

@@ -6,7 +6,8 @@ kernels do it in registers: 16 FP8 codes are widened to int16, moved into float1
 ``& 0xBF80``: the FP8 value times 2^-8 for e4m3fn, 2^-7 for e4m3fnuz, subnormals included) and
 converted to fp32 (F16C). Up to GEMV_MAX_M rows of quantized activations a GEMV multiplies them in
 with FMA; above, a blocked kernel decodes each weight group into an L1 buffer once and reuses it
-across the rows (up to NATIVE_MAX_M, where cpu_fp8_linear hands over to torch ops). Each 128-wide
+across the rows (how many rows run here is the router's choice:
+:func:`fp8linear.ops.router.use_cpu_native`). Each 128-wide
 group's fp32 sum is scaled by the activation and weight scales. Same numerics contract as the torch
 path (the reference's quantized products summed in fp32, in another order). A second function
 quantizes the activations per token in 1x128 groups, bit for bit as
@@ -17,7 +18,8 @@ the whole linear (quantization, sums, bias, output rounding) in one call (:func:
 The C source below is compiled once per machine with the system C compiler (``cc``, AVX2 + F16C +
 FMA, ``-march=native``) into a cache folder (``FP8LINEAR_CACHE``, default ``~/.cache/fp8linear``),
 written under a temporary name and renamed, and loaded with ``ctypes``; rows are split over
-torch's intra-op thread count with Python threads (``ctypes`` releases the GIL during the call).
+torch's intra-op threads with Python threads (``ctypes`` releases the GIL during the call), in the
+ranges the router gives (:func:`fp8linear.ops.router.cpu_row_parts`).
 No compiler, a CPU without those instructions, a failed build or ``FP8LINEAR_CPU_NATIVE=0``:
 :func:`native_kernel` returns None (logged once) and the torch path runs.
 """
@@ -43,24 +45,18 @@ import torch
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 
-__all__ = ["GEMV_MAX_M", "NATIVE_MAX_M", "NATIVE_THREAD_MIN_ELEMS", "native_gemv", "native_kernel", "native_linear",
-           "native_quantize", "linear_call", "row_parts"]
+__all__ = ["GEMV_MAX_M", "native_gemv", "native_kernel", "native_linear", "native_quantize", "linear_call"]
 
 log = logging.getLogger(__name__)
 
-# Rows of activations the kernels run (cpu_fp8_linear hands them up to this many; torch ops above).
-NATIVE_MAX_M = 12
-# Up to this many rows the GEMV runs (two fp32 accumulator registers per row, x read once per weight
-# row); above it the blocked kernel (weight rows decoded once into L1, x reused across them).
+# Rows the GEMV functions are compiled for (the switch in fp8_gemv_rows: two fp32 accumulator registers
+# per row, x read once per weight row); more rows run the blocked kernel (weight rows decoded once
+# into L1, x reused across them).
 GEMV_MAX_M = 4
 # The blocked kernel walks K in blocks whose slice of x (rows x 128-wide groups, fp32) is at most this
 # many bytes, so that it stays in L2 while the weight rows stream past.
 X_BLOCK_BYTES = 1 << 18
-# Weights of at least this many elements split their rows over the intra-op threads: a hand-off to
-# a Python worker thread costs 40-100 us here. 2 threads, us per call, split / one thread: 576x1536
-# M=1 156 / 83, M=2 184 / 123; 192x576 M=1 122 / 26; 2048x2048 (4M elements) M=1 422 / 432,
-# M=2 486 / 618; 2048x7168 M=1 about 1.0 / 1.6 ms.
-NATIVE_THREAD_MIN_ELEMS = 1 << 21
+
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -443,23 +439,13 @@ def native_quantize(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor
         raise ValueError("the CPU FP8 quantization kernel refused its arguments")
 
 
-def row_parts(n: int, k: int, m: int) -> list[tuple[int, int]]:
-    """The weight-row ranges the kernels split an (M, K) x (N, K) call into, one per intra-op thread
-    (one range below NATIVE_THREAD_MIN_ELEMS of work: weight elements, times M above GEMV_MAX_M)."""
-    threads = torch.get_num_threads()
-    if threads <= 1 or n * k * (m if m > GEMV_MAX_M else 1) < NATIVE_THREAD_MIN_ELEMS:
-        return [(0, n)]
-    step = -(-n // threads)
-    return [(i, min(i + step, n)) for i in range(0, n, step)]
-
-
 def native_linear(x2d: torch.Tensor, kp: int, fp8_dtype: torch.dtype, x_factor: float, codes: torch.Tensor,
                   ws: torch.Tensor, ws_ld: int, ws_gs: int, ws_div: int, bias: torch.Tensor | None,
                   y: torch.Tensor) -> None:
     """The whole linear in one call on this thread: :func:`native_quantize` of x2d (M, K), the sums of
     :func:`native_gemv`, and y (M, N) in x's dtype (contiguous) = the sums plus the bias (fp32/bf16/fp16,
     N values) in fp32, rounded once: the bits of the fp32 sums converted as torch converts them. For
-    calls that :func:`row_parts` keeps in one range (the caller checks)."""
+    calls that :func:`fp8linear.ops.router.cpu_row_parts` keeps in one range (the caller checks)."""
     m, k = x2d.shape
     if x2d.stride(1) != 1 or y.dtype != x2d.dtype or not y.is_contiguous() or tuple(y.shape) != (m, codes.shape[0]):
         raise ValueError(f"x must have unit column stride and y be contiguous ({m}, {codes.shape[0]}) of x's dtype, "
@@ -512,13 +498,15 @@ def _kb_groups(m: int) -> int:
 
 
 def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, ws_ld: int, ws_gs: int,
-                ws_div: int, y: torch.Tensor) -> None:
+                ws_div: int, y: torch.Tensor, parts: list[tuple[int, int]]) -> None:
     """y (M, N) fp32 = the FP8 linear's sums for M >= 1 rows of x (see the module docstring).
 
     `codes`: the weight (N, K) as int8, contiguous; `xq` (M, Kp) fp32 quantized activations, zero
     past K, contiguous; `xs` (M, G) fp32 activation scales, times the decode's power of two;
     `ws`, `ws_ld`, `ws_gs`, `ws_div`: weight scale of (row n, group g) = ws[(n // ws_div) * ws_ld +
-    g * ws_gs] (fp32, contiguous). The caller has checked the kernel exists (:func:`native_kernel`).
+    g * ws_gs] (fp32, contiguous). `parts`: the weight-row ranges to run, one per thread
+    (:func:`fp8linear.ops.router.cpu_row_parts`). The caller has checked the kernel exists
+    (:func:`native_kernel`).
     """
     fn = native_kernel().gemv
     n, k = codes.shape
@@ -533,9 +521,10 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
         raise ValueError(f"ws must be contiguous float32, got {ws.dtype}")
     if m < 1:
         raise ValueError(f"the CPU FP8 kernel takes 1 row of x or more, got {m}")
+    if not parts or any(not 0 <= a < b <= n for a, b in parts):
+        raise ValueError(f"parts must be non-empty weight row ranges (start, end) within [0, {n}], got {parts}")
     args = (codes.data_ptr(), k, xq.data_ptr(), m, kp, xs.data_ptr(), groups, ws.data_ptr(), ws_ld, ws_gs, ws_div,
             y.data_ptr(), y.stride(0), _kb_groups(m))
-    parts = row_parts(n, k, m)
     threads = torch.get_num_threads()
 
     def run(part: tuple[int, int]) -> int:

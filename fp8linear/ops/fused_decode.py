@@ -27,9 +27,10 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
+from .configs import SplitKConfig
 from .gemm_common import uniform_weight_scale, weight_scale_layout
 from .quant import act_quant_outputs, quantize_groups
-from .splitk_gemm import _SYNC_COUNTERS, SplitKConfig, _splitk_program, splitk_buffers
+from .splitk_gemm import _SYNC_COUNTERS, _splitk_program, splitk_buffers
 
 __all__ = ["QUANT_CHUNK_ROWS", "SYNC_COUNTERS", "fused_decode_args", "fused_decode_gemm", "split_counters"]
 

@@ -16,68 +16,18 @@ weight tile read for row 0 is in L2 for the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
+from .configs import GemvConfig
 from .gemm_common import uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .quant import quantize_groups
+from .router import gemv_config
 
-__all__ = ["FUSED_GEMV_MAX_WEIGHT", "GemvConfig", "gemv_config", "use_fused_gemv", "fused_fp8_gemv", "fused_gemv_args"]
-
-# Single-token GEMMs with fewer weight elements than this take the fused kernel. H100 sweep
-# (benchmarks/gemv_sweep.py, CUDA graphs, M=1; fused vs act_quant + GEMM): 4.5-6.3 vs 8.7-12.2 us
-# for 3-6 MB of weight (N=1536..3072, K=1536..2816), 8.6 vs 9.2 us at N=576, K=7168, 18.5 vs 18.5
-# at 24576x1536; from 117 MB up (7168x16384, 18432x7168) the split-K GEMM streams HBM faster
-# (51.4 vs 50.4 and 58.5 vs 53.8 us). At M >= 2 each row re-reads the weight tile and the
-# two-kernel path won (geometric mean 19.9 vs 16.8 us at M=2). Re-swept (H100): from
-# 33M elements the two kernels win too (4608x7168 19.6 vs 21.7 us; 18432x7168 54.5 vs 63.8) or tie
-# (24576x1536 18.2 vs 18.5; 32768x512, 16.8M: 10.7 vs 10.7), while below it the fused kernel still
-# wins (7168x2304 11.1 vs 13.6, 1536x7168 10.2 vs 11.4): hence 24M.
-FUSED_GEMV_MAX_WEIGHT = 24 * 2**20
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Launch configuration: BLOCK_N output columns per program, GROUPS_PER_STEP 128-wide K groups per step."""
-
-    block_n: int
-    groups_per_step: int = 4
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name, hi in (("block_n", GROUP_SIZE), ("groups_per_step", 8)):
-            v = getattr(self, name)
-            if v < 1 or v > hi or v & (v - 1):
-                raise ValueError(f"GemvConfig.{name} must be a power of two in [1, {hi}], got {v}")
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
-
-
-def use_fused_gemv(m: int, n: int, k: int) -> bool:
-    """Whether the fused kernel is the faster forward for this GEMM (see FUSED_GEMV_MAX_WEIGHT)."""
-    return m == 1 and n * k < FUSED_GEMV_MAX_WEIGHT
-
-
-def gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """Default launch config (H100 sweep, benchmarks/gemv_sweep.py, M=1).
-
-    Up to N=4096, 8 columns and 8 warps per program (more programs to stream a small weight; e.g.
-    N=1536, K=7168: 10.2 us vs 16.3 us with 16 columns / 4 groups / 4 warps), 8 groups per step
-    where K has 16 groups or more; above, 32 columns x 4 groups, 4 warps (N=7168, K=2048: 9.1 us).
-    """
-    groups = triton.cdiv(k, GROUP_SIZE)
-    if n <= 4096:
-        return GemvConfig(block_n=8, groups_per_step=8 if groups >= 16 else 4, num_warps=8, num_stages=2)
-    return GemvConfig(block_n=32, groups_per_step=4, num_warps=4, num_stages=2)
-
+__all__ = ["fused_fp8_gemv", "fused_gemv_args"]
 
 @triton.jit
 def _fused_fp8_gemv_kernel(

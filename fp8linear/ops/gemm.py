@@ -32,12 +32,12 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import GemmConfig, launch_options
+from .configs import GemmConfig, SplitKConfig, launch_options, sm_count
 from .cublas_gemm import cublas_fp8_gemm
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
 from .router import TensorDescriptor, Route, route_gemm, tma_ok
-from .splitk_gemm import SplitKConfig, sm_count, splitk_fp8_gemm
+from .splitk_gemm import splitk_fp8_gemm
 
 __all__ = ["block_fp8_gemm", "run_gemm_route", "tiled_args"]
 

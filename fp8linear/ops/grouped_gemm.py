@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import GemmConfig, launch_options, moe_align_num_warps
-from .router import align_on_kernel, grouped_config
+from .configs import GemmConfig, launch_options
 from .gemm_common import promote, weight_scale_ptrs
+from .router import align_on_kernel, grouped_config, moe_align_num_warps
 
 __all__ = ["MoeRouting", "align_args", "align_num_blocks", "grouped_fp8_gemm",
            "grouped_gemm_args", "moe_align_block_size"]

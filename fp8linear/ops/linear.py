@@ -28,8 +28,8 @@ from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, Scratch, aligned
-from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_launch, act_quant_outputs, cublas_rows
-from .router import Route, route_linear, tma_ok
+from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outputs, cublas_rows
+from .router import Route, act_quant_launch, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
 __all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]

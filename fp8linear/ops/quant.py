@@ -10,8 +10,9 @@ from ..formats import GROUP_SIZE, SCALE_DTYPE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 from .cublas_gemm import CUBLAS_ROW_ALIGN
 from .pdl import release_dependents
+from .router import act_quant_launch
 
-__all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "act_quant_args", "act_quant_launch", "act_quant_outputs", "cublas_rows", "quantize_groups",
+__all__ = ["CUBLAS_ROW_ALIGN", "act_quant", "act_quant_args", "act_quant_outputs", "cublas_rows", "quantize_groups",
            "round_to_fp8_grid"]
 
 
@@ -80,10 +81,6 @@ def _act_quant_kernel(
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, scale, mask=row_ok)
 
 
-# Inputs of at most this many elements are quantized 4 rows per program (see act_quant_args).
-_SMALL_INPUT_ELEMENTS = 2**21
-
-
 def cublas_rows(m: int) -> int:
     """Rows of the cuBLAS-layout output for an M-row input: M rounded up to a multiple of 4."""
     return -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
@@ -113,17 +110,6 @@ def act_quant_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
         MIN_EXP=fp8_min_exponent(fp8_dtype), BLOCK_M=block_m, GROUP=GROUP_SIZE, RELEASE_EARLY=release_early,
     )
     return (triton.cdiv(m, block_m), triton.cdiv(k, GROUP_SIZE)), args, {"num_warps": num_warps}
-
-
-def act_quant_launch(m: int, k: int) -> tuple[int, int]:
-    """(rows per program, warps) of act_quant for an (m, k) output."""
-    # Rows per program: 16 (4 KB of bf16) saturates HBM at prefill; decode-sized inputs take fewer
-    # rows so no program works on padding (H100, K=7168, do_bench incl. launch: M=1 4.7 vs 7.2 us
-    # with 1 row / 1 warp; M=16 5.1 vs 5.6 us with 4 rows; M=4096 42.2 vs 42.4 us, unchanged), and
-    # so do inputs up to SMALL_INPUT_ELEMENTS, where more, smaller programs finish sooner
-    # (benchmarks/act_quant_probe.py, H100, CUDA graphs, 4 rows against 16: 77x576 1.74 vs 1.89 us,
-    # 200x512 1.68 vs 1.86, 512x1536 3.13 vs 3.20, 333x7168 5.95 vs 5.80, 1024x7168 13.6 vs 10.6).
-    return (1, 1) if m == 1 else ((4, 4) if m <= 64 or m * k <= _SMALL_INPUT_ELEMENTS else (16, 4))
 
 
 def act_quant(x: torch.Tensor, fp8_dtype: torch.dtype, cublas_layout: bool = False,

@@ -18,7 +18,7 @@ per-tensor weights use the heuristic.
 ``kernel`` is ``cublas`` (with an optional ``workspace_mib`` and ``row_scales``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
 :class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk`` (a
-:class:`~fp8linear.ops.splitk_gemm.SplitKConfig`). A GEMM with M rows uses the entry measured at
+:class:`~fp8linear.ops.configs.SplitKConfig`). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
 within that factor; otherwise there is no entry.
 """
@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 from .config_tables import table_filename
-from .configs import GemmConfig
+from .configs import GemmConfig, SplitKConfig
 from .cublas_gemm import CublasConfig
-from .splitk_gemm import SplitKConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
            "routes_path", "parse_routes", "lookup_route", "entry_to_json"]

@@ -1,10 +1,24 @@
-"""The one router: which kernel runs a GEMM-shaped FP8 call, with which launch configuration.
+"""The one router: which backend, kernel and launch configuration run a GEMM-shaped FP8 call.
 
-Every choice between kernels is made here and nowhere else:
+Every choice between implementations is made here and nowhere else; every other module of
+:mod:`fp8linear.ops` is a kernel with its launcher (which takes the config it is given), or a
+caller of this module. The router imports without Triton (CPU-only installs route too).
+
+Backend (:func:`resolve_backend`, :func:`cpu_fast_path`, :func:`cublas_allowed`): "auto" runs our
+Triton kernels on CUDA/ROCm tensors (and cuBLAS blockwise where it is faster), the compiled CPU
+path for a whole linear on CPU tensors and the reference elsewhere; "triton" and "reference" force one.
+
+CPU tensors (:mod:`fp8linear.ops.cpu_linear`): the compiled kernels of :mod:`fp8linear.ops.cpu_native`
+up to CPU_NATIVE_MAX_M rows (:func:`use_cpu_native`), their weight rows split over the intra-op
+threads by :func:`cpu_row_parts`; above, the torch-ops path, whose single-token bf16 calls take
+float16 tiles (:func:`use_cpu_half_gemv`). How that path tiles its weight decode (tile sizes, the
+order of its GEMMs) is the formulation of one implementation, kept with it.
+
+GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:func:`route_gemm`):
 
 - ``gemv``: one token and a weight below FUSED_GEMV_MAX_WEIGHT elements (eager callers on NVIDIA:
   EAGER_GEMV_MAX_WEIGHT), activations not yet quantized -> the fused quantize + GEMV kernel
-  (:mod:`fp8linear.ops.fused_gemv`), one launch;
+  (:mod:`fp8linear.ops.fused_gemv`, config :func:`gemv_config`), one launch;
 - ``cublas``: on Hopper under backend "auto", GEMMs cuBLAS blockwise FP8 computes correctly
   (:mod:`fp8linear.ops.cublas_gemm`) where it is the faster kernel: as this GPU's routes table
   measured (:mod:`fp8linear.ops.route_table`), else by the tile-count rules (CUBLAS_MIN_TILES_PER_SM;
@@ -17,20 +31,25 @@ Every choice between kernels is made here and nowhere else:
   where the GEMM would run on our split-K or tiled kernel (with that config) -> activation
   quantization and the split-K GEMM in one launch (:mod:`fp8linear.ops.fused_decode`);
 - ``splitk``: too few output tiles to fill the GPU and K long enough to split
-  (:mod:`fp8linear.ops.splitk_gemm`; decode rules up to SMALL_M_MAX rows, MID_SPLIT_TILE above);
+  (:mod:`fp8linear.ops.splitk_gemm`; :func:`splitk_config` up to SMALL_M_MAX rows,
+  :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
-  (:func:`fp8linear.ops.config_tables.select_config`; MID_M_CONFIG where 128x128 tiles leave SMs idle).
+  (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
+  MID_M_CONFIG where 128x128 tiles leave SMs idle).
 
 Where this GPU has a routes table entry for the shape and a nearby M (measured by
 ``fp8linear tune-routes``), its kernel and config win over these rules.
+
+The activation quantization before a GEMM (:mod:`fp8linear.ops.quant`) takes its rows per program
+from :func:`act_quant_launch`.
 
 Grouped MoE GEMMs (:mod:`fp8linear.ops.grouped_gemm`) take their tiles from
 :func:`grouped_config`, by the average number of rows per expert, and their routing alignment
 method (one Triton program or torch ops) from :func:`align_on_kernel`.
 
-Programmatic dependent launch (``FP8LINEAR_PDL=1``, :mod:`fp8linear.ops.pdl`) is decided here too.
+Programmatic dependent launch (:func:`use_pdl`, off unless ``FP8LINEAR_PDL=1``) is decided here too.
 A :class:`Route` is a plain value: callers that run the same shape again (``Fp8BlockLinear``
 keeps one per input shape) decide once and reuse it, so no environment variable is read and no
 device is queried on their forward path.
@@ -38,52 +57,188 @@ device is queried on their forward path.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
-import triton
 
-from ..backend import interpreting
+from ..backend import BACKEND_ENV, BACKENDS, HAS_TRITON, has_gdc, interpreting
 from ..formats import GROUP_SIZE
-from .config_tables import select_config
-from .configs import SMALL_M_MAX, GemmConfig, amd_grouped_config_here
+from .config_tables import device_name, lookup_config
+from .configs import (AMD_CU_COUNT, DEFAULT_CU_COUNT, GemmConfig, GemvConfig, SplitKConfig, amd_gemm_config,
+                      device_arch, is_amd_arch, sm_count)
+from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
-from .fused_gemv import GemvConfig, gemv_config, use_fused_gemv
-from .pdl import use_pdl
 from .route_table import lookup_route
-from .splitk_gemm import SplitKConfig, counters_fit, sm_count, splitk_config
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: the tiled kernel serves every shape
+except ImportError:  # pragma: no cover - no Triton, or an older one: the tiled kernel serves every shape
     TensorDescriptor = None
 
 __all__ = [
+    "ACT_QUANT_SMALL_INPUT_ELEMENTS",
     "ALIGN_KERNEL_MAX_WORK",
-    "KERNELS",
-    "EAGER_CUBLAS_MIN_MNK",
-    "EAGER_GEMV_MAX_WEIGHT",
-    "GROUPED_WIDE_TILE_MAX_ROWS",
-    "grouped_config",
-    "LONG_SPLITK_K",
-    "ONE_LAUNCH_MAX_MNK",
-    "ONE_LAUNCH_MAX_WEIGHT",
-    "PERSISTENT_CONFIG",
-    "PERSISTENT_MAX_K",
-    "PERSISTENT_MIN_M",
+    "CPU_HALF_GEMV",
+    "CPU_HALF_GEMV_MIN_ELEMS",
+    "CPU_NATIVE_MAX_M",
+    "CPU_THREAD_MIN_ELEMS",
     "CUBLAS_ANY_TILES_M",
     "CUBLAS_MIN_TILES_PER_SM",
     "CUBLAS_ROW_FORM_MAX_TILES_PER_SM",
+    "EAGER_CUBLAS_MIN_MNK",
+    "EAGER_GEMV_MAX_WEIGHT",
+    "FUSED_GEMV_MAX_WEIGHT",
+    "GROUPED_WIDE_TILE_MAX_ROWS",
+    "KERNELS",
+    "LONG_SPLITK_K",
     "MID_M_CONFIG",
     "MID_SPLIT_TILE",
+    "ONE_LAUNCH_MAX_MNK",
+    "ONE_LAUNCH_MAX_WEIGHT",
+    "PDL_ENV",
+    "PERSISTENT_CONFIG",
+    "PERSISTENT_MAX_K",
+    "PERSISTENT_MIN_M",
+    "SMALL_M_MAX",
     "Route",
+    "act_quant_launch",
     "align_on_kernel",
+    "amd_grouped_config",
+    "amd_heuristic_config",
+    "config_for_arch",
+    "counters_fit",
+    "cpu_fast_path",
+    "cpu_row_parts",
+    "cublas_allowed",
+    "decode_tile_counters",
+    "gemv_config",
+    "grouped_config",
+    "heuristic_config",
     "mid_splitk_config",
+    "moe_align_num_warps",
+    "resolve_backend",
     "route_gemm",
     "route_linear",
+    "select_config",
+    "splitk_config",
+    "splitk_num_stages",
     "tma_ok",
+    "use_cpu_half_gemv",
+    "use_cpu_native",
+    "use_fused_gemv",
+    "use_pdl",
     "use_persistent",
 ]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- backend
+def _requested(backend: str | None) -> str:
+    return (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
+
+
+def cpu_fast_path(backend: str | None, device: torch.device) -> bool:
+    """Whether an FP8 linear on `device` runs :func:`fp8linear.ops.cpu_linear.cpu_fp8_linear` (CPU tensors
+    under 'auto': the same quantized values as the reference, tile-wise weight decode, fp32 GEMMs)
+    rather than the reference (forced with backend 'reference')."""
+    return device.type == "cpu" and _requested(backend) == "auto"
+
+
+def cublas_allowed(backend: str | None) -> bool:
+    """Whether GEMMs may go to cuBLAS blockwise FP8 where it is faster: under 'auto' only."""
+    return _requested(backend) == "auto"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Return 'triton' or 'reference' for tensors on `device`; clear error if a forced backend cannot run."""
+    requested = _requested(backend)
+    if requested not in BACKENDS:
+        source = "backend argument" if backend else BACKEND_ENV
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {requested!r}")
+    if requested == "reference":
+        return "reference"
+    if requested == "auto":
+        return "triton" if HAS_TRITON and device.type == "cuda" else "reference"
+    if not HAS_TRITON:
+        raise RuntimeError("backend 'triton' was requested but Triton is not installed (pip install triton)")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"backend 'triton' needs CUDA/ROCm tensors, got tensors on {device}; "
+            "set TRITON_INTERPRET=1 to run the Triton kernels on CPU (slow), or use backend='reference'"
+        )
+    return "triton"
+
+
+# ----------------------------------------------------------------------------- CPU tensors
+# Rows of activations the compiled CPU kernels run (cpu_fp8_linear hands them up to this many; torch
+# ops above). 2 threads, Zen 3 (AVX2), blocked kernel / torch ops: 0.24-0.64 at M 5-14 (2048x7168 M=8
+# 4.0 against 12.0 ms, BF16 10.9), 0.60-1.20 at 16, 1.11 at 32.
+CPU_NATIVE_MAX_M = 12
+# Weights of at least this much work split their rows over the intra-op threads (work: weight
+# elements, times M above the GEMV's rows): a hand-off to a Python worker thread costs 40-100 us
+# here. 2 threads, us per call, split / one thread: 576x1536 M=1 156 / 83, M=2 184 / 123; 192x576 M=1
+# 122 / 26; 2048x2048 (4M elements) M=1 422 / 432, M=2 486 / 618; 2048x7168 M=1 about 1.0 / 1.6 ms.
+CPU_THREAD_MIN_ELEMS = 1 << 21
+# On the torch-ops path, M=1 with bf16 x and 'block'/'tensor' scales: float16 tiles and torch's
+# float16 GEMV (fp32 sums, outputs rounded to float16 before the bf16 output), no float32 tile ...
+CPU_HALF_GEMV = True
+# ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
+# cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
+CPU_HALF_GEMV_MIN_ELEMS = 96 * 1024
+
+
+def use_cpu_native(m: int) -> bool:
+    """Whether an M-row call on CPU tensors runs the compiled kernels (where they build, and for
+    fp32/bf16/fp16 x with unit column stride: the caller checks), see CPU_NATIVE_MAX_M."""
+    return 0 < m <= CPU_NATIVE_MAX_M
+
+
+def cpu_row_parts(n: int, k: int, m: int) -> list[tuple[int, int]]:
+    """The weight-row ranges the compiled CPU kernels split an (M, K) x (N, K) call into, one per
+    intra-op thread (one range below CPU_THREAD_MIN_ELEMS of work)."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or n * k * (m if m > CPU_GEMV_MAX_M else 1) < CPU_THREAD_MIN_ELEMS:
+        return [(0, n)]
+    step = -(-n // threads)
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def use_cpu_half_gemv(m: int, n: int, kp: int, x_dtype: torch.dtype, granularity: str) -> bool:
+    """Whether the torch-ops CPU path runs this call on float16 tiles (see CPU_HALF_GEMV); `kp`: K
+    padded to a multiple of 128."""
+    return (m == 1 and CPU_HALF_GEMV and x_dtype == torch.bfloat16 and granularity != "row"
+            and n * kp >= CPU_HALF_GEMV_MIN_ELEMS)
+
+
+# ----------------------------------------------------------------------------- GPU: limits
+# GEMMs with at most this many rows may take the split-K kernel (ops/splitk_gemm.py), where
+# splitk_config asks for a split (long K, few tiles); everything else runs the tiled kernel
+# (ops/gemm.py) with these configs. H100 sweep behind the limit: on the DeepSeek-V3 shapes the
+# split-K kernel beat the tuned tiled kernel up to M=64 (geometric mean 21.5 vs 22.8 us at M=64).
+SMALL_M_MAX = 64
+# Single-token GEMMs with fewer weight elements than this take the fused kernel. H100 sweep
+# (benchmarks/gemv_sweep.py, CUDA graphs, M=1; fused vs act_quant + GEMM): 4.5-6.3 vs 8.7-12.2 us
+# for 3-6 MB of weight (N=1536..3072, K=1536..2816), 8.6 vs 9.2 us at N=576, K=7168, 18.5 vs 18.5
+# at 24576x1536; from 117 MB up (7168x16384, 18432x7168) the split-K GEMM streams HBM faster
+# (51.4 vs 50.4 and 58.5 vs 53.8 us). At M >= 2 each row re-reads the weight tile and the
+# two-kernel path won (geometric mean 19.9 vs 16.8 us at M=2). Re-swept (H100): from
+# 33M elements the two kernels win too (4608x7168 19.6 vs 21.7 us; 18432x7168 54.5 vs 63.8) or tie
+# (24576x1536 18.2 vs 18.5; 32768x512, 16.8M: 10.7 vs 10.7), while below it the fused kernel still
+# wins (7168x2304 11.1 vs 13.6, 1536x7168 10.2 vs 11.4): hence 24M.
+FUSED_GEMV_MAX_WEIGHT = 24 * 2**20
+# Split-K gives each output tile the fewest splits that make at least this many programs per SM
+# (H100 sweep: 2 beat 1 and 4; rounding the split up rather than to nearest, so N=7168 at M=16-64
+# with 224 tiles on 132 SMs splits in 2: K=18432 M=16 55.4 vs 58.2 us, M=64 61.6 vs 68.6).
+_PROGRAMS_PER_SM = 2
+# Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits.
+_MIN_GROUPS_PER_SPLIT = 4
+# Only K of at least 32 groups (4096) is split: shorter K was faster unsplit on H100.
+_MIN_SPLIT_GROUPS = 32
 
 KERNELS = ("gemv", "decode", "cublas", "splitk", "persistent", "tiled")
 
@@ -150,6 +305,185 @@ MID_M_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_
 _TMA_ALIGN = 16
 
 
+# ----------------------------------------------------------------------------- GPU: configs
+def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
+    """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py)."""
+    if m <= SMALL_M_MAX:
+        # Decode shapes split-K does not take. What H100 `fp8linear tune` picked under CUDA graphs
+        # (8 shapes x M 1..64): one tile of 16/32/64 rows covering M, 64 columns up to
+        # M=8 and 32 above, 4 warps, 3-6 stages (18432x7168 M=64: 64x64 54 us where 16x64 with
+        # 6 stages, one tile for every M, took 91 us).
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        return GemmConfig(block_m=block_m, block_n=64 if m <= 8 else 32, block_k=128, num_warps=4, num_stages=4)
+    if m <= 256 or k <= 256:  # short K or few rows: more CTAs (64x128 best for K=256: 47.5 us)
+        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    # prefill: 128x128, 8 warps (two consumer warpgroups), 4 stages: 871 TF/s at 4096x18432x7168
+    return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+
+
+# Rows up to which AMD decode-sized GEMMs use 32x32 tiles, and up to which 64x64.
+AMD_DECODE_MAX_M = 128
+AMD_MID_MAX_M = 1024
+# Prefill tiles from largest to smallest: the first giving every CU a tile is used.
+_AMD_PREFILL_TILES = ((64, 128), (64, 64), (64, 32), (32, 32))
+
+
+def amd_heuristic_config(m: int, n: int, k: int, arch: str = "gfx942") -> GemmConfig:
+    """A config for AMD Instinct GPUs without tuning; unmeasured on hardware (docs/amd.md).
+
+    The tiles follow vLLM's MI300X block-FP8 tunings (files "N=..,K=..,device_name=
+    AMD_Instinct_MI300X,dtype=fp8_w8a8,block_shape=[128,128].json" for N,K = 1536,7168; 576,7168;
+    32768,512; 7168,16384; 7168,18432; 7168,2048: 4 warps and nonkdim 16 throughout; 32x32 tiles
+    up to M=128-256; 64x64 for M=256-1536; 64x128, GROUP_SIZE_M 32, at M=2048-4096; small N
+    64x32 or 64x64), a kernel of the same structure as ours (one scaled dot per 128-wide K group).
+    Options per tile: AMD_TILE_OPTIONS. Decode (M <= 128): 32x32. Up to M=1024 or K <= 256:
+    64x64. Above: the largest of 64x128, 64x64, 64x32, 32x32 that still gives every CU a tile.
+    """
+    if m <= AMD_DECODE_MAX_M:
+        return amd_gemm_config(32, 32)
+    if m <= AMD_MID_MAX_M or k <= 256:
+        return amd_gemm_config(64, 64)
+    cus = AMD_CU_COUNT.get(arch, DEFAULT_CU_COUNT)
+    for bm, bn in _AMD_PREFILL_TILES:
+        if -(-m // bm) * -(-n // bn) >= cus:
+            return amd_gemm_config(bm, bn, group_m=32)
+    return amd_gemm_config(*_AMD_PREFILL_TILES[-1], group_m=32)
+
+
+def config_for_arch(arch: str, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
+    """The tiled-kernel config for a GPU whose tables are keyed `arch` (a device name on NVIDIA, an
+    arch such as 'gfx942' on AMD): its table entry, else the matching heuristic."""
+    cfg = lookup_config(arch, m, n, k, granularity)
+    if cfg is not None:
+        return cfg
+    return amd_heuristic_config(m, n, k, arch) if is_amd_arch(arch) else heuristic_config(m, n, k)
+
+
+def select_config(device: torch.device, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
+    """Tuned table entry for this GPU and shape if there is one, else the heuristic (never tunes here).
+
+    On ROCm the table is the arch's (``fp8linear/ops/tuned_configs/gfx942.json``) and the heuristic
+    :func:`amd_heuristic_config`."""
+    if device.type == "cuda":
+        return config_for_arch(device_name(device), m, n, k, granularity)
+    return heuristic_config(m, n, k)
+
+
+def use_fused_gemv(m: int, n: int, k: int) -> bool:
+    """Whether the fused kernel is the faster forward for this GEMM (see FUSED_GEMV_MAX_WEIGHT)."""
+    return m == 1 and n * k < FUSED_GEMV_MAX_WEIGHT
+
+
+def gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """The fused GEMV's launch config (H100 sweep, benchmarks/gemv_sweep.py, M=1).
+
+    Up to N=4096, 8 columns and 8 warps per program (more programs to stream a small weight; e.g.
+    N=1536, K=7168: 10.2 us vs 16.3 us with 16 columns / 4 groups / 4 warps), 8 groups per step
+    where K has 16 groups or more; above, 32 columns x 4 groups, 4 warps (N=7168, K=2048: 9.1 us).
+    """
+    groups = _cdiv(k, GROUP_SIZE)
+    if n <= 4096:
+        return GemvConfig(block_n=8, groups_per_step=8 if groups >= 16 else 4, num_warps=8, num_stages=2)
+    return GemvConfig(block_n=32, groups_per_step=4, num_warps=4, num_stages=2)
+
+
+def splitk_num_stages(default: int, device: torch.device | None = None) -> int:
+    """Pipeline depth of the split-K kernel: 2 on AMD (the stream pipeliner's usual depth; at 4,
+    64x32 tiles take 36 KiB of LDS and one workgroup per SIMD), `default` elsewhere."""
+    return default if device_arch(device) is None else 2
+
+
+def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig | None:
+    """Split-K launch config for a small-M GEMM, or None where the tiled kernel is the better choice.
+
+    From H100 sweeps (benchmarks/splitk_sweep.py, DeepSeek-V3 shapes plus 4608x7168, M in
+    {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups), e.g. M=1, N=576, K=7168:
+    7.1 vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. At least two programs per
+    SM were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
+    us at N=4608), with at least 4 K groups each; the split is the smallest that reaches two.
+    Tiles: 16/32/64 rows (as M needs) x 64 columns for M <= 8, x 32 columns above (more tiles to
+    spread: M=16, N=2048: 10.5 vs 11.7 us); 4 warps, 4 stages. Short K stays tiled: there the
+    partial-sum round trip and the counter reset cost more than the extra SMs bring (N=4096, K=512, M=16: 6.0 vs 3.7 us).
+    """
+    groups = _cdiv(k, GROUP_SIZE)
+    if groups < _MIN_SPLIT_GROUPS:
+        return None
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64 if m <= 8 else 32
+    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
+    split = min(_cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles), groups // _MIN_GROUPS_PER_SPLIT)
+    if split < 2:
+        return None
+    split = _cdiv(groups, _cdiv(groups, split))  # no empty splits
+    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split, num_stages=splitk_num_stages(4, device))
+
+
+def decode_tile_counters(n: int) -> int:
+    """Tile counters a :func:`fp8linear.ops.splitk_gemm.splitk_counters` of an N-column weight holds:
+    enough for SMALL_M_MAX rows in any tile shape SplitKConfig allows (block_m, block_n >= 16)."""
+    return _cdiv(SMALL_M_MAX, 16) * _cdiv(n, 16)
+
+
+def counters_fit(m: int, n: int, cfg: SplitKConfig) -> bool:
+    """Whether a :func:`fp8linear.ops.splitk_gemm.splitk_counters` of an N-column weight has a tile counter for every output
+    tile of an (m, n) split-K launch with `cfg` (it is sized for SMALL_M_MAX rows of 16x16 tiles)."""
+    return cfg.split_k == 1 or _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m) <= decode_tile_counters(n)
+
+
+# Programmatic dependent launch (fp8linear.ops.pdl) is opt-in: FP8LINEAR_PDL=1. Why it is off by
+# default (H100): benchmarks/pdl_ab.py (interleaved CUDA-graph A/B, 15 shapes x M 1-64) measured the
+# forward at 0.976x the time of plain launches (geometric mean; 0.985x summed; 0.95-0.97x on short K,
+# e.g. 4096x512 5.55 -> 5.45 us) and the GEMM alone at 0.979x (0.990x summed), but in two of five
+# whole `fp8linear bench` runs with early release one or two graphs ran their forward 1.5-2.4x slower
+# throughout (4608x7168 M=32: 32.6 vs 23.9 us; 32768x512 M=2: 23.3 vs 11.5 us), and three re-runs of
+# those cases did not reproduce it. A ~2% gain does not pay for an unexplained stall in serving. A
+# PDL launch without the early release was slower than plain launches (1.025x). Only decode sizes
+# (M <= SMALL_M_MAX) use it: there act_quant is one wave of small programs, so GEMM programs placed
+# early never keep act_quant's from starting.
+PDL_ENV = "FP8LINEAR_PDL"
+# griddepcontrol: sm_90 (Hopper) and newer.
+_MIN_CAPABILITY = 9
+
+
+@lru_cache(maxsize=16)
+def _device_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= _MIN_CAPABILITY
+
+
+def _pdl_requested() -> bool:
+    value = os.environ.get(PDL_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1 (or unset), got {value!r}")
+    return value == "1"
+
+
+def use_pdl(device: torch.device, m: int) -> bool:
+    """Whether a decode-sized (M rows) act_quant -> GEMM pair on `device` runs with PDL."""
+    # The opt-in first: with PDL off (the default) a launch pays one environment lookup.
+    if not _pdl_requested() or not has_gdc() or m > SMALL_M_MAX or device.type != "cuda":
+        return False
+    if torch.version.hip is not None or interpreting():
+        return False
+    return _device_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ----------------------------------------------------------------------------- GPU: activation quantization
+# Inputs of at most this many elements are quantized 4 rows per program (see act_quant_launch).
+ACT_QUANT_SMALL_INPUT_ELEMENTS = 2**21
+
+
+def act_quant_launch(m: int, k: int) -> tuple[int, int]:
+    """(rows per program, warps) of the activation quantization (:mod:`fp8linear.ops.quant`) for an (m, k) output."""
+    # Rows per program: 16 (4 KB of bf16) saturates HBM at prefill; decode-sized inputs take fewer
+    # rows so no program works on padding (H100, K=7168, do_bench incl. launch: M=1 4.7 vs 7.2 us
+    # with 1 row / 1 warp; M=16 5.1 vs 5.6 us with 4 rows; M=4096 42.2 vs 42.4 us, unchanged), and
+    # so do inputs up to ACT_QUANT_SMALL_INPUT_ELEMENTS, where more, smaller programs finish sooner
+    # (benchmarks/act_quant_probe.py, H100, CUDA graphs, 4 rows against 16: 77x576 1.74 vs 1.89 us,
+    # 200x512 1.68 vs 1.86, 512x1536 3.13 vs 3.20, 333x7168 5.95 vs 5.80, 1024x7168 13.6 vs 10.6).
+    return (1, 1) if m == 1 else ((4, 4) if m <= 64 or m * k <= ACT_QUANT_SMALL_INPUT_ELEMENTS else (16, 4))
+
+
+# ----------------------------------------------------------------------------- GPU: routes
 @dataclass(frozen=True)
 class Route:
     """What runs one GEMM: the kernel (one of KERNELS), its launch config (cuBLAS: its workspace
@@ -319,6 +653,7 @@ def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, f
     return _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m))
 
 
+# ----------------------------------------------------------------------------- grouped MoE GEMMs
 # The routing is aligned by one single-program Triton kernel (one launch: what decode needs) while
 # pairs x histogram bins (the next power of two above the expert count) stay within this; above it
 # by ~20 device-side torch ops, whose launch cost is noise next to the GEMMs while one program
@@ -331,7 +666,7 @@ ALIGN_KERNEL_MAX_WORK = 512 * 256
 def align_on_kernel(num_pairs: int, num_experts: int) -> bool:
     """Whether :func:`fp8linear.ops.grouped_gemm.moe_align_block_size` aligns `num_pairs` pairs over `num_experts` experts with
     its one-launch kernel (else with torch ops), see ALIGN_KERNEL_MAX_WORK."""
-    return 0 < num_pairs and num_pairs * triton.next_power_of_2(num_experts + 1) <= ALIGN_KERNEL_MAX_WORK
+    return 0 < num_pairs and num_pairs * (1 << num_experts.bit_length()) <= ALIGN_KERNEL_MAX_WORK
 
 
 # Average rows per expert up to which the grouped GEMM uses 64x128 tiles (see grouped_config).
@@ -348,12 +683,28 @@ def grouped_config(num_pairs: int, num_experts: int, n: int, k: int) -> GemmConf
     922 us, best; 2,048 tokens (512 rows/expert) 128x128 / 8 warps won, gate_up 1479 vs 1759 us and
     down 845 vs 851 us, and at 4,096 tokens (1,024). So above 384 rows the dense prefill tile takes over.
     """
-    amd = amd_grouped_config_here(num_pairs, num_experts)  # AMD tiles and options on ROCm
-    if amd is not None:
-        return amd
+    if device_arch() is not None:  # AMD tiles and options on ROCm
+        return amd_grouped_config(num_pairs, num_experts)
     rows_per_expert = num_pairs / max(num_experts, 1)
     if rows_per_expert <= 16:  # decode: each block is ~one expert's few rows; stream W with the smallest M tile
         return GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
     if rows_per_expert <= GROUPED_WIDE_TILE_MAX_ROWS:  # little padding per expert, one warpgroup per tile
         return GemmConfig(block_m=64, block_n=128, block_k=128, group_m=4, num_warps=4, num_stages=4)
     return GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+
+
+def amd_grouped_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """Grouped MoE GEMM tiles on AMD from the rows per expert, as grouped_config does on NVIDIA,
+    with AMD options and 2 stages (NVIDIA's 128x128 / 4 stages needs 96 KiB of LDS; a CU has 64)."""
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        return amd_gemm_config(16, 64, group_m=1)
+    if rows_per_expert <= 384:
+        return amd_gemm_config(64, 128, group_m=4)
+    return amd_gemm_config(128, 128, group_m=8)
+
+
+def moe_align_num_warps() -> int:
+    """Warps of the one-program MoE alignment kernel: 8 on AMD (with 4 it spills 23 SGPRs on
+    gfx942), 4 elsewhere."""
+    return 4 if device_arch() is None else 8

@@ -6,7 +6,8 @@ Split-K spreads each tile's K groups over several programs so that every SM stre
 program writes its fp32 partial tile to a partial-sums buffer and bumps a per-tile counter; the program that
 arrives last sums the partials *in split order* — the result does not depend on which program
 arrives last, so it is deterministic — and writes y (+ bias) in the output dtype. Where K is
-short or the tiles already fill the GPU, :func:`splitk_config` says no and the tiled kernel runs.
+short or the tiles already fill the GPU, the router (:func:`fp8linear.ops.router.splitk_config`) says no
+and the tiled kernel runs.
 
 Scaling is the same promotion as :mod:`fp8linear.ops.gemm`: one 128-K group per tensor-core
 product, scaled into the fp32 accumulator. Fusing the activation quantization into this kernel
@@ -16,53 +17,20 @@ made M=1 three times slower on H100 (47.8 vs 18.8 us geometric mean, DeepSeek-V3
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import GROUP_SIZE
-from .configs import SMALL_M_MAX, launch_options, splitk_num_stages
+from .configs import SplitKConfig, launch_options
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
+from .router import decode_tile_counters, splitk_config
 
-__all__ = ["SplitKConfig", "counters_fit", "sm_count", "splitk_args", "splitk_buffers", "splitk_config", "splitk_fp8_gemm", "splitk_counters"]
+__all__ = ["splitk_args", "splitk_buffers", "splitk_fp8_gemm", "splitk_counters"]
 
-# Split-K gives each output tile the fewest splits that make at least this many programs per SM
-# (H100 sweep: 2 beat 1 and 4; rounding the split up rather than to nearest, so N=7168 at M=16-64
-# with 224 tiles on 132 SMs splits in 2: K=18432 M=16 55.4 vs 58.2 us, M=64 61.6 vs 68.6).
-_PROGRAMS_PER_SM = 2
-# Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits.
-_MIN_GROUPS_PER_SPLIT = 4
-# Only K of at least 32 groups (4096) is split: shorter K was faster unsplit on H100.
-_MIN_SPLIT_GROUPS = 32
 # Counters at the end of a splitk_counters tensor for the one-launch decode kernel (fused_decode.SYNC_COUNTERS).
 _SYNC_COUNTERS = 2
-
-
-@dataclass(frozen=True)
-class SplitKConfig:
-    """Launch configuration of the split-K kernel; ``split_k`` programs share each output tile."""
-
-    block_m: int
-    block_n: int
-    split_k: int
-    num_warps: int = 4
-    num_stages: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v > GROUP_SIZE or v & (v - 1):
-                raise ValueError(f"SplitKConfig.{name} must be a power of two in [16, {GROUP_SIZE}], got {v}")
-        if self.split_k < 1:
-            raise ValueError(f"SplitKConfig.split_k must be >= 1, got {self.split_k}")
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"SplitKConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"SplitKConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
 @triton.jit
@@ -146,60 +114,15 @@ def _splitk_fp8_gemm_kernel(
     )
 
 
-@lru_cache(maxsize=16)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (4 for the CPU interpreter)."""
-    if device.type != "cuda":
-        return 4  # the CPU interpreter: a small "GPU" so that tests exercise the split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig | None:
-    """Split-K launch config for a small-M GEMM, or None where the tiled kernel is the better choice.
-
-    From H100 sweeps (benchmarks/splitk_sweep.py, DeepSeek-V3 shapes plus 4608x7168, M in
-    {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups), e.g. M=1, N=576, K=7168:
-    7.1 vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. At least two programs per
-    SM were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
-    us at N=4608), with at least 4 K groups each; the split is the smallest that reaches two.
-    Tiles: 16/32/64 rows (as M needs) x 64 columns for M <= 8, x 32 columns above (more tiles to
-    spread: M=16, N=2048: 10.5 vs 11.7 us); 4 warps, 4 stages. Short K stays tiled: there the partial-sum round trip and the counter
-    reset cost more than the extra SMs bring (N=4096, K=512, M=16: 6.0 vs 3.7 us).
-    """
-    groups = triton.cdiv(k, GROUP_SIZE)
-    if groups < _MIN_SPLIT_GROUPS:
-        return None
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if m <= 8 else 32
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = min(triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles), groups // _MIN_GROUPS_PER_SPLIT)
-    if split < 2:
-        return None
-    split = triton.cdiv(groups, triton.cdiv(groups, split))  # no empty splits
-    return SplitKConfig(block_m=block_m, block_n=block_n, split_k=split, num_stages=splitk_num_stages(4, device))
-
-
 def splitk_counters(n: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed counters for the decode GEMMs of an N-column weight at M <= SMALL_M_MAX: the split-K
+    """Zeroed counters for the decode GEMMs of an N-column weight at M <= fp8linear.ops.router.SMALL_M_MAX: the split-K
     tile counters, then the two counters :mod:`fp8linear.ops.fused_decode` synchronises on.
 
     Every launch leaves its counters at zero again, so one counters tensor serves every call in turn
     and spares each call a memset launch (H100, CUDA graphs: 1.2-1.4 us of a 6.5-55 us GEMM).
     Calls running at the same time on different streams must not share one.
     """
-    return torch.zeros(_tile_counters(n) + _SYNC_COUNTERS, dtype=torch.int32, device=device)
-
-
-def _tile_counters(n: int) -> int:
-    """Tile counters a :func:`splitk_counters` holds: enough for SMALL_M_MAX rows in any tile shape
-    SplitKConfig allows (block_m, block_n >= 16)."""
-    return triton.cdiv(SMALL_M_MAX, 16) * triton.cdiv(n, 16)
-
-
-def counters_fit(m: int, n: int, cfg: SplitKConfig) -> bool:
-    """Whether a :func:`splitk_counters` of an N-column weight has a tile counter for every output
-    tile of an (m, n) split-K launch with `cfg` (it is sized for SMALL_M_MAX rows of 16x16 tiles)."""
-    return cfg.split_k == 1 or triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m) <= _tile_counters(n)
+    return torch.zeros(decode_tile_counters(n) + _SYNC_COUNTERS, dtype=torch.int32, device=device)
 
 
 def splitk_buffers(m: int, n: int, cfg: SplitKConfig, k: int, device: torch.device,

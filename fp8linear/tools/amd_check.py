@@ -3,7 +3,7 @@ without one, and check the machine code.
 
 How: the real launchers (:mod:`fp8linear.ops`) are called on tensors of the real shapes on
 PyTorch's ``meta`` device (no memory) with the dispatch steered as on ROCm for `arch` (the arch's
-table and :func:`~fp8linear.ops.configs.amd_heuristic_config`, the AMD launch options, the CU count
+table and :func:`~fp8linear.ops.router.amd_heuristic_config`, the AMD launch options, the CU count
 for split-K, no PDL, no persistent TMA kernel). Each kernel launch is recorded instead of run; every
 distinct launch (kernel, specialization, options) is then compiled with ``triton.compile`` for
 ``GPUTarget("hip", arch, 64)``, with the specialization a real launch would get (16-byte aligned
@@ -170,9 +170,8 @@ def record_launches(arch: str) -> Iterator[_LaunchList]:
     Triton kernel launch is recorded (into the yielded list) instead of run."""
     from triton.runtime.jit import JITFunction
 
-    from ..ops import config_tables
     from ..ops import configs as cfg_mod
-    from ..ops import gemm, router, splitk_gemm
+    from ..ops import gemm, router
 
     launches = _LaunchList()
     launches.where = {"label": ""}
@@ -182,10 +181,11 @@ def record_launches(arch: str) -> Iterator[_LaunchList]:
 
     cus = cfg_mod.AMD_CU_COUNT.get(arch, 304)
     patches: list[tuple[Any, str, Any]] = [
-        (router, "select_config", lambda device, m, n, k, granularity="block": config_tables.config_for_arch(
+        (router, "select_config", lambda device, m, n, k, granularity="block": router.config_for_arch(
             arch, m, n, k, granularity)),
-        (cfg_mod, "device_arch", lambda device=None: arch),  # launch options, split-K, MoE configs
-        (splitk_gemm, "sm_count", lambda device: cus),
+        (cfg_mod, "device_arch", lambda device=None: arch),  # launch options
+        (router, "device_arch", lambda device=None: arch),  # split-K stages, MoE configs
+        (router, "sm_count", lambda device: cus),
         (gemm, "sm_count", lambda device: cus),
         (torch.version, "hip", "amd-check"),  # ROCm as far as the dispatch can tell (no TMA, no PDL)
         (JITFunction, "run", record),

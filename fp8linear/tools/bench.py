@@ -162,7 +162,7 @@ def _describe_config(m: int, n: int, k: int, device: torch.device) -> str:
     if device.type != "cuda":
         return ""
     try:
-        from ..ops.config_tables import select_config
+        from ..ops.router import select_config
     except ImportError:
         return ""
     try:
@@ -227,7 +227,7 @@ def _method_setup(
     cublas_layout: str = "plain",
 ) -> tuple[Callable[..., torch.Tensor], tuple, int, int]:
     """(fn, args of one set, bytes one call moves (weight + scales + activation + output), output bytes)."""
-    from ..backend import cublas_allowed
+    from ..ops.router import cublas_allowed
     from ..functional import block_fp8_matmul, fp8_linear, quantize_activation
 
     m, k = x.shape

@@ -58,7 +58,7 @@ def _tiled_candidates() -> list:
 
 
 def _split_candidates(m: int, n: int, k: int, sms: int) -> list:
-    from ..ops.splitk_gemm import SplitKConfig
+    from ..ops.configs import SplitKConfig
 
     groups = -(-k // 128)
     out = []
@@ -95,7 +95,7 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     from ..ops import router
     from ..ops.cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
     from ..ops.route_table import lookup_route
-    from ..ops.splitk_gemm import sm_count
+    from ..ops.configs import sm_count
 
     out: dict[str, tuple[str, Any]] = {}
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)

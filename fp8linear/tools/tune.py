@@ -76,7 +76,8 @@ def candidate_configs(m: int, n: int, k: int, arch: str | None = None) -> list[G
     pipeline depth are explored by :func:`refine_candidates`. On an AMD `arch` ('gfx942'):
     the AMD heuristic's config, then every tile of the AMD option table (spill-free options).
     """
-    from ..ops.configs import GemmConfig, heuristic_config, is_amd_arch
+    from ..ops.configs import GemmConfig, is_amd_arch
+    from ..ops.router import heuristic_config
 
     if is_amd_arch(arch):
         return _amd_candidates(m, n, k, arch)
@@ -111,7 +112,8 @@ def candidate_configs(m: int, n: int, k: int, arch: str | None = None) -> list[G
 
 
 def _amd_candidates(m: int, n: int, k: int, arch: str) -> list[GemmConfig]:
-    from ..ops.configs import AMD_TILE_OPTIONS, amd_gemm_config, amd_heuristic_config
+    from ..ops.configs import AMD_TILE_OPTIONS, amd_gemm_config
+    from ..ops.router import amd_heuristic_config
 
     pow2_m = 1 << max(int(m) - 1, 0).bit_length()
     max_bn = max(32, 1 << (int(n) - 1).bit_length())
@@ -278,7 +280,8 @@ def tune_shape(
     fastest three. A bucket can overrun its share by one compile (a few seconds).
     """
     _check_can_tune()
-    from ..ops.configs import amd_heuristic_config, heuristic_config, is_amd_arch
+    from ..ops.configs import is_amd_arch
+    from ..ops.router import amd_heuristic_config, heuristic_config
     from ..ops.gemm import block_fp8_gemm
 
     dev = torch.device(device) if device is not None else torch.device("cuda")

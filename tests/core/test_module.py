@@ -106,7 +106,7 @@ def test_triton_path_matches_reference_path():
 def test_decode_split_k_counts_in_the_layer_counters(granularity):
     """Decode GEMMs long enough to split K count their tiles in the layer's counters: the same
     bits as fresh counters, the counters left zeroed, dropped on device moves, never saved."""
-    from fp8linear.ops.splitk_gemm import splitk_config
+    from fp8linear.ops.router import splitk_config
 
     k, n, m = 4096, 200, 3
     assert splitk_config(m, n, k, torch.device(KERNEL_DEVICE)) is not None  # this shape does split K

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp8linear.ops import cpu_linear
+from fp8linear.ops import cpu_linear, router
 from fp8linear.ops.cpu_linear import cpu_fp8_linear, prepare_cpu_weight, quantize_activation_grid
 from fp8linear.formats import activation_max
 from fp8linear.reference import (
@@ -40,7 +40,7 @@ def _torch_ops_path(monkeypatch):
     tests/ops/test_cpu_native.py."""
     from fp8linear.ops import cpu_native
 
-    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 0)
+    monkeypatch.setattr(router, "CPU_NATIVE_MAX_M", 0)
 
 
 @pytest.fixture(autouse=True)
@@ -245,7 +245,7 @@ def test_two_threads_agree_with_one():
 # --- M=1, bf16 x, 'block'/'tensor': float16 tiles through torch's float16 GEMV ----------------------
 def _fp32_path(monkeypatch, *args):
     with monkeypatch.context() as mp:
-        mp.setattr(cpu_linear, "HALF_GEMV", False)
+        mp.setattr(router, "CPU_HALF_GEMV", False)
         return cpu_fp8_linear(*args)
 
 
@@ -254,7 +254,7 @@ def _fp32_path(monkeypatch, *args):
 @pytest.mark.parametrize("n,k", [(300, 2112), (576, 130), (2112, 576), (1, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_half_gemv_matches_float64(n, k, granularity, fp8_dtype, with_bias, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    monkeypatch.setattr(router, "CPU_HALF_GEMV_MIN_ELEMS", 0)
     gen = torch.Generator().manual_seed(n + 3 * k)
     x = torch.randn(1, k, generator=gen).bfloat16()
     w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=gen) / math.sqrt(k), granularity, fp8_dtype)
@@ -276,7 +276,7 @@ def test_half_gemv_matches_float64(n, k, granularity, fp8_dtype, with_bias, monk
 @pytest.mark.parametrize("exp2", [-35, -20, 0, 60, 110])
 def test_half_gemv_any_activation_range(granularity, exp2, monkeypatch):
     """x of any magnitude (above the amax floor): a power of two keeps float16 in range, or the fp32 path runs."""
-    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    monkeypatch.setattr(router, "CPU_HALF_GEMV_MIN_ELEMS", 0)
     gen = torch.Generator().manual_seed(exp2 + 200)
     x = (torch.randn(1, 1024, generator=gen) * 2.0**exp2).bfloat16()
     w_q, w_s = quantize_weight_ref(torch.randn(256, 1024, generator=gen) / 32, granularity, torch.float8_e4m3fn)
@@ -288,7 +288,7 @@ def test_half_gemv_any_activation_range(granularity, exp2, monkeypatch):
 
 @pytest.mark.parametrize("granularity", ["block", "tensor"])
 def test_half_gemv_nan_inf_and_nan_codes(granularity, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    monkeypatch.setattr(router, "CPU_HALF_GEMV_MIN_ELEMS", 0)
     w_q, w_s = quantize_weight_ref(torch.randn(300, 256), granularity, torch.float8_e4m3fn)
     x = torch.randn(1, 256).bfloat16()
     for bad in (float("nan"), float("inf")):
@@ -305,7 +305,7 @@ def test_half_gemv_nan_inf_and_nan_codes(granularity, monkeypatch):
 @pytest.mark.parametrize("granularity", ["block", "tensor"])
 def test_half_gemv_tilings(half_tile_elems, granularity, monkeypatch):
     monkeypatch.setattr(cpu_linear, "HALF_TILE_ELEMS", half_tile_elems)
-    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    monkeypatch.setattr(router, "CPU_HALF_GEMV_MIN_ELEMS", 0)
     x = torch.randn(1, 300).bfloat16()
     w_q, w_s = quantize_weight_ref(torch.randn(300, 300) / 17, granularity, torch.float8_e4m3fn)
     bias = torch.randn(300)
@@ -316,7 +316,7 @@ def test_half_gemv_tilings(half_tile_elems, granularity, monkeypatch):
 
 def test_small_weights_take_the_fp32_path(monkeypatch):
     w_q, w_s = quantize_weight_ref(torch.randn(64, 256), "block", torch.float8_e4m3fn)
-    assert 64 * 256 < cpu_linear.HALF_MIN_ELEMS
+    assert 64 * 256 < router.CPU_HALF_GEMV_MIN_ELEMS
     x = torch.randn(1, 256).bfloat16()
     assert torch.equal(cpu_fp8_linear(x, w_q, w_s, "block"), _fp32_path(monkeypatch, x, w_q, w_s, "block"))
 
@@ -366,7 +366,7 @@ def test_calls_from_two_threads():
 def test_half_gemv_interleaved_tiles(n, k, blocks, fp8_dtype, granularity, threads, monkeypatch):
     """Float16 tiles of several 128-row blocks, decoded interleaved (row i of block b at i * blocks + b),
     with a last tile of other length: same numerics as the fp32 path, any thread count."""
-    monkeypatch.setattr(cpu_linear, "HALF_MIN_ELEMS", 0)
+    monkeypatch.setattr(router, "CPU_HALF_GEMV_MIN_ELEMS", 0)
     monkeypatch.setattr(cpu_linear, "HALF_TILE_ELEMS", blocks * 128 * k // threads)  # per thread
     torch.set_num_threads(threads)
     rows = cpu_linear._half_gemv_rows(n, k)

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from fp8linear.ops import cpu_linear, cpu_native
+from fp8linear.ops import cpu_linear, cpu_native, router
 from fp8linear.ops.cpu_linear import cpu_fp8_linear
 from fp8linear.reference import (
     block_fp8_matmul_ref,
@@ -60,7 +60,7 @@ def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
     """The GEMV (M <= GEMV_MAX_M) and the blocked kernel (more rows: chunks of 3 rows and a last
     chunk of 1 or 2, weight rows by 4 and a last 1-3), ragged N and K (K % 16 != 0: the scalar
     tail; K < 16), all granularities, both FP8 formats, bias, output dtypes."""
-    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 1 << 20)  # every row count to the kernels
+    monkeypatch.setattr(router, "CPU_NATIVE_MAX_M", 1 << 20)  # every row count to the kernels
     i = n + k + m
     fp8_dtype, out_dtype, with_bias = FP8[i % 2], (torch.bfloat16, torch.float16, torch.float32)[i % 3], i % 2 == 0
     gen = torch.Generator().manual_seed(7 * n + 31 * k + m)
@@ -73,7 +73,7 @@ def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
     assert y.shape == (m, n) and y.dtype == out_dtype and y.is_contiguous()
     assert rel_err(y, _ref64(x, w_q, w_s, bias, fp8_dtype)) < GEMM_TOL[out_dtype]
     # the torch-ops path sums the same products: the two agree far below the output's rounding
-    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 0)
+    monkeypatch.setattr(router, "CPU_NATIVE_MAX_M", 0)
     y_ops = cpu_fp8_linear(x, w_q, w_s, granularity, bias)
     assert rel_err(y.float(), y_ops.float()) < 4 * GEMM_TOL[out_dtype]
 
@@ -83,7 +83,7 @@ def test_kernel_matches_float64(n, k, m, granularity, monkeypatch):
 def test_rows_split_over_threads(threads, m, monkeypatch):
     """Row ranges over the intra-op threads (uneven splits, weight-row quads cut by a split, included)
     give the one-thread result, bit for bit."""
-    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 0)
+    monkeypatch.setattr(router, "CPU_THREAD_MIN_ELEMS", 0)
     w_q, w_s = quantize_weight_ref(torch.randn(1001, 640) / 25, "block", torch.float8_e4m3fn)
     x = torch.randn(m, 640)
     saved = torch.get_num_threads()
@@ -128,9 +128,9 @@ def test_subnormal_and_extreme_codes():
 def test_more_rows_take_the_torch_path(monkeypatch):
     calls = _spy(monkeypatch)
     w_q, w_s = quantize_weight_ref(torch.randn(256, 200), "block", torch.float8_e4m3fn)
-    for m in (cpu_native.NATIVE_MAX_M, cpu_native.NATIVE_MAX_M + 1):
+    for m in (router.CPU_NATIVE_MAX_M, router.CPU_NATIVE_MAX_M + 1):
         cpu_fp8_linear(torch.randn(m, 200), w_q, w_s, "block")
-    assert calls == [cpu_native.NATIVE_MAX_M]
+    assert calls == [router.CPU_NATIVE_MAX_M]
 
 
 def test_non_contiguous_weight_takes_the_torch_path(monkeypatch):
@@ -139,7 +139,7 @@ def test_non_contiguous_weight_takes_the_torch_path(monkeypatch):
     calls = _spy(monkeypatch)
     y = cpu_fp8_linear(x, w_q.t().contiguous().t(), w_s, "block")
     assert calls == []
-    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 0)
+    monkeypatch.setattr(router, "CPU_NATIVE_MAX_M", 0)
     assert torch.equal(y, cpu_fp8_linear(x, w_q, w_s, "block"))
 
 
@@ -192,7 +192,7 @@ def test_one_call_linear_gives_the_two_call_bits(m, x_dtype, bias_dtype, monkeyp
     bias = None if bias_dtype is None else (torch.randn(n, generator=gen) * 1e4).to(bias_dtype)
     calls = _spy(monkeypatch)
     y = cpu_fp8_linear(x, w_q, w_s, "block", bias)
-    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 0)  # the row split: two C calls, torch's output
+    monkeypatch.setattr(router, "CPU_THREAD_MIN_ELEMS", 0)  # the row split: two C calls, torch's output
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -226,7 +226,7 @@ def test_k_blocks_of_the_blocked_kernel_give_the_same_bits(x_block_bytes, monkey
     (one group a block, a few, all of K): the same bits."""
     w_q, w_s = quantize_weight_ref(torch.randn(130, 1000) / 30, "row", torch.float8_e4m3fn)
     x = torch.randn(11, 1000)
-    monkeypatch.setattr(cpu_native, "NATIVE_MAX_M", 11)
+    monkeypatch.setattr(router, "CPU_NATIVE_MAX_M", 11)
     calls = _spy(monkeypatch)
     expected = cpu_fp8_linear(x, w_q, w_s, "row")
     monkeypatch.setattr(cpu_native, "X_BLOCK_BYTES", x_block_bytes)
@@ -236,15 +236,15 @@ def test_k_blocks_of_the_blocked_kernel_give_the_same_bits(x_block_bytes, monkey
 
 def test_rows_split_by_work(monkeypatch):
     """Up to GEMV_MAX_M rows the split counts weight elements; above, weight elements times rows."""
-    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 1000)
+    monkeypatch.setattr(router, "CPU_THREAD_MIN_ELEMS", 1000)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert cpu_native.row_parts(20, 30, cpu_native.GEMV_MAX_M) == [(0, 20)]  # 600 elements
-        assert cpu_native.row_parts(20, 30, cpu_native.GEMV_MAX_M + 1) == [(0, 10), (10, 20)]  # 3000 of work
-        assert cpu_native.row_parts(40, 30, 1) == [(0, 20), (20, 40)]  # 1200 elements
+        assert router.cpu_row_parts(20, 30, cpu_native.GEMV_MAX_M) == [(0, 20)]  # 600 elements
+        assert router.cpu_row_parts(20, 30, cpu_native.GEMV_MAX_M + 1) == [(0, 10), (10, 20)]  # 3000 of work
+        assert router.cpu_row_parts(40, 30, 1) == [(0, 20), (20, 40)]  # 1200 elements
         torch.set_num_threads(1)
-        assert cpu_native.row_parts(40, 30, 8) == [(0, 40)]
+        assert router.cpu_row_parts(40, 30, 8) == [(0, 40)]
     finally:
         torch.set_num_threads(saved)
 
@@ -254,7 +254,16 @@ def test_no_rows_are_refused():
     p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
     with pytest.raises(ValueError, match="1 row"):
         cpu_native.native_gemv(p.codes, torch.zeros(0, 128), torch.ones(0, 1), p.block_scale, 1, 1, 128,
-                               torch.empty(0, 128))
+                               torch.empty(0, 128), [(0, 128)])
+
+
+@pytest.mark.parametrize("parts", [[(0, 129)], [(-1, 64)], [(64, 64)], [(0, 64), (64, 130)]])
+def test_row_ranges_outside_the_weight_are_refused(parts):
+    w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
+    p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
+    with pytest.raises(ValueError, match="row ranges"):
+        cpu_native.native_gemv(p.codes, torch.zeros(1, 128), torch.ones(1, 1), p.block_scale, 1, 1, 128,
+                               torch.empty(1, 128), parts)
 
 
 @pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
@@ -275,7 +284,7 @@ def test_any_default_dtype(default):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_splits_rows_again(monkeypatch):
     """A forked child does not wait on the parent's worker threads (it makes its own pool)."""
-    monkeypatch.setattr(cpu_native, "NATIVE_THREAD_MIN_ELEMS", 0)
+    monkeypatch.setattr(router, "CPU_THREAD_MIN_ELEMS", 0)
     w_q, w_s = quantize_weight_ref(torch.randn(512, 256) / 16, "block", torch.float8_e4m3fn)
     x = torch.randn(2, 256)
     saved = torch.get_num_threads()
@@ -297,7 +306,7 @@ def test_buffers_are_checked_before_the_c_code_sees_them():
     p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
     with pytest.raises(ValueError, match="float32"):
         cpu_native.native_gemv(p.codes, torch.zeros(1, 128, dtype=torch.float64), torch.ones(1, 1), p.block_scale,
-                               1, 1, 128, torch.empty(1, 128))
+                               1, 1, 128, torch.empty(1, 128), [(0, 128)])
     with pytest.raises(ValueError, match="shape"):
         cpu_native.native_quantize(torch.randn(1, 128), 128, torch.float8_e4m3fn, 1.0, torch.empty(1, 64),
                                    torch.empty(1, 1))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8linear import Fp8BlockLinear, block_fp8_matmul, fp8_linear, quantize_activation, quantize_weight
-from fp8linear.backend import cublas_allowed
+from fp8linear.ops.router import cublas_allowed
 from fp8linear.ops import HAS_TRITON
 from fp8linear.reference import AMAX_FLOOR, quantize_activation_ref
 

@@ -91,10 +91,10 @@ def test_act_quant_division_bit_exact_on_hard_inputs(case):
 
 @pytest.mark.parametrize("m,k", [(70, 256), (100, 300)])
 def test_act_quant_16_row_programs_bit_exact(m, k, monkeypatch):
-    """Inputs above quant._SMALL_INPUT_ELEMENTS take 16-row programs (a partly filled last one here)."""
-    from fp8linear.ops import quant
+    """Inputs above router.ACT_QUANT_SMALL_INPUT_ELEMENTS take 16-row programs (a partly filled last one here)."""
+    from fp8linear.ops import quant, router
 
-    monkeypatch.setattr(quant, "_SMALL_INPUT_ELEMENTS", 0)
+    monkeypatch.setattr(router, "ACT_QUANT_SMALL_INPUT_ELEMENTS", 0)
     grid, _, _ = quant.act_quant_args(torch.empty(m, k), torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, 3))
     assert grid[0] == -(-m // 16)
     x = (torch.randn(m, k, device=KERNEL_DEVICE) * 3).to(torch.bfloat16)
@@ -276,7 +276,7 @@ SPLITK_CONFIGS = [
                                              (40, 130, 300, torch.float32)])
 def test_splitk_gemm_configs(config, granularity, m, n, k, out_dtype):
     """The split-K kernel computes the same function for every split, tile and output dtype, bias included."""
-    from fp8linear.ops.splitk_gemm import SplitKConfig
+    from fp8linear.ops.configs import SplitKConfig
     from fp8linear.ops.gemm import block_fp8_gemm
 
     dev = KERNEL_DEVICE
@@ -292,7 +292,8 @@ def test_splitk_gemm_configs(config, granularity, m, n, k, out_dtype):
 
 def test_splitk_gemm_is_deterministic():
     """The last program sums the partials in split order: repeated runs give the same bits."""
-    from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_fp8_gemm
+    from fp8linear.ops.splitk_gemm import splitk_fp8_gemm
+    from fp8linear.ops.configs import SplitKConfig
 
     dev = KERNEL_DEVICE
     x_q, x_s = quantize_activation(torch.randn(3, 1024, device=dev), backend="triton")
@@ -307,7 +308,8 @@ def test_splitk_gemm_is_deterministic():
                                    (1, 18432, 7168), (16, 7168, 18432), (64, 7168, 16384)])
 def test_splitk_heuristic(m, n, k):
     """Split only long K (>= 32 groups), into the fewest splits giving 2 programs per SM, >= 4 groups each."""
-    from fp8linear.ops.splitk_gemm import sm_count, splitk_config
+    from fp8linear.ops.configs import sm_count
+    from fp8linear.ops.router import splitk_config
 
     dev = torch.device(KERNEL_DEVICE)
     cfg = splitk_config(m, n, k, dev)
@@ -333,7 +335,7 @@ def test_splitk_heuristic(m, n, k):
      dict(block_m=16, block_n=64, split_k=1, num_warps=3), dict(block_m=16, block_n=64, split_k=1, num_stages=0)],
 )
 def test_splitk_config_validation(bad):
-    from fp8linear.ops.splitk_gemm import SplitKConfig
+    from fp8linear.ops.configs import SplitKConfig
 
     with pytest.raises(ValueError, match="SplitKConfig"):
         SplitKConfig(**bad)
@@ -465,7 +467,8 @@ def test_fused_gemv_matches_float64(m, n, k, granularity, fp8_dtype, in_dtype):
                                     dict(block_n=32, groups_per_step=4, num_warps=4, num_stages=4)])
 @pytest.mark.parametrize("granularity", GRANS)
 def test_fused_gemv_configs(config, granularity):
-    from fp8linear.ops.fused_gemv import GemvConfig, fused_fp8_gemv
+    from fp8linear.ops.fused_gemv import fused_fp8_gemv
+    from fp8linear.ops.configs import GemvConfig
 
     dev = KERNEL_DEVICE
     x = torch.randn(2, 1100, device=dev, dtype=torch.bfloat16)
@@ -477,7 +480,8 @@ def test_fused_gemv_configs(config, granularity):
 
 
 def test_fused_gemv_nan_row_propagates_and_config_validation():
-    from fp8linear.ops.fused_gemv import GemvConfig, fused_fp8_gemv
+    from fp8linear.ops.fused_gemv import fused_fp8_gemv
+    from fp8linear.ops.configs import GemvConfig
 
     dev = KERNEL_DEVICE
     x = torch.randn(3, 300, device=dev)

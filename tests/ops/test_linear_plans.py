@@ -140,7 +140,7 @@ def test_eager_single_tokens_take_the_gemv_on_larger_weights(monkeypatch, n, k):
     from fp8linear.ops import fused_gemv, router
 
     dev = torch.device(KERNEL_DEVICE)
-    assert fused_gemv.FUSED_GEMV_MAX_WEIGHT <= n * k < router.EAGER_GEMV_MAX_WEIGHT
+    assert router.FUSED_GEMV_MAX_WEIGHT <= n * k < router.EAGER_GEMV_MAX_WEIGHT
     args = (dev, 1, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None, True, True)
     assert router.route_linear(*args, eager=True).kernel == "gemv"
     assert router.route_linear(*args).kernel != "gemv"

@@ -32,7 +32,8 @@ def _operands(m, n, k, gran, seed):
 def test_mid_m_splitk_matches_reference(m, n, k, gran):
     from fp8linear.ops.gemm import block_fp8_gemm
     from fp8linear.ops.router import MID_SPLIT_TILE, mid_splitk_config
-    from fp8linear.ops.splitk_gemm import SplitKConfig, splitk_counters
+    from fp8linear.ops.splitk_gemm import splitk_counters
+    from fp8linear.ops.configs import SplitKConfig
 
     x_q, x_s, w_q, w_s, ref = _operands(m, n, k, gran, m + n)
     cfg = mid_splitk_config(m, n, k, torch.device(KERNEL_DEVICE))

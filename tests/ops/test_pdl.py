@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed"
 
 
 def test_pdl_only_for_decode_sizes_on_a_gpu(monkeypatch):
-    from fp8linear.ops.configs import SMALL_M_MAX
-    from fp8linear.ops.pdl import pdl_launch, use_pdl
+    from fp8linear.ops.router import SMALL_M_MAX
+    from fp8linear.ops.pdl import pdl_launch
+    from fp8linear.ops.router import use_pdl
 
     monkeypatch.delenv("FP8LINEAR_PDL", raising=False)
     assert not use_pdl(torch.device("cuda"), 1)  # opt-in: off unless asked for, never asks the device

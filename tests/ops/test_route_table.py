@@ -10,7 +10,7 @@ import torch
 from fp8linear.ops import route_table, router
 from fp8linear.ops.configs import GemmConfig
 from fp8linear.ops.cublas_gemm import CublasConfig
-from fp8linear.ops.splitk_gemm import SplitKConfig
+from fp8linear.ops.configs import SplitKConfig
 
 
 def _doc(routes):

@@ -17,18 +17,10 @@ import pytest
 import torch
 
 from fp8linear.ops import config_tables as tables
-from fp8linear.ops import configs
-from fp8linear.ops.config_tables import config_for_arch
+from fp8linear.ops import configs, router
+from fp8linear.ops.configs import AMD_TILE_OPTIONS, GemmConfig, amd_launch_options, is_amd_arch, launch_options
+from fp8linear.ops.router import amd_heuristic_config, config_for_arch, heuristic_config
 from fp8linear.tools import tune
-from fp8linear.ops.configs import (
-    AMD_TILE_OPTIONS,
-    GemmConfig,
-    amd_heuristic_config,
-    amd_launch_options,
-    heuristic_config,
-    is_amd_arch,
-    launch_options,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 GFX942_TABLE = REPO / "fp8linear" / "ops" / "tuned_configs" / "gfx942.json"
@@ -81,7 +73,7 @@ def test_launch_options_are_empty_off_amd():
 
 
 def test_launch_options_for_split_k_and_gfx950():
-    from fp8linear.ops.splitk_gemm import SplitKConfig
+    from fp8linear.ops.configs import SplitKConfig
 
     sk = SplitKConfig(block_m=16, block_n=64, split_k=4)
     assert amd_launch_options(sk, "gfx942")["matrix_instr_nonkdim"] == 16
@@ -97,7 +89,7 @@ def test_amd_heuristic_uses_amd_options(m, n, k):
     assert (cfg.block_m, cfg.block_n) in AMD_TILE_OPTIONS
     assert cfg.num_stages == 2 and cfg.matrix_instr_nonkdim in (16, 32) and cfg.num_warps in (4, 8)
     assert cfg.block_k == 128
-    if m > configs.AMD_MID_MAX_M and k > 256:  # prefill: enough tiles for every CU, or the smallest tile
+    if m > router.AMD_MID_MAX_M and k > 256:  # prefill: enough tiles for every CU, or the smallest tile
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         assert tiles >= configs.AMD_CU_COUNT["gfx942"] or (cfg.block_m, cfg.block_n) == (32, 32)
 
@@ -121,12 +113,10 @@ def test_config_for_arch_routes_by_arch(monkeypatch, tmp_path):
 
 def test_select_config_on_rocm_uses_the_arch(monkeypatch):
     """The one entry point: on a ROCm device select_config keys tables by arch and takes AMD configs."""
-    from fp8linear.ops.config_tables import select_config
-
-    monkeypatch.setattr(tables, "device_name", lambda device=None: "gfx942")
+    monkeypatch.setattr(router, "device_name", lambda device=None: "gfx942")
     for m in BENCH_MS:
         for n, k in _bench_shapes():
-            cfg = select_config(torch.device("cuda"), m, n, k)
+            cfg = router.select_config(torch.device("cuda"), m, n, k)
             assert cfg.matrix_instr_nonkdim == 16 and cfg.num_stages == 2, (m, n, k, cfg)
 
 
@@ -134,8 +124,6 @@ def test_persistent_tma_kernel_never_chosen_on_amd(monkeypatch):
     """On ROCm the router never takes the persistent TMA kernel (nor the NVIDIA-only one-launch
     decode kernel), whatever the shape; the same calls on a non-AMD build (with TMA, here the
     interpreter's) would."""
-    from fp8linear.ops import router
-
     monkeypatch.setattr(router, "TensorDescriptor", object)  # as if TMA descriptors were importable
     monkeypatch.setattr(router, "interpreting", lambda: True)
     cpu = torch.device("cpu")
@@ -158,7 +146,7 @@ def test_persistent_tma_kernel_never_chosen_on_amd(monkeypatch):
 
 def test_amd_grouped_configs_fit_lds():
     for pairs in (8, 64 * 8, 4096 * 8, 65536 * 8):
-        cfg = configs.amd_grouped_config(pairs, 32)
+        cfg = router.amd_grouped_config(pairs, 32)
         assert cfg.num_stages == 2 and cfg.matrix_instr_nonkdim == 16
         assert 2 * (cfg.block_m + cfg.block_n) * cfg.block_k <= 64 * 1024
 

@@ -250,7 +250,7 @@ def test_save_table_creates_folders_and_clears_lookup_cache(isolated):
 def test_decode_heuristic_is_one_tile_of_rows_covering_m(m):
     """Untuned decode shapes: one 16/32/64-row tile covering M, 64 columns up to M=8, 32 above
     (what the graph-timed tuner picked on H100), never one 16x64 tile for every M."""
-    from fp8linear.ops.configs import heuristic_config
+    from fp8linear.ops.router import heuristic_config
 
     cfg = heuristic_config(m, 4096, 2048)
     assert cfg.block_m == max(16, 1 << (m - 1).bit_length()) and cfg.block_m >= m
@@ -259,7 +259,7 @@ def test_decode_heuristic_is_one_tile_of_rows_covering_m(m):
 
 
 def test_candidates_are_valid_and_start_with_the_heuristic():
-    from fp8linear.ops.configs import heuristic_config
+    from fp8linear.ops.router import heuristic_config
 
     for m in (1, 16, 64, 256, 4096):
         cands = tune.candidate_configs(m, 18432, 7168)
@@ -520,7 +520,7 @@ def test_tune_times_with_graphs_over_rotated_weights(monkeypatch):
 def test_tune_always_times_the_heuristic_and_the_current_entry(isolated, monkeypatch):
     """Even with no time left, a re-tune times the heuristic and the config the tables already
     hold for the bucket, so it never replaces an entry with an untried worse one."""
-    from fp8linear.ops.configs import heuristic_config
+    from fp8linear.ops.router import heuristic_config
 
     current = GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=2)
     assert current != heuristic_config(3, 128, 256)

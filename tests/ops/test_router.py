@@ -1,0 +1,48 @@
+"""The one router (fp8linear/ops/router.py): it decides for CPU-only installs too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Imports fp8linear with Triton made unimportable, then asks the router for each kind of decision and
+# runs a CPU linear through it.
+_WITHOUT_TRITON = r"""
+import sys
+
+class NoTriton:
+    def find_spec(self, name, path, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("triton is not installed here")
+
+sys.meta_path.insert(0, NoTriton())
+import torch
+import fp8linear
+from fp8linear.ops import router
+
+cpu = torch.device("cpu")
+assert not router.HAS_TRITON and router.TensorDescriptor is None
+assert router.resolve_backend("auto", cpu) == "reference" and router.cpu_fast_path("auto", cpu)
+assert router.use_cpu_native(1) and not router.use_cpu_native(router.CPU_NATIVE_MAX_M + 1)
+assert router.cpu_row_parts(128, 128, 1) == [(0, 128)]
+assert router.select_config(cpu, 4096, 7168, 7168).block_m == 128
+assert router.splitk_config(1, 64, 7168, cpu).split_k > 1  # 4 "SMs" on the CPU
+assert router.gemv_config(1, 576, 7168).block_n == 8
+assert router.grouped_config(1024, 8, 2048, 7168).block_m == 64  # 128 rows per expert
+assert not router.use_pdl(cpu, 1)
+route = router.route_linear(cpu, 4096, 7168, 512, "block", torch.float8_e4m3fn, torch.bfloat16, None, True, True)
+assert route.kernel == "tiled", route
+layer = fp8linear.Fp8BlockLinear.from_linear(torch.nn.Linear(256, 192))
+assert layer(torch.randn(3, 256)).shape == (3, 192)
+print("ok")
+"""
+
+
+def test_router_decides_without_triton():
+    """The router, and the CPU path it sends calls to, import and run where Triton is not installed."""
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
