@@ -237,8 +237,15 @@ FUSED_GEMV_MAX_WEIGHT = 24 * 2**20
 _PROGRAMS_PER_SM = 2
 # Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits.
 _MIN_GROUPS_PER_SPLIT = 4
-# Only K of at least 32 groups (4096) is split: shorter K was faster unsplit on H100.
+# K of at least 32 groups (4096) is split; K of 16-31 groups (2048-3968) only where the output tiles
+# leave a quarter of the SMs idle at least (on NVIDIA); shorter K stays unsplit (N=4096, K=512,
+# M=16: 6.0 split / 3.7 us unsplit). H100, `fp8linear tune-routes`, split-K / tiled 16x32 tiles, us:
+# 512x3584 M=1 6.0 / 10.4, 3584x3584 M=1 (56 tiles) 9.4 / 11.6, 576x2048 M=1 5.4 / 6.4, shapes in
+# no table at M=16: 1024x3072 6.2 / 9.0, 2560x2560 (80 tiles) 7.5 / 9.1, 3072x3072 (96) 8.8 / 10.2;
+# but 7168x2048 M=1 (112 tiles of 132 SMs) 10.6 / 9.1 and 8192x3072 M=16 (256) 13.8 / 13.5.
 _MIN_SPLIT_GROUPS = 32
+_SHORT_SPLIT_GROUPS = 16
+_SHORT_SPLIT_MAX_TILES_PER_SM = 0.75
 
 KERNELS = ("gemv", "decode", "cublas", "splitk", "persistent", "tiled")
 
@@ -290,10 +297,14 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 CUBLAS_MIN_TILES_PER_SM = 0.25
 CUBLAS_ANY_TILES_M = 1024
 # Below this many 128x128 output tiles per SM, 128x128 weights go to cuBLAS as 1x128 weights
-# (CublasConfig(row_scales=True)) above SMALL_M_MAX rows: cuBLAS's 1x128-scaled kernels beat its
-# 128x128 ones and ours there. H100, CUDA graphs, benchmarks/cublaslt_probe.py --padded-grid, 11
-# shapes x M 4-2048, scales held: 1x128 / 128x128 time 0.47-1.01 below 66 tiles (one exception:
-# 576x1536 M=1024, 1.21), 1.12-1.69 from 84 tiles up; against our kernels at M 128-512 0.68-1.02.
+# (CublasConfig(row_scales=True)) above SMALL_M_MAX rows, and so do row-wise (1x128) weights:
+# cuBLAS's 1x128-scaled kernels beat its 128x128 ones and ours there. H100, CUDA graphs,
+# benchmarks/cublaslt_probe.py --padded-grid, 11 shapes x M 4-2048, scales held: 1x128 / 128x128
+# time 0.47-1.01 below 66 tiles (one exception: 576x1536 M=1024, 1.21), 1.12-1.69 from 84 tiles up;
+# against our kernels at M 128-512 0.68-1.02. Row-wise weights: in the routes tables' row sections
+# (H100 / H200) at M > 64 below this cuBLAS won 100 / 104 of 137 cases, our split-K 1; shapes in no
+# table, H100, M=96, cuBLAS / our split-K: 3072x8192 17.6 / 30.4 us, 3072x3072 10.2 / 14.0,
+# 2560x2560 9.0 / 12.0.
 CUBLAS_ROW_FORM_MAX_TILES_PER_SM = 0.5
 _ROW_FORM = CublasConfig(row_scales=True)
 # Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per
@@ -397,20 +408,23 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     """Split-K launch config for a small-M GEMM, or None where the tiled kernel is the better choice.
 
     From H100 sweeps (benchmarks/splitk_sweep.py, DeepSeek-V3 shapes plus 4608x7168, M in
-    {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups), e.g. M=1, N=576, K=7168:
+    {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups; 16-31 groups where the tiles
+    leave SMs idle, see _SHORT_SPLIT_GROUPS), e.g. M=1, N=576, K=7168:
     7.1 vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. At least two programs per
     SM were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
     us at N=4608), with at least 4 K groups each; the split is the smallest that reaches two.
     Tiles: 16/32/64 rows (as M needs) x 64 columns for M <= 8, x 32 columns above (more tiles to
     spread: M=16, N=2048: 10.5 vs 11.7 us); 4 warps, 4 stages. Short K stays tiled: there the
-    partial-sum round trip and the counter reset cost more than the extra SMs bring (N=4096, K=512, M=16: 6.0 vs 3.7 us).
+    partial-sum round trip and the counter reset cost more than the extra SMs bring.
     """
     groups = _cdiv(k, GROUP_SIZE)
-    if groups < _MIN_SPLIT_GROUPS:
+    if groups < _SHORT_SPLIT_GROUPS or (groups < _MIN_SPLIT_GROUPS and torch.version.hip is not None):
         return None
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 8 else 32
     tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
+    if groups < _MIN_SPLIT_GROUPS and tiles > _SHORT_SPLIT_MAX_TILES_PER_SM * sm_count(device):
+        return None
     split = min(_cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles), groups // _MIN_GROUPS_PER_SPLIT)
     if split < 2:
         return None
@@ -553,14 +567,15 @@ def mid_splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKCon
 
 def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, cublas_ok: bool,
                operands_tma_ok: bool, pdl: bool) -> Route:
-    """Shapes without a table entry: above SMALL_M_MAX rows, cuBLAS with 128x128 weights as 1x128
-    weights below CUBLAS_ROW_FORM_MAX_TILES_PER_SM 128x128 tiles per SM, and cuBLAS once the tiles
+    """Shapes without a table entry: above SMALL_M_MAX rows, cuBLAS with 1x128 scales (row-wise
+    weights, and 128x128 weights as 1x128 weights) below CUBLAS_ROW_FORM_MAX_TILES_PER_SM 128x128
+    tiles per SM, and cuBLAS once the tiles
     give CUBLAS_MIN_TILES_PER_SM per SM; else our split-K where it applies; else cuBLAS from
     CUBLAS_ANY_TILES_M rows; else our persistent or tiled kernel."""
     if cublas_ok and m > SMALL_M_MAX:
         tiles = _tiles(m, n, 128, 128)
-        if granularity == "block" and tiles < CUBLAS_ROW_FORM_MAX_TILES_PER_SM * sm_count(device):
-            return Route("cublas", _ROW_FORM)
+        if granularity != "tensor" and tiles < CUBLAS_ROW_FORM_MAX_TILES_PER_SM * sm_count(device):
+            return Route("cublas", _ROW_FORM if granularity == "block" else None)
         if tiles >= CUBLAS_MIN_TILES_PER_SM * sm_count(device):
             return Route("cublas")
     route = _ours(device, m, n, k, granularity, operands_tma_ok, pdl)

@@ -123,6 +123,16 @@ def test_heuristic_rules(m, n, k, cublas_ok, kernel, config):
         assert router._heuristic(CPU, m, n, k, "row", cublas_ok, False, False).config is None
 
 
+@pytest.mark.parametrize("granularity,kernel,config", [
+    ("block", "cublas", ROW_FORM), ("row", "cublas", None)])
+def test_few_tiles_above_decode_sizes_go_to_cublas_with_1x128_scales(granularity, kernel, config, monkeypatch):
+    """1 tile of 128x128 on 132 SMs (an H100), 100 rows: 128x128 weights as 1x128 weights and row-wise
+    weights (1x128 already) on cuBLAS, not on our split-K."""
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    route = router._heuristic(CPU, 100, 64, 8192, granularity, True, False, False)
+    assert route.kernel == kernel and route.config == config
+
+
 def test_mid_splitk_config():
     cfg = router.mid_splitk_config(100, 64, 8192, CPU)
     assert cfg is not None and (cfg.block_m, cfg.block_n) == router.MID_SPLIT_TILE
