@@ -6,9 +6,11 @@
   in :mod:`.cublas_gemm` (cuBLASLt called in :mod:`.cublaslt`, activations padded for it in
   :mod:`.cublas_pad`);
 - the FP8 linear on CPU tensors: :mod:`.cpu_linear`;
-- the one router (:mod:`.router`) and the plans that run its routes (:mod:`.linear`, :mod:`.launch`);
-- launch configs: heuristics in :mod:`.configs`, tuned per-device tables read from the data
-  folder ``tuned_configs/`` by :mod:`.config_tables`.
+- the one router (:mod:`.router`: every choice of backend, kernel and launch config, with its
+  heuristics) and the plans that run its routes (:mod:`.linear`, :mod:`.launch`);
+- launch configs: the dataclasses in :mod:`.configs`, tuned per-device tables read from the data
+  folder ``tuned_configs/`` by :mod:`.config_tables` and ``tuned_configs/routes/`` by
+  :mod:`.route_table`.
 
 Launchers assume validated inputs (see :mod:`fp8linear.functional`) and are importable only
 where Triton is installed; :data:`HAS_TRITON` says whether it is.

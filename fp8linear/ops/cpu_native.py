@@ -521,8 +521,9 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
         raise ValueError(f"ws must be contiguous float32, got {ws.dtype}")
     if m < 1:
         raise ValueError(f"the CPU FP8 kernel takes 1 row of x or more, got {m}")
-    if not parts or any(not 0 <= a < b <= n for a, b in parts):
-        raise ValueError(f"parts must be non-empty weight row ranges (start, end) within [0, {n}], got {parts}")
+    if not parts or parts[0][0] != 0 or parts[-1][1] != n or any(
+            not a < b or b != c for (a, b), (c, _) in zip(parts, parts[1:] + [(n, None)])):
+        raise ValueError(f"parts must be weight row ranges (start, end) covering [0, {n}) in order, got {parts}")
     args = (codes.data_ptr(), k, xq.data_ptr(), m, kp, xs.data_ptr(), groups, ws.data_ptr(), ws_ld, ws_gs, ws_div,
             y.data_ptr(), y.stride(0), _kb_groups(m))
     threads = torch.get_num_threads()

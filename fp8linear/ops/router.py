@@ -22,7 +22,7 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
 - ``cublas``: on Hopper under backend "auto", GEMMs cuBLAS blockwise FP8 computes correctly
   (:mod:`fp8linear.ops.cublas_gemm`) where it is the faster kernel: as this GPU's routes table
   measured (:mod:`fp8linear.ops.route_table`), else by the tile-count rules (CUBLAS_MIN_TILES_PER_SM;
-  128x128 weights as 1x128 weights below CUBLAS_ROW_FORM_MAX_TILES_PER_SM);
+  128x128 weights as 1x128 weights, and row-wise weights, below CUBLAS_ROW_FORM_MAX_TILES_PER_SM);
   eager callers only from EAGER_CUBLAS_MIN_MNK, below which a cuBLAS call's host cost
   exceeds the GPU time saved;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
@@ -30,7 +30,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
   where the GEMM would run on our split-K or tiled kernel (with that config) -> activation
   quantization and the split-K GEMM in one launch (:mod:`fp8linear.ops.fused_decode`);
-- ``splitk``: too few output tiles to fill the GPU and K long enough to split
+- ``splitk``: too few output tiles to fill the GPU and K long enough to split (16 groups of 128 on
+  NVIDIA where a quarter of the SMs would idle, else 32)
   (:mod:`fp8linear.ops.splitk_gemm`; :func:`splitk_config` up to SMALL_M_MAX rows,
   :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
@@ -226,7 +227,7 @@ SMALL_M_MAX = 64
 # for 3-6 MB of weight (N=1536..3072, K=1536..2816), 8.6 vs 9.2 us at N=576, K=7168, 18.5 vs 18.5
 # at 24576x1536; from 117 MB up (7168x16384, 18432x7168) the split-K GEMM streams HBM faster
 # (51.4 vs 50.4 and 58.5 vs 53.8 us). At M >= 2 each row re-reads the weight tile and the
-# two-kernel path won (geometric mean 19.9 vs 16.8 us at M=2). Re-swept (H100): from
+# two-kernel path won (geometric mean 19.9 vs 16.8 us at M=2). Another H100 sweep: from
 # 33M elements the two kernels win too (4608x7168 19.6 vs 21.7 us; 18432x7168 54.5 vs 63.8) or tie
 # (24576x1536 18.2 vs 18.5; 32768x512, 16.8M: 10.7 vs 10.7), while below it the fused kernel still
 # wins (7168x2304 11.1 vs 13.6, 1536x7168 10.2 vs 11.4): hence 24M.
@@ -237,7 +238,7 @@ FUSED_GEMV_MAX_WEIGHT = 24 * 2**20
 _PROGRAMS_PER_SM = 2
 # Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits.
 _MIN_GROUPS_PER_SPLIT = 4
-# K of at least 32 groups (4096) is split; K of 16-31 groups (2048-3968) only where the output tiles
+# K of at least 32 groups of 128 (K > 3968) is split; K of 16-31 groups (1921-3968) only where the tiles
 # leave a quarter of the SMs idle at least (on NVIDIA); shorter K stays unsplit (N=4096, K=512,
 # M=16: 6.0 split / 3.7 us unsplit). H100, `fp8linear tune-routes`, split-K / tiled 16x32 tiles, us:
 # 512x3584 M=1 6.0 / 10.4, 3584x3584 M=1 (56 tiles) 9.4 / 11.6, 576x2048 M=1 5.4 / 6.4, shapes in

@@ -36,10 +36,8 @@ def _ref64(x_q, x_s, w_q, w_s, bias):
 
 @pytest.fixture(autouse=True)
 def _torch_ops_path(monkeypatch):
-    """This file tests the torch-ops path; the compiled kernel (M <= NATIVE_MAX_M) has
+    """This file tests the torch-ops path; the compiled kernel (M <= router.CPU_NATIVE_MAX_M) has
     tests/ops/test_cpu_native.py."""
-    from fp8linear.ops import cpu_native
-
     monkeypatch.setattr(router, "CPU_NATIVE_MAX_M", 0)
 
 

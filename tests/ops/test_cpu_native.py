@@ -257,7 +257,8 @@ def test_no_rows_are_refused():
                                torch.empty(0, 128), [(0, 128)])
 
 
-@pytest.mark.parametrize("parts", [[(0, 129)], [(-1, 64)], [(64, 64)], [(0, 64), (64, 130)]])
+@pytest.mark.parametrize("parts", [[(0, 129)], [(-1, 64)], [(64, 64)], [(0, 64), (64, 130)], [(0, 60), (64, 128)],
+                                   [(0, 70), (64, 128)], []])
 def test_row_ranges_outside_the_weight_are_refused(parts):
     w_q, w_s = quantize_weight_ref(torch.randn(128, 128), "block", torch.float8_e4m3fn)
     p = cpu_linear.prepare_cpu_weight(w_q, w_s, "block")
