@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .configs import GemmConfig, hip_arch, is_amd_arch
+from .configs import GemmConfig, hip_arch
 
 __all__ = [
     "TABLE_FORMAT",

@@ -440,8 +440,9 @@ def decode_tile_counters(n: int) -> int:
 
 
 def counters_fit(m: int, n: int, cfg: SplitKConfig) -> bool:
-    """Whether a :func:`fp8linear.ops.splitk_gemm.splitk_counters` of an N-column weight has a tile counter for every output
-    tile of an (m, n) split-K launch with `cfg` (it is sized for SMALL_M_MAX rows of 16x16 tiles)."""
+    """Whether a :func:`fp8linear.ops.splitk_gemm.splitk_counters` of an N-column weight has a tile
+    counter for every output tile of an (m, n) split-K launch with `cfg` (it is sized for SMALL_M_MAX
+    rows of 16x16 tiles)."""
     return cfg.split_k == 1 or _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m) <= decode_tile_counters(n)
 
 
