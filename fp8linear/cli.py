@@ -22,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("fp8linear.tools.tune", "tune GEMM launch configs for a model's shapes and write a table"),
     "tune-routes": ("fp8linear.tools.route_tune", "time every kernel the router could pick per shape and M; "
                     "write this GPU's routes table"),
+    "build-cutlass": ("fp8linear.tools.cutlass_build", "compile the optional CUTLASS Hopper GEMM kernels (nvcc) "
+                      "into the cache"),
     "plan-memory": ("fp8linear.tools.plan_memory", "per-GPU memory of a model's config in FP8 under tensor parallelism"),
     "amd-check": ("fp8linear.tools.amd_check", "compile every kernel and AMD config for MI300X (gfx942) without a GPU; "
                   "report registers, spills, LDS, occupancy, MFMAs"),

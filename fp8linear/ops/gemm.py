@@ -34,6 +34,7 @@ import triton.language as tl
 from ..formats import GROUP_SIZE
 from .configs import GemmConfig, SplitKConfig, launch_options, sm_count
 from .cublas_gemm import cublas_fp8_gemm
+from .cutlass_gemm import cutlass_fp8_gemm
 from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
 from .pdl import pdl_launch, wait_for_producer
 from .router import TensorDescriptor, Route, route_gemm, tma_ok
@@ -172,6 +173,8 @@ def run_gemm_route(route: Route, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torc
     # in the tiled kernel (H100, 512x7168 M=1024: 37.1 vs 19.4 us; 18432x7168 M=4096: 1628 vs 1190):
     # likely because each K step's scale load then misses L1 (row-major, one line serves 32 K steps).
     x_s = x_s.contiguous()
+    if route.kernel == "cutlass":  # reads x_s row-major too
+        return cutlass_fp8_gemm(x_q, x_s, w_q, w_s, bias, route.config)
     if route.kernel == "splitk":
         return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config, counters, route.pdl)
     m, n = x_q.shape[0], w_q.shape[0]

@@ -207,7 +207,8 @@ class LinearPlan:
     (:func:`fp8linear.ops.launch.aligned`: the caller checks), returning y (..., N). Results are
     bit-identical to :func:`run_linear_route` on the same route. cuBLAS routes keep the weight
     scale in cuBLAS's layout; routes without a prepared form (the persistent kernel, whose TMA
-    descriptors hold the activations' address, and empty shapes) run :func:`run_linear_route`.
+    descriptors hold the activations' address, CUTLASS, whose launcher builds its descriptors per
+    call, and empty shapes) run :func:`run_linear_route`.
     `capture_route`: the route to run inside CUDA-graph capture where it differs from `route`
     (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
     The weight, scales, bias and `counters` are held by reference: a plan stays valid while
@@ -259,7 +260,7 @@ class LinearPlan:
         def unprepared(x: torch.Tensor) -> torch.Tensor:
             return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, counters).reshape(out_shape)
 
-        if m == 0 or n == 0 or k == 0 or route.kernel == "persistent" or not aligned(x):
+        if m == 0 or n == 0 or k == 0 or route.kernel in ("persistent", "cutlass") or not aligned(x):
             return unprepared, ()
         fp8_dtype = w_q.dtype
         if route.kernel == "cublas":

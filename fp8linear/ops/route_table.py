@@ -17,8 +17,10 @@ per-tensor weights use the heuristic.
 
 ``kernel`` is ``cublas`` (with an optional ``workspace_mib`` and ``row_scales``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
-:class:`~fp8linear.ops.configs.GemmConfig`) or ``splitk`` (a
-:class:`~fp8linear.ops.configs.SplitKConfig`). A GEMM with M rows uses the entry measured at
+:class:`~fp8linear.ops.configs.GemmConfig`), ``splitk`` (a
+:class:`~fp8linear.ops.configs.SplitKConfig`) or ``cutlass`` (``tile_m``, a
+:class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`, and ``fallback``: the entry of the fastest
+other kernel, which runs where the CUTLASS library is not built). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
 within that factor; otherwise there is no entry.
 """
@@ -36,6 +38,7 @@ import torch
 from .config_tables import table_filename
 from .configs import GemmConfig, SplitKConfig
 from .cublas_gemm import CublasConfig
+from .cutlass_gemm import CutlassConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
            "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
@@ -44,7 +47,7 @@ ROUTES_FORMAT = "fp8linear-routes"
 ROUTES_VERSION = 1
 # An entry serves M within this factor of the M it was measured at (entries sit at most 1.5x apart).
 MAX_M_RATIO = 1.5
-ROUTE_KERNELS = ("cublas", "tiled", "splitk")
+ROUTE_KERNELS = ("cublas", "tiled", "splitk", "cutlass")
 # The table section of each weight granularity that has one.
 ROUTE_SECTIONS = {"block": "routes", "row": "row_routes"}
 _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
@@ -52,10 +55,12 @@ _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
 
 @dataclass(frozen=True)
 class RouteEntry:
-    """One measured choice: the kernel and, for ours, its launch config."""
+    """One measured choice: the kernel and its launch config; a CUTLASS entry also names the fastest
+    other kernel (`fallback`, never itself a CUTLASS entry)."""
 
     kernel: str
-    config: GemmConfig | SplitKConfig | CublasConfig | None = None
+    config: GemmConfig | SplitKConfig | CublasConfig | CutlassConfig | None = None
+    fallback: RouteEntry | None = None
 
 
 def routes_dir() -> Path:
@@ -76,6 +81,11 @@ def _entry(raw: Any, where: str) -> RouteEntry:
             return RouteEntry(kernel, GemmConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                  block_k=int(raw.get("block_k", 128)), group_m=int(raw.get("group_m", 8)),
                                                  num_warps=int(raw["num_warps"]), num_stages=int(raw["num_stages"])))
+        if kernel == "cutlass":
+            fallback = raw["fallback"]
+            if not isinstance(fallback, dict) or fallback.get("kernel") == "cutlass":
+                raise ValueError(f"a cutlass entry's fallback is an entry of another kernel, got {fallback!r}")
+            return RouteEntry(kernel, CutlassConfig(tile_m=int(raw["tile_m"])), _entry(fallback, f"{where}.fallback"))
         if kernel == "splitk":
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                    split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
@@ -108,6 +118,10 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
         out.update(workspace_mib=c.workspace_mib)
         if c.row_scales:
             out.update(row_scales=True)
+    elif isinstance(c, CutlassConfig):
+        out.update(tile_m=c.tile_m)
+    if entry.fallback is not None:
+        out.update(fallback=entry_to_json(entry.fallback))
     return out
 
 

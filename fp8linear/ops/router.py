@@ -25,6 +25,10 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   128x128 weights as 1x128 weights, and row-wise weights, below CUBLAS_ROW_FORM_MAX_TILES_PER_SM);
   eager callers only from EAGER_CUBLAS_MIN_MNK, below which a cuBLAS call's host cost
   exceeds the GPU time saved;
+- ``cutlass``: on Hopper under backend "auto", where this GPU's routes table measured CUTLASS's
+  warp-specialized blockwise kernel fastest and its library is built
+  (:mod:`fp8linear.ops.cutlass_gemm`; else the entry's fallback, the kernel measured next);
+  eager callers from EAGER_CUBLAS_MIN_MNK, as for cuBLAS;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
@@ -71,6 +75,7 @@ from .configs import (AMD_CU_COUNT, DEFAULT_CU_COUNT, GemmConfig, GemvConfig, Sp
                       device_arch, is_amd_arch, sm_count)
 from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
+from .cutlass_gemm import cutlass_accepts, cutlass_available
 from .route_table import lookup_route
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -248,7 +253,7 @@ _MIN_SPLIT_GROUPS = 32
 _SHORT_SPLIT_GROUPS = 16
 _SHORT_SPLIT_MAX_TILES_PER_SM = 0.75
 
-KERNELS = ("gemv", "decode", "cublas", "splitk", "persistent", "tiled")
+KERNELS = ("gemv", "decode", "cublas", "cutlass", "splitk", "persistent", "tiled")
 
 # Short K (up to PERSISTENT_MAX_K) with M >= PERSISTENT_MIN_M and 128x128-block or per-tensor
 # weights runs the persistent TMA kernel (H100, M=4096: K=512 211 vs 304 us, K=1536 413 vs 437 us
@@ -587,9 +592,14 @@ def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, c
 
 
 def _choose(device: torch.device, m: int, n: int, k: int, granularity: str, cublas_ok: bool, operands_tma_ok: bool,
-            pdl: bool) -> Route:
-    """The measured choice where this GPU's table has one (:mod:`fp8linear.ops.route_table`), else the heuristic."""
+            pdl: bool, cutlass_ok: bool = False) -> Route:
+    """The measured choice where this GPU's table has one (:mod:`fp8linear.ops.route_table`), else the
+    heuristic. A CUTLASS entry runs where `cutlass_ok`, else its fallback entry does."""
     entry = lookup_route(device, m, n, k, granularity)
+    if entry is not None and entry.kernel == "cutlass":
+        if cutlass_ok:
+            return Route("cutlass", entry.config)
+        entry = entry.fallback
     if entry is None:
         return _heuristic(device, m, n, k, granularity, cublas_ok, operands_tma_ok, pdl)
     if entry.kernel == "cublas" and cublas_ok:
@@ -644,15 +654,18 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     """
     if use_fused_gemv(m, n, k) or (eager and _eager_gemv(m, n, k)):
         return Route("gemv", gemv_config(m, n, k))
-    cublas_ok = (allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
-                 and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))
+    library_ok = allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
+    cublas_ok = library_ok and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device)
+    # the quantized activations are 16-byte aligned with K-long rows: TMA-addressable where K % 16 == 0
+    cutlass_ok = (library_ok and weight_tma_ok and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
+                  and cutlass_available(device))
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:
         cfg = _decode_config(device, m, n, k, granularity)
         if cfg is not None:
             return Route("decode", cfg)
-    route = _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl)
+    route = _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl, cutlass_ok)
     if one_launch and m > SMALL_M_MAX and m * n * k <= ONE_LAUNCH_MAX_MNK and route.kernel in ("splitk", "tiled"):
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
@@ -667,7 +680,9 @@ def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, f
     that is not a multiple of 4, :func:`~fp8linear.ops.cublas_gemm.cublas_fp8_gemm` pads a copy)."""
     cublas_ok = (allow_cublas and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
                  and cublas_device_ok(device))
-    return _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m))
+    cutlass_ok = (allow_cublas and operands_tma_ok and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
+                  and cutlass_available(device))
+    return _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m), cutlass_ok)
 
 
 # ----------------------------------------------------------------------------- grouped MoE GEMMs

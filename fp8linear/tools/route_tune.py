@@ -7,7 +7,11 @@ our split-K kernel at several tiles and splits, the heuristic's own choice, and 
 The fastest of ours or cuBLAS becomes the table entry (:mod:`fp8linear.ops.route_table`), so
 GEMMs of these shapes run what measured fastest on this GPU model. 128x128-block and 1x128
 row-wise weights are measured apart (``--granularity``), each into its section of the table;
-``--update`` keeps the shapes not measured now (per granularity) from the table already in ``--out``. Writes the table (JSON, by a
+``--update`` keeps the shapes not measured now (per granularity) from the table already in ``--out``.
+Where the CUTLASS library is built (``fp8linear build-cutlass``), its kernels are candidates too;
+a CUTLASS entry records the fastest other kernel as its fallback. ``--cutlass-only`` times just
+the shipped table's entries against the CUTLASS kernels (128x128 weights), a few minutes instead of
+a full sweep. Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
 the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -43,6 +47,9 @@ _LARGE_WORKSPACE_MIB = 32
 # Tiles below 64x64 are timed up to this M (above it they need 4x the programs of 64x64 tiles).
 _NARROW_TILE_MAX_M = 512
 _SPLIT_TILES = ((16, 32), (32, 32), (16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
+# A CUTLASS kernel becomes the entry only if it beats the fastest other kernel by this factor: the
+# timer's run-to-run spread is 1-2%, and an entry whose win is noise would only add a dependency.
+CUTLASS_MIN_GAIN = 0.97
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
 _REPLAYS = 5
@@ -87,16 +94,42 @@ def _label(kernel: str, cfg: Any) -> str:
         return f"cublas:ws{cfg.workspace_mib}" + (":row" if cfg.row_scales else "")
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
+    if kernel == "cutlass":
+        return f"cutlass:{cfg.tile_m}"
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
 
 
-def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block") -> dict[str, tuple[str, Any]]:
-    """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape)."""
+def _cutlass_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
+    from ..ops.cutlass_gemm import CUTLASS_CONFIGS, cutlass_accepts, cutlass_available
+
+    if not (cutlass_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cutlass_available(device)):
+        return {}
+    return {_label("cutlass", cfg): ("cutlass", cfg) for cfg in CUTLASS_CONFIGS}
+
+
+def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
+    """The shipped table's entry for this GEMM (a CUTLASS entry's fallback too)."""
+    from ..ops.route_table import lookup_route
+
+    out: dict[str, tuple[str, Any]] = {}
+    entry = lookup_route(device, m, n, k, granularity)
+    while entry is not None:
+        if entry.kernel != "cutlass":
+            out[_label(entry.kernel, entry.config)] = (entry.kernel, entry.config)
+        entry = entry.fallback
+    return out
+
+
+def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
+               cutlass_only: bool = False) -> dict[str, tuple[str, Any]]:
+    """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
+    CUTLASS where it is built); `cutlass_only`: the shipped table's entry and the CUTLASS kernels."""
     from ..ops import router
     from ..ops.cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
-    from ..ops.route_table import lookup_route
     from ..ops.configs import sm_count
 
+    if cutlass_only:
+        return {**_shipped_candidates(m, n, k, device, granularity), **_cutlass_candidates(n, k, device, granularity)}
     out: dict[str, tuple[str, Any]] = {}
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     if cublas_ok:
@@ -118,18 +151,21 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
         out.setdefault(_label("tiled", cfg), ("tiled", cfg))
     for cfg in _split_candidates(m, n, k, sm_count(device)):
         out.setdefault(_label("splitk", cfg), ("splitk", cfg))
-    shipped = lookup_route(device, m, n, k, granularity)
-    if shipped is not None and shipped.config is not None:
-        out.setdefault(_label(shipped.kernel, shipped.config), (shipped.kernel, shipped.config))
+    for label, cand in _shipped_candidates(m, n, k, device, granularity).items():
+        if cand[1] is not None:
+            out.setdefault(label, cand)
+    out.update(_cutlass_candidates(n, k, device, granularity))
     return out
 
 
 def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.device, deadline_s: float,
-          log: Callable[[str], None], granularities: Sequence[str] = ("block",)) -> list[dict[str, Any]]:
+          log: Callable[[str], None], granularities: Sequence[str] = ("block",),
+          cutlass_only: bool = False) -> list[dict[str, Any]]:
     """One row per (granularity, N, K, M): every candidate's µs per call, BF16's, and the heuristic's label."""
     from ..functional import quantize_weight
     from ..ops import router
     from ..ops.cublas_gemm import cublas_fp8_gemm
+    from ..ops.cutlass_gemm import cutlass_fp8_gemm
     from ..ops.gemm import block_fp8_gemm
     from ..ops.quant import act_quant
     from ..ops.splitk_gemm import splitk_counters
@@ -150,10 +186,13 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 x_q, x_s = act_quant(x, torch.float8_e4m3fn)
                 xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
                 fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
-                for label, (kernel, c) in candidates(m, n, k, device, gran).items():
+                for label, (kernel, c) in candidates(m, n, k, device, gran, cutlass_only).items():
                     if kernel == "cublas":
                         fns[label] = ((lambda g, c_: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None, c_))(
                             gran, c), (xp_q, xp_s, w_q, w_s))
+                    elif kernel == "cutlass":
+                        fns[label] = ((lambda c_: lambda a, sa, b, sb: cutlass_fp8_gemm(a, sa, b, sb, None, c_))(c),
+                                      (x_q, x_s, w_q, w_s))
                     else:
                         fns[label] = ((lambda c_, g: lambda a, sa, b, sb: block_fp8_gemm(
                             a, sa, b, sb, g, torch.bfloat16, None, config=c_, counters=counters))(c, gran),
@@ -182,6 +221,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
 def _entry_from_label(label: str) -> dict[str, Any]:
     if label == "cublas":
         return {"kernel": "cublas"}
+    if label.startswith("cutlass:"):
+        return {"kernel": "cutlass", "tile_m": int(label[len("cutlass:"):])}
     if label.startswith("cublas:ws"):
         mib, _, form = label[len("cublas:ws"):].partition(":")
         if form not in ("", "row"):
@@ -215,14 +256,25 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
             if kept:
                 doc.setdefault(section, {}).update(kept)
     for r in rows:
-        best_us, best = min((v, lab) for lab, v in r["us"].items() if lab != "bf16")
-        entry = _entry_from_label(best)
-        entry.update(us=round(best_us, 2), bf16_us=round(r["us"]["bf16"], 2))
+        entry = _best_entry(r["us"])
+        entry.update(bf16_us=round(r["us"]["bf16"], 2))
         section = doc.setdefault(ROUTE_SECTIONS[r.get("granularity", "block")], {})
         section.setdefault(f"{r['n']},{r['k']}", {})[str(r["m"])] = entry
     for gran in ROUTE_SECTIONS:
         parse_routes(doc, "new routes table", gran)  # what we write must read back
     return doc
+
+
+def _best_entry(us: dict[str, float]) -> dict[str, Any]:
+    """The table entry of one case's times: the fastest kernel, CUTLASS only where it beats the
+    fastest other one by CUTLASS_MIN_GAIN (then with that one as its fallback)."""
+    other_us, other = min((v, lab) for lab, v in us.items() if lab != "bf16" and not lab.startswith("cutlass:"))
+    entry = {**_entry_from_label(other), "us": round(other_us, 2)}
+    cut = [(v, lab) for lab, v in us.items() if lab.startswith("cutlass:")]
+    if cut and min(cut)[0] < CUTLASS_MIN_GAIN * other_us:
+        cut_us, label = min(cut)
+        return {**_entry_from_label(label), "us": round(cut_us, 2), "fallback": entry}
+    return entry
 
 
 def write_table(doc: dict[str, Any], path: Path) -> Path:
@@ -257,6 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight granularities to measure (default: both)")
     parser.add_argument("--update", action="store_true",
                         help="keep the shapes (per granularity) not measured now from the table already in --out")
+    parser.add_argument("--cutlass-only", action="store_true",
+                        help="time only the shipped entries against the built CUTLASS kernels (128x128 weights)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -294,8 +348,17 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"fp8linear tune-routes: --update needs a valid table in {out}: {e}", file=sys.stderr)
             return 2
+    granularities = tuple(dict.fromkeys(args.granularity))
+    if args.cutlass_only:
+        from ..ops.cutlass_gemm import cutlass_available, library_path
+
+        if not cutlass_available(device):
+            print(f"fp8linear tune-routes: --cutlass-only needs the CUTLASS library ({library_path()}; "
+                  "`fp8linear build-cutlass`) and an sm_90 GPU", file=sys.stderr)
+            return 2
+        granularities = ("block",)
     rows = sweep(shapes, ms, device, args.deadline_s, lambda s: print(s, file=sys.stderr, flush=True),
-                 tuple(dict.fromkeys(args.granularity)))
+                 granularities, args.cutlass_only)
 
     meta = {"tool": "fp8linear tune-routes", "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}

@@ -11,6 +11,7 @@ from fp8linear.ops import route_table, router
 from fp8linear.ops.configs import GemmConfig
 from fp8linear.ops.cublas_gemm import CublasConfig
 from fp8linear.ops.configs import SplitKConfig
+from fp8linear.ops.cutlass_gemm import CutlassConfig
 
 
 def _doc(routes):
@@ -48,6 +49,12 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     (_doc({"128,256": {"4": {"kernel": "cublas", "row_scales": "yes"}}}), "row_scales must be true or false"),
     (_doc({"128,256": {"4": {"kernel": "splitk", "block_m": 16, "block_n": 64, "split_k": 0,
                              "num_warps": 4, "num_stages": 4}}}), "split_k"),
+    (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64}}}), "needs field 'fallback'"),
+    (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 96, "fallback": {"kernel": "cublas"}}}}), "tile_m"),
+    (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64,
+                             "fallback": {"kernel": "cutlass", "tile_m": 128}}}}), "fallback is an entry of another"),
+    (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64, "fallback": {"kernel": "tiled"}}}}),
+     r"\.fallback: a tiled entry needs field"),
 ])
 def test_bad_tables_are_refused_with_a_reason(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -61,7 +68,10 @@ def test_entries_round_trip():
                route_table.RouteEntry("cublas", CublasConfig(workspace_mib=32, row_scales=True)),
                route_table.RouteEntry("cublas", CublasConfig(row_scales=True)),
                route_table.RouteEntry("tiled", GemmConfig(64, 64, 128, num_warps=4, num_stages=4)),
-               route_table.RouteEntry("splitk", SplitKConfig(64, 64, 5, num_warps=4, num_stages=4))]
+               route_table.RouteEntry("splitk", SplitKConfig(64, 64, 5, num_warps=4, num_stages=4)),
+               route_table.RouteEntry("cutlass", CutlassConfig(64), route_table.RouteEntry("cublas")),
+               route_table.RouteEntry("cutlass", CutlassConfig(128),
+                                      route_table.RouteEntry("tiled", GemmConfig(128, 128, 128, num_warps=8)))]
     doc = _doc({"576,7168": {str(i + 1): route_table.entry_to_json(e) for i, e in enumerate(entries)}})
     parsed = route_table.parse_routes(json.loads(json.dumps(doc)))
     assert [parsed[(576, 7168)][i + 1] for i in range(len(entries))] == entries
@@ -154,6 +164,50 @@ def test_table_entry_wins_over_the_heuristic(monkeypatch):
     assert router._choose(CPU, 300, 576, 7168, "block", True, False, False) == router.Route("cublas", small)
     # cuBLAS measured fastest but not allowed here (backend "triton", an eager cut, a bias dtype): ours
     assert router._choose(CPU, 300, 576, 7168, "block", False, False, False).kernel in ("splitk", "tiled")
+
+
+def test_cutlass_entry_runs_where_built_else_its_fallback(monkeypatch):
+    """A CUTLASS entry routes to CUTLASS where the library is usable for the call (cutlass_ok), else
+    to the kernel measured next (its fallback), and from there as any entry: a cuBLAS fallback where
+    cuBLAS is not allowed either goes to our kernels."""
+    split = SplitKConfig(64, 128, 3, num_warps=4, num_stages=4)
+    entry = route_table.RouteEntry("cutlass", CutlassConfig(64), route_table.RouteEntry("splitk", split))
+    monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
+    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False, True) == router.Route("cutlass",
+                                                                                                  CutlassConfig(64))
+    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False, False) == router.Route("splitk", split)
+    on_cublas = route_table.RouteEntry("cutlass", CutlassConfig(128), route_table.RouteEntry("cublas"))
+    monkeypatch.setattr(router, "lookup_route", lambda *a: on_cublas)
+    assert router._choose(CPU, 300, 576, 7168, "block", True, False, False, False) == router.Route("cublas")
+    assert router._choose(CPU, 300, 576, 7168, "block", False, False, False, False).kernel in ("splitk", "tiled")
+
+
+@pytest.mark.parametrize("allow,bias_dtype,k,cutlass", [
+    (True, None, 7168, True),
+    (True, torch.bfloat16, 7168, True),  # a fused bf16 bias
+    (False, None, 7168, False),  # backend "triton": never CUTLASS
+    (True, torch.float16, 7168, False),  # a bias CUTLASS does not fuse
+    (True, None, 7160, False),  # K not a multiple of 16: TMA cannot address the rows
+])
+def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtype, k, cutlass):
+    """route_gemm and route_linear take a CUTLASS entry only where the built kernels compute the
+    call; eager calls below EAGER_CUBLAS_MIN_MNK never (a library call's host cost); where the
+    library is not built the fallback runs."""
+    split = SplitKConfig(64, 128, 3, num_warps=4, num_stages=4)
+    entry = route_table.RouteEntry("cutlass", CutlassConfig(64), route_table.RouteEntry("splitk", split))
+    monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
+    monkeypatch.setattr(router, "cutlass_available", lambda device: True)
+    n, fp8, bf16 = 576, torch.float8_e4m3fn, torch.bfloat16
+    bias = None if bias_dtype is None else torch.zeros(n, dtype=bias_dtype)
+    expected = "cutlass" if cutlass else "splitk"
+    assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True).kernel == expected
+    assert router.route_linear(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True).kernel == expected
+    assert router.route_linear(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True, eager=True).kernel == expected
+    assert 100 * n * k < router.EAGER_CUBLAS_MIN_MNK
+    assert router.route_linear(CPU, 100, n, k, "block", fp8, bf16, bias, allow, True, eager=True).kernel != "cutlass"
+    assert router.route_gemm(CPU, 4096, n, k, "row", fp8, bf16, None, allow, True).kernel != "cutlass"
+    monkeypatch.setattr(router, "cutlass_available", lambda device: False)  # not built: the fallback
+    assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True).kernel == "splitk"
 
 
 def test_rocm_keeps_its_tiles_above_decode_sizes(monkeypatch):

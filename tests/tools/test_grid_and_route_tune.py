@@ -117,6 +117,44 @@ def test_entry_labels_round_trip_through_the_table():
             and "within 1.2x in 4 of 5" in report)
 
 
+def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
+    """CUTLASS becomes the entry only where it beats the fastest other kernel by CUTLASS_MIN_GAIN; its
+    entry then names that kernel as the fallback, with its time."""
+    rows = [{"n": 576, "k": 7168, "m": 96, "heuristic": "cublas",
+             "us": {"bf16": 12.0, "cublas": 10.0, "tiled:64x64x128w4s4g8": 11.0, "cutlass:64": 9.0, "cutlass:128": 9.5}},
+            {"n": 576, "k": 7168, "m": 128, "heuristic": "cublas",  # 2% faster: noise, not an entry
+             "us": {"bf16": 12.0, "cublas": 10.0, "cutlass:64": 9.8}},
+            {"n": 576, "k": 7168, "m": 192, "heuristic": "cublas",
+             "us": {"bf16": 12.0, "splitk:64x64x4w4s4": 10.0, "cutlass:128": 8.0}}]
+    doc = route_tune.build_table(rows, "X", {"tool": "test"})
+    raw = doc["routes"]["576,7168"]
+    assert raw["96"] == {"kernel": "cutlass", "tile_m": 64, "us": 9.0, "bf16_us": 12.0,
+                         "fallback": {"kernel": "cublas", "us": 10.0}}
+    assert raw["128"]["kernel"] == "cublas" and "fallback" not in raw["128"]
+    table = route_table.parse_routes(json.loads(json.dumps(doc)))[(576, 7168)]
+    assert table[192].kernel == "cutlass" and table[192].config.tile_m == 128
+    assert table[192].fallback.kernel == "splitk" and table[192].fallback.config.split_k == 4
+    assert route_tune.CUTLASS_MIN_GAIN < 1
+
+
+def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
+    """--cutlass-only times the shipped entry (a CUTLASS entry's fallback too) against the CUTLASS
+    kernels, nothing else."""
+    from fp8linear.ops import cutlass_gemm
+    from fp8linear.ops.configs import GemmConfig
+
+    tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
+    entry = route_table.RouteEntry("cutlass", cutlass_gemm.CutlassConfig(64), route_table.RouteEntry("tiled", tiled))
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
+    monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: True)
+    got = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
+    assert got == {"tiled:64x64x128w4s4g8": ("tiled", tiled), "cutlass:64": ("cutlass", cutlass_gemm.CutlassConfig(64)),
+                   "cutlass:128": ("cutlass", cutlass_gemm.CutlassConfig(128))}
+    monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: False)
+    full = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block")
+    assert "tiled:64x64x128w4s4g8" in full and not any(label.startswith("cutlass") for label in full)
+
+
 def test_row_rows_go_to_their_section_and_update_keeps_the_other():
     """Rows of row-wise weights fill the row section; a base table's shapes not measured now are kept
     (per granularity), those measured now are replaced; the heuristic report is per granularity."""

@@ -1,0 +1,118 @@
+"""CUTLASS's Hopper blockwise-scaled FP8 GEMM against cuBLAS blockwise, ours, per-tensor and BF16.
+
+Loads a shared library of CUTLASS configurations (each exporting ``<name>_run``,
+``<name>_can_implement`` and ``<name>_workspace_size``, as `fp8linear/ops/cutlass/blockwise_gemm.cu`
+builds them), checks each against the float64 reference on fresh data, then times every method
+with CUDA graphs over operand sets rotated past L2, interleaved (fp8linear.tools.timing).
+
+    python benchmarks/cutlass_probe.py --lib build/libfp8l.so --configs c128x128_1x1 p64x128_1x1 \
+        --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import sys
+
+import torch
+
+from fp8linear.functional import quantize_activation
+from fp8linear.reference import block_fp8_matmul_ref
+from fp8linear.tools.bench import BenchConfig, _make_shape_operands, _method_setup
+from fp8linear.tools.shapes import Shape
+from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
+
+BASE_METHODS = ("bf16", "cublas_tensor", "cublas_block", "ours_block", "triton_block")
+
+
+def load(lib_path: str, names: list[str]):
+    lib = ctypes.CDLL(lib_path)
+    fns = {}
+    for name in names:
+        run = getattr(lib, f"fp8l_{name}_run")
+        run.restype = ctypes.c_int
+        run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_void_p]
+        can = getattr(lib, f"fp8l_{name}_can_implement")
+        can.restype = ctypes.c_int
+        can.argtypes = [ctypes.c_int] * 3
+        ws = getattr(lib, f"fp8l_{name}_workspace_size")
+        ws.restype = ctypes.c_size_t
+        ws.argtypes = [ctypes.c_int] * 3
+        fns[name] = (run, can, ws)
+    return fns
+
+
+def cutlass_fn(run, ws_size, m, n, k, device):
+    def call(a, sa, b, sb):
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        w = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=device)
+        rc = run(a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), y.data_ptr(), None, m, n, k,
+                 w.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"cutlass run failed: {rc}")
+        return y
+    return call
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--lib", required=True)
+    p.add_argument("--configs", nargs="+", required=True)
+    p.add_argument("--shapes", nargs="+", required=True)
+    p.add_argument("--ms", nargs="+", type=int, required=True)
+    p.add_argument("--csv", default=None)
+    p.add_argument("--replays", type=int, default=7)
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    fns = load(args.lib, args.configs)
+    gen = torch.Generator(device=device).manual_seed(0)
+    cfg = BenchConfig(shapes=(Shape(1, 16),), ms=(1,), methods=BASE_METHODS, bias=False)
+    rows = []
+    for text in args.shapes:
+        n, k = (int(v) for v in text.split("x"))
+        shape = Shape(n, k)
+        ops = _make_shape_operands(shape, device, gen, torch.float8_e4m3fn, BASE_METHODS)
+        w_q, w_s = ops.quant["block"]
+        for m in args.ms:
+            x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+            rounds = {}
+            for method in BASE_METHODS:
+                try:
+                    fn, a, nbytes, _ = _method_setup(method, x, ops, torch.float8_e4m3fn, cfg)
+                    fn(*a)
+                    rounds[method], _ = prepare_cuda(fn, rotation_sets(a, nbytes, device), 3, True)
+                except RuntimeError as e:
+                    print(f"  {method} {m}x{n}x{k}: {str(e).splitlines()[0][:90]}", file=sys.stderr)
+            x_q, x_s = quantize_activation(x)
+            x_s = x_s.contiguous()
+            # the first and last 128 rows (the last tile of a ragged M included)
+            sel = torch.cat([torch.arange(0, min(m, 128)), torch.arange(max(m - 128, 0), m)]).unique().to(device)
+            ref = block_fp8_matmul_ref(x_q[sel].cpu(), x_s[sel].cpu(), w_q.cpu(), w_s.cpu(), torch.float32).double()
+            errs = {}
+            for name, (run, can, ws) in fns.items():
+                if can(m, n, k) != 0:
+                    print(f"  {name} cannot implement {m}x{n}x{k}", file=sys.stderr)
+                    continue
+                fn = cutlass_fn(run, ws(m, n, k), m, n, k, device)
+                y = fn(x_q, x_s, w_q, w_s)[sel].double().cpu()
+                errs[name] = ((y - ref).norm() / ref.norm()).item()
+                a = (x_q, x_s, w_q, w_s)
+                nbytes = m * k + n * k + x_s.numel() * 4 + w_s.numel() * 4 + m * n * 2
+                rounds[name], _ = prepare_cuda(fn, rotation_sets(a, nbytes, device), 3, True)
+            times = time_rounds(rounds, args.replays)
+            line = f"{n:6d}x{k:<6d} M={m:<5d} " + " ".join(f"{k_}={v:8.1f}" for k_, v in times.items())
+            print(line + "  err " + " ".join(f"{k_}={v:.1e}" for k_, v in errs.items()), flush=True)
+            for method, us in times.items():
+                rows.append({"n": n, "k": k, "m": m, "method": method, "us": us, "rel_err": errs.get(method, "")})
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["n", "k", "m", "method", "us", "rel_err"])
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+// Blockwise-scaled FP8 GEMM on CUTLASS's Hopper warp-specialized kernels (sm_90a).
+//
+//   y (M, N) bf16 = (A (M, K) fp8 * SFA) @ (B (N, K) fp8 * SFB)^T (+ bias (N) bf16)
+//
+// The tensor cores multiply each 128-wide K group; the product is promoted into an fp32
+// accumulator with its scales (DeepSeek-V3's recipe, as our Triton kernels and cuBLAS do).
+// SFA: (M, ceil(K/128)) fp32 row-major, one scale per token and K group (what our activation
+// quantizer writes); SFB: (ceil(N/128), ceil(K/128)) fp32 row-major, one per 128x128 weight block
+// (the checkpoint's weight_scale_inv). Both are read per element, so M and K/128 need no padding;
+// A and B go through TMA (rows 16-byte aligned: K a multiple of 16), y through a TMA store (N a
+// multiple of 8).
+//
+// One configuration per object file, chosen on the compiler's command line
+// (fp8linear/tools/cutlass_build.py): FP8L_NAME (the symbols' prefix), FP8L_TILE_M (64: the
+// ping-pong kernel, two consumer warpgroups taking turns on 64x128 tiles; 128: the cooperative
+// kernel, both warpgroups on one 128x128 tile) and FP8L_BIAS (0 or 1: a fused bias).
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cute/tensor.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+using namespace cute;
+
+namespace {
+
+using ElementA = cutlass::float_e4m3_t;
+using ElementB = cutlass::float_e4m3_t;
+using ElementD = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
+using LayoutB = cutlass::layout::ColumnMajor;  // (N, K), K contiguous
+using LayoutD = cutlass::layout::RowMajor;     // (M, N), N contiguous
+constexpr int kAlignmentA = 16;  // elements of 16 bytes: TMA
+constexpr int kAlignmentB = 16;
+constexpr int kAlignmentD = 8;
+
+using TileShape = Shape<Int<FP8L_TILE_M>, _128, _128>;
+using ClusterShape = Shape<_1, _1, _1>;
+#if FP8L_TILE_M == 64
+using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise;
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+#else
+using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise;
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+#endif
+
+// 1x128 activation scales, 128x128 weight scales, both K-major (row-major) as stored.
+using ScaleConfig =
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+#if FP8L_BIAS
+using FusionOperation = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, void, float>;
+#else
+using FusionOperation = cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>;
+#endif
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    void, LayoutD, kAlignmentD, ElementD, LayoutD, kAlignmentD, EpilogueSchedule, FusionOperation>::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    ElementA, cute::tuple<LayoutA, LayoutSFA>, kAlignmentA,
+    ElementB, cute::tuple<LayoutB, LayoutSFB>, kAlignmentB,
+    float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<
+        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    KernelSchedule>::CollectiveOp;
+
+using GemmKernel =
+    cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
+                                        const void* bias, int m, int n, int k) {
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  using StrideD = typename Gemm::GemmKernel::StrideD;
+  auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1));
+  auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1));
+  auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {static_cast<const ElementA*>(a), stride_a, static_cast<const ElementB*>(b), stride_b,
+       static_cast<const float*>(sfa), ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1)),
+       static_cast<const float*>(sfb), ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1))},
+      {{}, nullptr, stride_d, static_cast<ElementD*>(y), stride_d}};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+#if FP8L_BIAS
+  args.epilogue.thread.bias_ptr = static_cast<const ElementD*>(bias);
+#else
+  (void)bias;
+#endif
+  return args;
+}
+
+}  // namespace
+
+#define FP8L_JOIN2(a, b) a##b
+#define FP8L_JOIN(a, b) FP8L_JOIN2(a, b)
+
+// 0 where this configuration can run an (m, n, k) problem, else a cutlass::Status code.
+extern "C" int FP8L_JOIN(FP8L_NAME, _can_implement)(int m, int n, int k) {
+  return static_cast<int>(Gemm::can_implement(make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                             m, n, k)));
+}
+
+// Bytes of device workspace a call of (m, n, k) needs.
+extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k) {
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k));
+}
+
+// Enqueue the GEMM on `stream`: 0, else a cutlass::Status code or 1000 + the launch's cudaError_t.
+extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
+                                          const void* bias, int m, int n, int k, void* workspace,
+                                          cudaStream_t stream) {
+  Gemm gemm;
+  cutlass::Status status = gemm.initialize(make_arguments(a, sfa, b, sfb, y, bias, m, n, k), workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : 1000 + static_cast<int>(err);
+}

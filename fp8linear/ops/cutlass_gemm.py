@@ -1,0 +1,191 @@
+"""The blockwise FP8 GEMM on CUTLASS's Hopper warp-specialized kernels: an optional backend, built
+once by ``fp8linear build-cutlass`` and loaded from the cache.
+
+CUTLASS's sm_90a kernels (``fp8linear/ops/cutlass/blockwise_gemm.cu``) run the DeepSeek-V3 recipe
+with a TMA producer warp and consumer warpgroups that get the registers (what a Triton ``tl``
+kernel cannot do on Hopper, see :mod:`fp8linear.ops.gemm`): the ping-pong kernel on 64x128 tiles
+and the cooperative kernel on 128x128 tiles. They read the activation scales row-major and the
+128x128 weight scale grid as stored, and take any M, so nothing is padded or copied, where cuBLAS
+needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
+(:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
+16 shapes x M 64-4096, 160 cases): the faster of the two configs beat the routed kernel by more
+than 3% in 55 cases, e.g. 2048x7168 at M=333 19.0 against 22.6 us (BF16 20.6), 1536x576 at
+M=4096 12.7 against 18.4; where it loses, the routes table keeps the other kernel
+(:mod:`fp8linear.ops.route_table`: the router runs CUTLASS only where a table measured it
+fastest, and falls back to the kernel measured next where the library is not built).
+
+The library is compiled by nvcc from that source and CUTLASS's headers (the ``nvidia-cutlass``
+package, or ``CUTLASS_PATH``) into the cache (:func:`library_path`), by
+:mod:`fp8linear.tools.cutlass_build`: never on the forward path. Where it is not built, the GPU is
+not an sm_90 part, or ``FP8LINEAR_CUTLASS=0``, :func:`cutlass_available` is False (a log line says
+why) and nothing changes. Calls go through ``ctypes`` on raw addresses, on the current stream, so
+they are CUDA-graph capturable; the bits are the same on every call of a shape.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+__all__ = ["CUTLASS_CONFIGS", "CUTLASS_ENV", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "cache_root", "library_path",
+           "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "cutlass" / "blockwise_gemm.cu"
+# nvcc flags every object is built with (the sm_90a target: wgmma and setmaxnreg need it).
+BUILD_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+               "-gencode=arch=compute_90a,code=sm_90a")
+CUTLASS_ENV = "FP8LINEAR_CUTLASS"  # "0" turns the backend off
+_CACHE_ENV = "FP8LINEAR_CACHE_DIR"
+_LIBRARY_NAME = "libfp8linear_cutlass.so"
+# TMA: 16-byte aligned bases and rows (K a multiple of 16 FP8 values, N of 8 bf16 outputs).
+_ALIGN_BYTES = 16
+_ALIGN_K, _ALIGN_N = 16, 8
+
+
+@dataclass(frozen=True)
+class CutlassConfig:
+    """One built CUTLASS kernel: 64-row tiles run the ping-pong kernel (two consumer warpgroups
+    alternate between tiles: mid M), 128-row tiles the cooperative kernel (both on one tile)."""
+
+    tile_m: int
+
+    def __post_init__(self) -> None:
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"CutlassConfig.tile_m must be 64 or 128, got {self.tile_m!r}")
+
+    @property
+    def name(self) -> str:
+        return f"{'p' if self.tile_m == 64 else 'c'}{self.tile_m}x128"
+
+
+CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128))
+
+
+def variants() -> list[tuple[str, dict[str, int]]]:
+    """(symbol prefix, compile-time macros) of every object the library holds: each config with and
+    without a fused bias."""
+    out = []
+    for cfg in CUTLASS_CONFIGS:
+        for bias in (0, 1):
+            out.append((_symbol(cfg, bool(bias)), {"FP8L_TILE_M": cfg.tile_m, "FP8L_BIAS": bias}))
+    return out
+
+
+def _symbol(cfg: CutlassConfig, bias: bool) -> str:
+    return f"fp8l_{cfg.name}" + ("_bias" if bias else "")
+
+
+def cache_root() -> Path:
+    """Where built libraries live: $FP8LINEAR_CACHE_DIR, else $XDG_CACHE_HOME/fp8linear, else ~/.cache/fp8linear."""
+    root = os.environ.get(_CACHE_ENV)
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8linear"
+
+
+def library_path(root: Path | None = None) -> Path:
+    """The library built from this package's source and flags: a new source builds a new file."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(repr((BUILD_FLAGS, variants())).encode())
+    return (root or cache_root()) / "cutlass" / digest.hexdigest()[:16] / _LIBRARY_NAME
+
+
+class _Library:
+    """The loaded library's entry points, per (config, bias)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.run, self.workspace = {}, {}
+        for cfg in CUTLASS_CONFIGS:
+            for bias in (False, True):
+                sym = _symbol(cfg, bias)
+                run = getattr(lib, f"{sym}_run")
+                run.restype = ctypes.c_int
+                run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+                ws = getattr(lib, f"{sym}_workspace_size")
+                ws.restype = ctypes.c_size_t
+                ws.argtypes = [ctypes.c_int] * 3
+                self.run[cfg, bias], self.workspace[cfg, bias] = run, ws
+
+
+@lru_cache(maxsize=1)
+def _library() -> _Library | None:
+    path = library_path()
+    if not path.is_file():
+        log.info("fp8linear: CUTLASS kernels not built (no %s); `fp8linear build-cutlass` builds them", path)
+        return None
+    try:
+        return _Library(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as e:
+        log.warning("fp8linear: CUTLASS library %s not usable (%s); running without it", path, e)
+        return None
+
+
+@lru_cache(maxsize=16)
+def _device_ok(index: int) -> bool:
+    if os.environ.get(CUTLASS_ENV, "1") == "0" or torch.version.hip is not None:
+        return False
+    if torch.cuda.get_device_capability(index) != (9, 0):  # sm_90a code runs on sm_90 only
+        return False
+    return _library() is not None
+
+
+def cutlass_available(device: torch.device) -> bool:
+    """Whether CUTLASS GEMMs can run on `device`: a Hopper GPU and the library built for this source."""
+    if device.type != "cuda":
+        return False
+    return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def cutlass_accepts(n: int, k: int, granularity: str, fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                    bias: torch.Tensor | None) -> bool:
+    """Whether the built kernels compute this GEMM (any M; the device and the operands' alignment
+    aside): 128x128 weights, e4m3fn, bf16 output and bias, K a multiple of 16 and N of 8."""
+    if granularity != "block" or fp8_dtype != torch.float8_e4m3fn or out_dtype != torch.bfloat16:
+        return False
+    if k % _ALIGN_K or n % _ALIGN_N:
+        return False
+    return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
+                            and bias.data_ptr() % _ALIGN_BYTES == 0)
+
+
+def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                     bias: torch.Tensor | None, config: CutlassConfig) -> torch.Tensor:
+    """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on a CUTLASS kernel.
+
+    x_q (M, K) and w_q (N, K) contiguous, 16-byte aligned; x_s (M, K/128) and w_s (N/128, K/128)
+    contiguous fp32; the shape must pass :func:`cutlass_accepts` and the device
+    :func:`cutlass_available` (the router checks both)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    for name, t in (("x_q", x_q), ("x_s", x_s), ("w_q", w_q), ("w_s", w_s)):
+        if not t.is_contiguous():
+            raise ValueError(f"cutlass_fp8_gemm needs {name} contiguous, got strides {t.stride()}")
+    if x_q.data_ptr() % _ALIGN_BYTES or w_q.data_ptr() % _ALIGN_BYTES:
+        raise ValueError("cutlass_fp8_gemm needs x_q and w_q 16-byte aligned")
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x_q.device)
+    if m == 0 or n == 0:
+        return y
+    key = (config, bias is not None)
+    size = lib.workspace[key](m, n, k)
+    workspace = torch.empty(size, dtype=torch.uint8, device=x_q.device) if size else None
+    index = x_q.device.index if x_q.device.index is not None else torch.cuda.current_device()
+    rc = lib.run[key](x_q.data_ptr(), x_s.data_ptr(), w_q.data_ptr(), w_s.data_ptr(), y.data_ptr(),
+                      None if bias is None else bias.data_ptr(), m, n, k,
+                      None if workspace is None else workspace.data_ptr(),
+                      torch._C._cuda_getCurrentRawStream(index))
+    if rc:
+        raise RuntimeError(f"CUTLASS {config.name} GEMM {m}x{n}x{k} failed with status {rc}")
+    return y

@@ -1,0 +1,138 @@
+"""`fp8linear build-cutlass`: compile the CUTLASS blockwise FP8 kernels once, into the cache.
+
+Each (config, bias) variant of ``fp8linear/ops/cutlass/blockwise_gemm.cu``
+(:func:`fp8linear.ops.cutlass_gemm.variants`) is compiled by nvcc for sm_90a into its own object,
+in parallel (one object takes about a minute of one core), then linked into one shared library
+with the CUDA driver library. Everything happens in a temporary folder beside the target and the
+library is moved into place by a rename, so the cache holds a complete library or none
+(:func:`fp8linear.ops.cutlass_gemm.library_path`: a new source or flag set gets a new name).
+
+Needs nvcc (``--nvcc``, else ``$CUDA_HOME/bin/nvcc``, else the PATH) and CUTLASS's headers
+(``--cutlass``, else ``$CUTLASS_PATH``, else the ``nvidia-cutlass`` package:
+``pip install nvidia-cutlass``). No GPU is needed to build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..ops.cutlass_gemm import BUILD_FLAGS, SOURCE, library_path, variants
+
+__all__ = ["find_nvcc", "find_cutlass", "compile_command", "link_command", "build_library", "add_arguments", "run"]
+
+
+def find_nvcc(explicit: str | None = None) -> str:
+    """nvcc's path: `explicit` (only), else $CUDA_HOME/bin/nvcc, else the PATH's; FileNotFoundError
+    naming what was tried."""
+    if explicit:
+        cands = [explicit]
+    else:
+        home = os.environ.get("CUDA_HOME")
+        cands = [os.path.join(home, "bin", "nvcc")] if home else []
+        found = shutil.which("nvcc")
+        cands += [found] if found else []
+    for cand in cands:
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    tried = cands if explicit else cands + ["PATH"]
+    raise FileNotFoundError(f"nvcc not found (tried {tried}); install the CUDA toolkit or pass --nvcc")
+
+
+def find_cutlass(explicit: str | None = None) -> Path:
+    """The CUTLASS source root (holding include/cutlass/cutlass.h and tools/util/include): `explicit`
+    (only), else $CUTLASS_PATH, else the nvidia-cutlass package's."""
+    if explicit:
+        roots = [explicit]
+    else:
+        roots = [os.environ.get("CUTLASS_PATH")]
+        try:
+            import cutlass_library  # the nvidia-cutlass package ships the C++ sources under source/
+
+            roots.append(str(Path(cutlass_library.__file__).resolve().parent / "source"))
+        except ImportError:
+            pass
+    tried = [r for r in roots if r]
+    for root in tried:
+        if (Path(root) / "include" / "cutlass" / "cutlass.h").is_file():
+            return Path(root)
+    raise FileNotFoundError(f"CUTLASS headers not found (tried {tried or 'nothing'}); "
+                            "`pip install nvidia-cutlass`, or pass --cutlass or set CUTLASS_PATH")
+
+
+def compile_command(nvcc: str, cutlass: Path, symbol: str, macros: dict[str, int], out: Path) -> list[str]:
+    """The nvcc command that compiles one variant of the source into object `out`."""
+    defines = [f"-DFP8L_NAME={symbol}"] + [f"-D{k}={v}" for k, v in sorted(macros.items())]
+    return [nvcc, *BUILD_FLAGS, f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}",
+            *defines, "-c", str(SOURCE), "-o", str(out)]
+
+
+def link_command(nvcc: str, objects: list[Path], out: Path) -> list[str]:
+    return [nvcc, "-shared", "-o", str(out), *map(str, objects), "-lcuda"]
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-20:])
+        raise RuntimeError(f"{Path(cmd[0]).name} failed (exit {done.returncode}): {' '.join(cmd[-4:])}\n{tail}")
+
+
+def build_library(nvcc: str | None = None, cutlass: str | None = None, jobs: int | None = None,
+                  root: Path | None = None, force: bool = False, log=print) -> Path:
+    """Compile and link the library into the cache (`root`: the cache root); returns its path. An
+    existing library is kept unless `force`. A failure leaves no library and no temporary folder."""
+    target = library_path(root)
+    if target.is_file() and not force:
+        log(f"fp8linear build-cutlass: already built: {target}")
+        return target
+    nvcc_path, cutlass_root = find_nvcc(nvcc), find_cutlass(cutlass)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        objects = [work / f"{symbol}.o" for symbol, _ in variants()]
+        commands = [compile_command(nvcc_path, cutlass_root, symbol, macros, obj)
+                    for (symbol, macros), obj in zip(variants(), objects)]
+        workers = max(1, min(len(commands), jobs or os.cpu_count() or 1))
+        log(f"fp8linear build-cutlass: compiling {len(commands)} objects with {workers} jobs "
+            f"({nvcc_path}, CUTLASS {cutlass_root})")
+        with ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(_run, commands):  # re-raises the first failure
+                pass
+        tmp_lib = work / target.name
+        _run(link_command(nvcc_path, objects, tmp_lib))
+        os.replace(tmp_lib, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"fp8linear build-cutlass: built {target}")
+    return target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nvcc", default=None, help="nvcc to use (default: $CUDA_HOME/bin/nvcc, else the PATH's)")
+    parser.add_argument("--cutlass", default=None,
+                        help="CUTLASS source root (default: $CUTLASS_PATH, else the nvidia-cutlass package)")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the library exists")
+    parser.add_argument("--print-path", action="store_true", help="print where the library goes, build nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.print_path:
+        print(library_path())
+        return 0
+    if args.jobs is not None and args.jobs < 1:
+        print(f"fp8linear build-cutlass: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    try:
+        build_library(args.nvcc, args.cutlass, args.jobs, force=args.force)
+    except (FileNotFoundError, RuntimeError) as e:
+        print(f"fp8linear build-cutlass: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,161 @@
+"""The optional CUTLASS backend (fp8linear/ops/cutlass_gemm.py): its rules on CPU, its numbers on a
+Hopper GPU where `fp8linear build-cutlass` has built the library (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8linear.ops import cutlass_gemm
+from fp8linear.ops.cutlass_gemm import CutlassConfig, cutlass_accepts
+
+from _utils import GEMM_TOL, capture_graph, rel_err, same_bits
+from conftest import HAS_CUDA
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def test_configs_and_variants():
+    assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "c128x128"]
+    symbols = [s for s, _ in cutlass_gemm.variants()]
+    assert len(set(symbols)) == len(symbols) == 4
+    assert {tuple(sorted(m.items())) for _, m in cutlass_gemm.variants()} == {
+        (("FP8L_BIAS", b), ("FP8L_TILE_M", t)) for b in (0, 1) for t in (64, 128)}
+    with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
+        CutlassConfig(96)
+
+
+@pytest.mark.parametrize("n,k,gran,fp8,out,bias,ok", [
+    (576, 7168, "block", FP8, BF16, None, True),
+    (2112, 576, "block", FP8, BF16, torch.zeros(2112, dtype=BF16), True),
+    (576, 7168, "row", FP8, BF16, None, False),  # built for 128x128 weight scales only
+    (576, 7168, "tensor", FP8, BF16, None, False),
+    (576, 7168, "block", torch.float8_e4m3fnuz, BF16, None, False),
+    (576, 7168, "block", FP8, torch.float16, None, False),
+    (576, 300, "block", FP8, BF16, None, False),  # K % 16: TMA rows
+    (300, 576, "block", FP8, BF16, None, False),  # N % 8: the TMA store
+    (576, 576, "block", FP8, BF16, torch.zeros(576, dtype=torch.float32), False),
+    (576, 576, "block", FP8, BF16, torch.zeros(1152, dtype=BF16)[::2], False),
+])
+def test_cutlass_accepts(n, k, gran, fp8, out, bias, ok):
+    assert cutlass_accepts(n, k, gran, fp8, out, bias) is ok
+
+
+def test_library_path_follows_the_source_and_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(tmp_path / "cache"))
+    path = cutlass_gemm.library_path()
+    assert path.parent.parent == tmp_path / "cache" / "cutlass" and path.name == "libfp8linear_cutlass.so"
+    src = tmp_path / "edited.cu"
+    src.write_bytes(cutlass_gemm.SOURCE.read_bytes() + b"// edited\n")
+    monkeypatch.setattr(cutlass_gemm, "SOURCE", src)
+    assert cutlass_gemm.library_path() != path  # a new source builds a new library
+    monkeypatch.delenv("FP8LINEAR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cutlass_gemm.cache_root() == tmp_path / "xdg" / "fp8linear"
+
+
+def test_not_built_means_not_available(tmp_path, monkeypatch):
+    """Without a built library nothing routes to CUTLASS, and a direct call says how to build it."""
+    monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(tmp_path))
+    cutlass_gemm._library.cache_clear()
+    cutlass_gemm._device_ok.cache_clear()
+    try:
+        assert cutlass_gemm._library() is None
+        assert not cutlass_gemm.cutlass_available(torch.device("cpu"))
+        x = torch.zeros(4, 128, dtype=torch.uint8).view(FP8)
+        with pytest.raises(RuntimeError, match="build-cutlass"):
+            cutlass_gemm.cutlass_fp8_gemm(x, torch.ones(4, 1), x, torch.ones(1, 1), None, CutlassConfig(64))
+    finally:
+        cutlass_gemm._library.cache_clear()
+        cutlass_gemm._device_ok.cache_clear()
+
+
+def test_a_broken_library_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(tmp_path))
+    path = cutlass_gemm.library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not an ELF file")
+    cutlass_gemm._library.cache_clear()
+    try:
+        assert cutlass_gemm._library() is None
+    finally:
+        cutlass_gemm._library.cache_clear()
+
+
+# ----------------------------------------------------------------------------- GPU
+BUILT = HAS_CUDA and cutlass_gemm.cutlass_available(torch.device("cuda"))
+needs_cutlass = pytest.mark.skipif(not BUILT, reason="needs an sm_90 GPU and `fp8linear build-cutlass`")
+
+
+def _operands(m, n, k, bias, gen):
+    from fp8linear import quantize_activation, quantize_weight
+
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(BF16)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+    w_q, w_s = quantize_weight(w, "block", FP8)
+    x_q, x_s = quantize_activation(x, fp8_dtype=FP8, backend="triton")
+    b = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(BF16) if bias else None
+    return x_q, x_s.contiguous(), w_q, w_s.contiguous(), b
+
+
+@pytest.mark.gpu
+@needs_cutlass
+@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m", [1, 3, 77, 130, 333, 1000])
+@pytest.mark.parametrize("n,k", [(576, 2112), (2112, 576), (7168, 2048), (256, 7168), (304, 2304)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cutlass_matches_the_float64_reference(cfg, m, n, k, bias):
+    """Every config, ragged N and K (K/128 not whole: 576, 2112), M on both sides of 4- and 64-row
+    boundaries, with and without the fused bias: within the bf16 output bound of the float64
+    product, and the same bits on a second call."""
+    from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m * 31 + n + k)
+    x_q, x_s, w_q, w_s, b = _operands(m, n, k, bias, gen)
+    y = cutlass_gemm.cutlass_fp8_gemm(x_q, x_s, w_q, w_s, b, cfg)
+    ref = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(w_q, w_s).double().t()
+    if b is not None:
+        ref = ref + b.double()
+    assert y.shape == (m, n) and y.dtype == BF16
+    assert rel_err(y, ref) < GEMM_TOL[BF16], rel_err(y, ref)
+    assert same_bits(cutlass_gemm.cutlass_fp8_gemm(x_q, x_s, w_q, w_s, b, cfg), y)
+
+
+@pytest.mark.gpu
+@needs_cutlass
+def test_cutlass_in_a_cuda_graph_and_through_the_router(monkeypatch):
+    """A captured CUTLASS GEMM replays the eager bits on new inputs copied into its operands; a routes
+    table entry sends block_fp8_matmul and Fp8BlockLinear to it (same bits as the direct call), and
+    backend "triton" never goes there."""
+    from fp8linear import Fp8BlockLinear, block_fp8_matmul
+    from fp8linear.ops import route_table, router
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, n, k = 333, 2112, 7168
+    x_q, x_s, w_q, w_s, _ = _operands(m, n, k, False, gen)
+    cfg = CutlassConfig(64)
+    graph, out = capture_graph(lambda a, sa: cutlass_gemm.cutlass_fp8_gemm(a, sa, w_q, w_s, None, cfg), x_q, x_s)
+    x2_q, x2_s, *_ = _operands(m, n, k, False, gen)
+    x_q.copy_(x2_q)
+    x_s.copy_(x2_s)
+    graph.replay()
+    torch.cuda.synchronize()
+    direct = cutlass_gemm.cutlass_fp8_gemm(x2_q, x2_s, w_q, w_s, None, cfg)
+    assert same_bits(out, direct)
+
+    entry = route_table.RouteEntry("cutlass", cfg, route_table.RouteEntry("cublas"))
+    monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
+    assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, True, True).kernel == "cutlass"
+    assert same_bits(block_fp8_matmul(x2_q, x2_s, w_q, w_s, BF16), direct)
+    assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, False, True).kernel != "cutlass"
+
+    layer = Fp8BlockLinear(k, n, bias=False, device="cuda")
+    layer.weight.data.copy_(w_q)
+    layer.weight_scale_inv.data.copy_(w_s)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+    from fp8linear import quantize_activation
+
+    xq, xs = quantize_activation(x, fp8_dtype=FP8, backend="triton")
+    expected = cutlass_gemm.cutlass_fp8_gemm(xq, xs.contiguous(), w_q, w_s, None, cfg)
+    for _ in range(3):  # first call routed, then planned
+        assert same_bits(layer(x), expected)

@@ -1,0 +1,103 @@
+"""`fp8linear build-cutlass` (fp8linear/tools/cutlass_build.py) without a GPU or CUDA toolkit: a stand-in
+nvcc records its commands and writes its outputs, so the build's steps, its cache layout and its
+failure handling are checked here; the real build ran on the GPU machine (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+
+import pytest
+
+from fp8linear.cli import main as cli_main
+from fp8linear.ops import cutlass_gemm
+from fp8linear.tools import cutlass_build
+
+_FAKE_NVCC = """#!{python}
+import os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_NVCC_LOG"], "a") as f:
+    f.write(" ".join(args) + "\\n")
+fail = os.environ.get("FAKE_NVCC_FAIL")
+if fail and any(fail in a for a in args):
+    sys.stderr.write("error: planted failure\\n")
+    sys.exit(2)
+out = args[args.index("-o") + 1]
+with open(out, "wb") as f:
+    f.write(b"object" if "-c" in args else b"library")
+"""
+
+
+@pytest.fixture
+def toolchain(tmp_path, monkeypatch):
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text(_FAKE_NVCC.format(python=sys.executable))
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IXUSR)
+    cutlass = tmp_path / "cutlass"
+    (cutlass / "include" / "cutlass").mkdir(parents=True)
+    (cutlass / "include" / "cutlass" / "cutlass.h").write_text("// headers\n")
+    monkeypatch.setenv("FAKE_NVCC_LOG", str(tmp_path / "nvcc.log"))
+    monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(tmp_path / "cache"))
+    return nvcc, cutlass, tmp_path
+
+
+def test_finds_nvcc_and_cutlass_or_says_what_it_tried(toolchain, monkeypatch, tmp_path):
+    nvcc, cutlass, _ = toolchain
+    assert cutlass_build.find_nvcc(str(nvcc)) == str(nvcc)
+    monkeypatch.setenv("CUDA_HOME", str(nvcc.parent.parent))
+    assert cutlass_build.find_nvcc() == str(nvcc)
+    with pytest.raises(FileNotFoundError, match="nvcc not found.*--nvcc"):
+        cutlass_build.find_nvcc(str(tmp_path / "missing"))
+    assert cutlass_build.find_cutlass(str(cutlass)) == cutlass
+    monkeypatch.setenv("CUTLASS_PATH", str(cutlass))
+    assert cutlass_build.find_cutlass() == cutlass
+    with pytest.raises(FileNotFoundError, match="nvidia-cutlass"):
+        cutlass_build.find_cutlass(str(tmp_path))
+
+
+def test_compile_command_targets_sm90a_per_variant(toolchain):
+    nvcc, cutlass, tmp_path = toolchain
+    symbol, macros = cutlass_gemm.variants()[1]
+    cmd = cutlass_build.compile_command(str(nvcc), cutlass, symbol, macros, tmp_path / "x.o")
+    assert "-gencode=arch=compute_90a,code=sm_90a" in cmd and "-c" in cmd and str(cutlass_gemm.SOURCE) in cmd
+    assert f"-DFP8L_NAME={symbol}" in cmd and f"-I{cutlass / 'include'}" in cmd
+    assert all(f"-D{k}={v}" in cmd for k, v in macros.items())
+    assert cutlass_build.link_command(str(nvcc), [tmp_path / "x.o"], tmp_path / "l.so")[-1] == "-lcuda"
+
+
+def test_build_installs_one_complete_library(toolchain):
+    nvcc, cutlass, tmp_path = toolchain
+    lines = []
+    path = cutlass_build.build_library(str(nvcc), str(cutlass), jobs=2, log=lines.append)
+    assert path == cutlass_gemm.library_path() and path.read_bytes() == b"library"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no objects or temp folder left
+    calls = (tmp_path / "nvcc.log").read_text().splitlines()
+    assert len(calls) == len(cutlass_gemm.variants()) + 1 and "-shared" in calls[-1]
+    assert any("built" in line for line in lines)
+    again = []
+    assert cutlass_build.build_library(str(nvcc), str(cutlass), log=again.append) == path  # kept, not rebuilt
+    assert "already built" in again[0] and len((tmp_path / "nvcc.log").read_text().splitlines()) == len(calls)
+
+
+def test_a_failed_compile_leaves_no_library(toolchain, monkeypatch):
+    nvcc, cutlass, _ = toolchain
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "c128x128_bias")
+    with pytest.raises(RuntimeError, match="planted failure"):
+        cutlass_build.build_library(str(nvcc), str(cutlass), jobs=4, log=lambda s: None)
+    folder = cutlass_gemm.library_path().parent
+    assert not cutlass_gemm.library_path().exists() and list(folder.iterdir()) == []
+
+
+def test_cli(toolchain, capsys, monkeypatch):
+    nvcc, cutlass, _ = toolchain
+    assert cli_main(["build-cutlass", "--print-path"]) == 0
+    assert capsys.readouterr().out.strip() == str(cutlass_gemm.library_path())
+    assert cli_main(["build-cutlass", "--jobs", "0"]) == 2
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "-shared")
+    assert cli_main(["build-cutlass", "--nvcc", str(nvcc), "--cutlass", str(cutlass)]) == 1
+    assert "failed" in capsys.readouterr().err
+    monkeypatch.delenv("FAKE_NVCC_FAIL")
+    assert cli_main(["build-cutlass", "--nvcc", str(nvcc), "--cutlass", str(cutlass)]) == 0
+    assert os.path.isfile(cutlass_gemm.library_path())
