@@ -4,7 +4,7 @@ once by ``fp8linear build-cutlass`` and loaded from the cache.
 CUTLASS's sm_90a kernels (``fp8linear/ops/cutlass/blockwise_gemm.cu``) run the DeepSeek-V3 recipe
 with a TMA producer warp and consumer warpgroups that get the registers (what a Triton ``tl``
 kernel cannot do on Hopper, see :mod:`fp8linear.ops.gemm`): the ping-pong kernel on 64x128 tiles
-and the cooperative kernel on 128x128 tiles. They read the activation scales row-major and the
+and the cooperative kernel on 128x128 tiles, data-parallel or stream-K. They read the activation scales row-major and the
 128x128 weight scale grid as stored, and take any M, so nothing is padded or copied, where cuBLAS
 needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
 (:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
@@ -54,20 +54,28 @@ _ALIGN_K, _ALIGN_N = 16, 8
 @dataclass(frozen=True)
 class CutlassConfig:
     """One built CUTLASS kernel: 64-row tiles run the ping-pong kernel (two consumer warpgroups
-    alternate between tiles: mid M), 128-row tiles the cooperative kernel (both on one tile)."""
+    alternate between tiles: mid M), 128-row tiles the cooperative kernel (both on one tile);
+    `stream_k` (128-row tiles only) schedules it stream-K: where the tiles make a partial last
+    wave, SMs share the K loops of those tiles instead of idling."""
 
     tile_m: int
+    stream_k: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_m not in (64, 128):
             raise ValueError(f"CutlassConfig.tile_m must be 64 or 128, got {self.tile_m!r}")
+        if not isinstance(self.stream_k, bool):
+            raise TypeError(f"CutlassConfig.stream_k must be a bool, got {self.stream_k!r}")
+        if self.stream_k and self.tile_m != 128:
+            raise ValueError("CutlassConfig.stream_k runs the cooperative kernel: tile_m must be 128")
 
     @property
     def name(self) -> str:
-        return f"{'p' if self.tile_m == 64 else 'c'}{self.tile_m}x128"
+        kind = "s" if self.stream_k else ("p" if self.tile_m == 64 else "c")
+        return f"{kind}{self.tile_m}x128"
 
 
-CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128))
+CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128), CutlassConfig(128, stream_k=True))
 
 
 def variants() -> list[tuple[str, dict[str, int]]]:
@@ -76,7 +84,8 @@ def variants() -> list[tuple[str, dict[str, int]]]:
     out = []
     for cfg in CUTLASS_CONFIGS:
         for bias in (0, 1):
-            out.append((_symbol(cfg, bool(bias)), {"FP8L_TILE_M": cfg.tile_m, "FP8L_BIAS": bias}))
+            out.append((_symbol(cfg, bool(bias)), {"FP8L_TILE_M": cfg.tile_m, "FP8L_STREAMK": int(cfg.stream_k),
+                                                   "FP8L_BIAS": bias}))
     return out
 
 

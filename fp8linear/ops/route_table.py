@@ -18,7 +18,7 @@ per-tensor weights use the heuristic.
 ``kernel`` is ``cublas`` (with an optional ``workspace_mib`` and ``row_scales``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
 :class:`~fp8linear.ops.configs.GemmConfig`), ``splitk`` (a
-:class:`~fp8linear.ops.configs.SplitKConfig`) or ``cutlass`` (``tile_m``, a
+:class:`~fp8linear.ops.configs.SplitKConfig`) or ``cutlass`` (``tile_m`` and an optional ``stream_k``, a
 :class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`, and ``fallback``: the entry of the fastest
 other kernel, which runs where the CUTLASS library is not built). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
@@ -85,7 +85,11 @@ def _entry(raw: Any, where: str) -> RouteEntry:
             fallback = raw["fallback"]
             if not isinstance(fallback, dict) or fallback.get("kernel") == "cutlass":
                 raise ValueError(f"a cutlass entry's fallback is an entry of another kernel, got {fallback!r}")
-            return RouteEntry(kernel, CutlassConfig(tile_m=int(raw["tile_m"])), _entry(fallback, f"{where}.fallback"))
+            stream_k = raw.get("stream_k", False)
+            if type(stream_k) is not bool:
+                raise ValueError(f"stream_k must be true or false, got {stream_k!r}")
+            return RouteEntry(kernel, CutlassConfig(tile_m=int(raw["tile_m"]), stream_k=stream_k),
+                              _entry(fallback, f"{where}.fallback"))
         if kernel == "splitk":
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                    split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
@@ -120,6 +124,8 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
             out.update(row_scales=True)
     elif isinstance(c, CutlassConfig):
         out.update(tile_m=c.tile_m)
+        if c.stream_k:
+            out.update(stream_k=True)
     if entry.fallback is not None:
         out.update(fallback=entry_to_json(entry.fallback))
     return out

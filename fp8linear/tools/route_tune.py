@@ -95,7 +95,7 @@ def _label(kernel: str, cfg: Any) -> str:
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     if kernel == "cutlass":
-        return f"cutlass:{cfg.tile_m}"
+        return f"cutlass:{cfg.tile_m}" + ("sk" if cfg.stream_k else "")
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
 
 
@@ -222,7 +222,9 @@ def _entry_from_label(label: str) -> dict[str, Any]:
     if label == "cublas":
         return {"kernel": "cublas"}
     if label.startswith("cutlass:"):
-        return {"kernel": "cutlass", "tile_m": int(label[len("cutlass:"):])}
+        spec = label[len("cutlass:"):]
+        stream_k = spec.endswith("sk")
+        return {"kernel": "cutlass", "tile_m": int(spec.removesuffix("sk")), **({"stream_k": True} if stream_k else {})}
     if label.startswith("cublas:ws"):
         mib, _, form = label[len("cublas:ws"):].partition(":")
         if form not in ("", "row"):
@@ -362,6 +364,10 @@ def run(args: argparse.Namespace) -> int:
 
     meta = {"tool": "fp8linear tune-routes", "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
+    if args.cutlass_only:
+        meta["cutlass_only"] = True  # the other kernels' entries are the base table's, re-timed
+    if base is not None and isinstance(base.get("meta"), dict):
+        meta["base"] = {k: v for k, v in base["meta"].items() if k != "base"}
     write_table({"gpu": name, "meta": meta, "rows": rows}, out / "route_sweep.json")
     path = write_table(build_table(rows, name, meta, base), routes_path(name, out))
     print(heuristic_report(rows))

@@ -16,13 +16,17 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
 def test_configs_and_variants():
-    assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "c128x128"]
+    assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "c128x128", "s128x128"]
     symbols = [s for s, _ in cutlass_gemm.variants()]
-    assert len(set(symbols)) == len(symbols) == 4
+    assert len(set(symbols)) == len(symbols) == 6
     assert {tuple(sorted(m.items())) for _, m in cutlass_gemm.variants()} == {
-        (("FP8L_BIAS", b), ("FP8L_TILE_M", t)) for b in (0, 1) for t in (64, 128)}
+        (("FP8L_BIAS", b), ("FP8L_STREAMK", sk), ("FP8L_TILE_M", t)) for b in (0, 1) for t, sk in ((64, 0), (128, 0), (128, 1))}
     with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
         CutlassConfig(96)
+    with pytest.raises(ValueError, match="tile_m must be 128"):
+        CutlassConfig(64, stream_k=True)
+    with pytest.raises(TypeError, match="stream_k must be a bool"):
+        CutlassConfig(128, stream_k=1)
 
 
 @pytest.mark.parametrize("n,k,gran,fp8,out,bias,ok", [
@@ -123,38 +127,46 @@ def test_cutlass_matches_the_float64_reference(cfg, m, n, k, bias):
 
 @pytest.mark.gpu
 @needs_cutlass
-def test_cutlass_in_a_cuda_graph_and_through_the_router(monkeypatch):
-    """A captured CUTLASS GEMM replays the eager bits on new inputs copied into its operands; a routes
-    table entry sends block_fp8_matmul and Fp8BlockLinear to it (same bits as the direct call), and
-    backend "triton" never goes there."""
-    from fp8linear import Fp8BlockLinear, block_fp8_matmul
+@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CONFIGS, ids=lambda c: c.name)
+def test_cutlass_in_a_cuda_graph(cfg):
+    """A captured CUTLASS GEMM (stream-K's workspace included) replays the eager bits on new inputs
+    copied into its operands."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    m, n, k = 333, 7168, 2048
+    x_q, x_s, w_q, w_s, b = _operands(m, n, k, True, gen)
+    graph, out = capture_graph(lambda a, sa: cutlass_gemm.cutlass_fp8_gemm(a, sa, w_q, w_s, b, cfg), x_q, x_s)
+    x2_q, x2_s, *_ = _operands(m, n, k, False, gen)
+    x_q.copy_(x2_q)
+    x_s.copy_(x2_s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, cutlass_gemm.cutlass_fp8_gemm(x2_q, x2_s, w_q, w_s, b, cfg))
+
+
+@pytest.mark.gpu
+@needs_cutlass
+def test_cutlass_through_the_router(monkeypatch):
+    """A routes table entry sends block_fp8_matmul and Fp8BlockLinear (routed, then planned) to
+    CUTLASS, with the direct call's bits; backend "triton" never goes there."""
+    from fp8linear import Fp8BlockLinear, block_fp8_matmul, quantize_activation
     from fp8linear.ops import route_table, router
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     m, n, k = 333, 2112, 7168
     x_q, x_s, w_q, w_s, _ = _operands(m, n, k, False, gen)
     cfg = CutlassConfig(64)
-    graph, out = capture_graph(lambda a, sa: cutlass_gemm.cutlass_fp8_gemm(a, sa, w_q, w_s, None, cfg), x_q, x_s)
-    x2_q, x2_s, *_ = _operands(m, n, k, False, gen)
-    x_q.copy_(x2_q)
-    x_s.copy_(x2_s)
-    graph.replay()
-    torch.cuda.synchronize()
-    direct = cutlass_gemm.cutlass_fp8_gemm(x2_q, x2_s, w_q, w_s, None, cfg)
-    assert same_bits(out, direct)
+    direct = cutlass_gemm.cutlass_fp8_gemm(x_q, x_s, w_q, w_s, None, cfg)
 
     entry = route_table.RouteEntry("cutlass", cfg, route_table.RouteEntry("cublas"))
     monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
     assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, True, True).kernel == "cutlass"
-    assert same_bits(block_fp8_matmul(x2_q, x2_s, w_q, w_s, BF16), direct)
+    assert same_bits(block_fp8_matmul(x_q, x_s, w_q, w_s, BF16), direct)
     assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, False, True).kernel != "cutlass"
 
     layer = Fp8BlockLinear(k, n, bias=False, device="cuda")
     layer.weight.data.copy_(w_q)
     layer.weight_scale_inv.data.copy_(w_s)
     x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
-    from fp8linear import quantize_activation
-
     xq, xs = quantize_activation(x, fp8_dtype=FP8, backend="triton")
     expected = cutlass_gemm.cutlass_fp8_gemm(xq, xs.contiguous(), w_q, w_s, None, cfg)
     for _ in range(3):  # first call routed, then planned

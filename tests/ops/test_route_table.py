@@ -53,6 +53,8 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 96, "fallback": {"kernel": "cublas"}}}}), "tile_m"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64,
                              "fallback": {"kernel": "cutlass", "tile_m": 128}}}}), "fallback is an entry of another"),
+    (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 128, "stream_k": 1, "fallback": {"kernel": "cublas"}}}}),
+     "stream_k must be true or false"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64, "fallback": {"kernel": "tiled"}}}}),
      r"\.fallback: a tiled entry needs field"),
 ])
@@ -71,7 +73,9 @@ def test_entries_round_trip():
                route_table.RouteEntry("splitk", SplitKConfig(64, 64, 5, num_warps=4, num_stages=4)),
                route_table.RouteEntry("cutlass", CutlassConfig(64), route_table.RouteEntry("cublas")),
                route_table.RouteEntry("cutlass", CutlassConfig(128),
-                                      route_table.RouteEntry("tiled", GemmConfig(128, 128, 128, num_warps=8)))]
+                                      route_table.RouteEntry("tiled", GemmConfig(128, 128, 128, num_warps=8))),
+               route_table.RouteEntry("cutlass", CutlassConfig(128, stream_k=True),
+                                      route_table.RouteEntry("cublas", CublasConfig(workspace_mib=32)))]
     doc = _doc({"576,7168": {str(i + 1): route_table.entry_to_json(e) for i, e in enumerate(entries)}})
     parsed = route_table.parse_routes(json.loads(json.dumps(doc)))
     assert [parsed[(576, 7168)][i + 1] for i in range(len(entries))] == entries

@@ -125,7 +125,11 @@ def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
             {"n": 576, "k": 7168, "m": 128, "heuristic": "cublas",  # 2% faster: noise, not an entry
              "us": {"bf16": 12.0, "cublas": 10.0, "cutlass:64": 9.8}},
             {"n": 576, "k": 7168, "m": 192, "heuristic": "cublas",
-             "us": {"bf16": 12.0, "splitk:64x64x4w4s4": 10.0, "cutlass:128": 8.0}}]
+             "us": {"bf16": 12.0, "splitk:64x64x4w4s4": 10.0, "cutlass:128": 8.0}},
+            {"n": 576, "k": 7168, "m": 256, "heuristic": "cublas",
+             "us": {"bf16": 12.0, "cublas:ws32": 10.0, "cutlass:128": 9.0, "cutlass:128sk": 7.0}}]
+    from fp8linear.ops import cutlass_gemm
+
     doc = route_tune.build_table(rows, "X", {"tool": "test"})
     raw = doc["routes"]["576,7168"]
     assert raw["96"] == {"kernel": "cutlass", "tile_m": 64, "us": 9.0, "bf16_us": 12.0,
@@ -134,6 +138,8 @@ def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
     table = route_table.parse_routes(json.loads(json.dumps(doc)))[(576, 7168)]
     assert table[192].kernel == "cutlass" and table[192].config.tile_m == 128
     assert table[192].fallback.kernel == "splitk" and table[192].fallback.config.split_k == 4
+    assert table[256].config == cutlass_gemm.CutlassConfig(128, stream_k=True)
+    assert table[256].fallback.config.workspace_mib == 32
     assert route_tune.CUTLASS_MIN_GAIN < 1
 
 
@@ -149,7 +155,8 @@ def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
     monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: True)
     got = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
     assert got == {"tiled:64x64x128w4s4g8": ("tiled", tiled), "cutlass:64": ("cutlass", cutlass_gemm.CutlassConfig(64)),
-                   "cutlass:128": ("cutlass", cutlass_gemm.CutlassConfig(128))}
+                   "cutlass:128": ("cutlass", cutlass_gemm.CutlassConfig(128)),
+                   "cutlass:128sk": ("cutlass", cutlass_gemm.CutlassConfig(128, stream_k=True))}
     monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: False)
     full = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block")
     assert "tiled:64x64x128w4s4g8" in full and not any(label.startswith("cutlass") for label in full)

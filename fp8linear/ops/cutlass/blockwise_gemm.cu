@@ -13,7 +13,9 @@
 // One configuration per object file, chosen on the compiler's command line
 // (fp8linear/tools/cutlass_build.py): FP8L_NAME (the symbols' prefix), FP8L_TILE_M (64: the
 // ping-pong kernel, two consumer warpgroups taking turns on 64x128 tiles; 128: the cooperative
-// kernel, both warpgroups on one 128x128 tile) and FP8L_BIAS (0 or 1: a fused bias).
+// kernel, both warpgroups on one 128x128 tile), FP8L_STREAMK (1: the cooperative kernel under
+// CUTLASS's stream-K scheduler, which splits the K loop of the last wave's tiles over idle SMs
+// instead of leaving them idle) and FP8L_BIAS (0 or 1: a fused bias).
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -80,8 +82,13 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
         static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
     KernelSchedule>::CollectiveOp;
 
-using GemmKernel =
-    cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
+#if FP8L_STREAMK
+using TileScheduler = cutlass::gemm::StreamKScheduler;
+#else
+using TileScheduler = void;  // the persistent data-parallel scheduler
+#endif
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                        CollectiveEpilogue, TileScheduler>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
