@@ -1,12 +1,16 @@
 """CUTLASS's Hopper blockwise-scaled FP8 GEMM against cuBLAS blockwise, ours, per-tensor and BF16.
 
-Loads a shared library of CUTLASS configurations (each exporting ``<name>_run``,
-``<name>_can_implement`` and ``<name>_workspace_size``, as `fp8linear/ops/cutlass/blockwise_gemm.cu`
-builds them), checks each against the float64 reference on fresh data, then times every method
-with CUDA graphs over operand sets rotated past L2, interleaved (fp8linear.tools.timing).
+Loads the library `fp8linear build-cutlass` builds (or another built from
+`fp8linear/ops/cutlass/blockwise_gemm.cu` with other tiles or clusters), checks each named kernel
+(its ``fp8l_<name>_run`` entry point) against the float64 reference on fresh data, then times every
+method with CUDA graphs over operand sets rotated past L2, interleaved (fp8linear.tools.timing).
 
-    python benchmarks/cutlass_probe.py --lib build/libfp8l.so --configs c128x128_1x1 p64x128_1x1 \
-        --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
+    python benchmarks/cutlass_probe.py --lib "$(fp8linear build-cutlass --print-path)" \
+        --configs p64x128 c128x128 s128x128 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
+
+The results in docs/results/cutlass_probe_h100.csv came from a first build of the source (entry
+points without the device and SM-count arguments, and more tile and cluster shapes: c128x128_1x1 /
+_1x2 / _2x1, p64x128_1x1 / _1x2 / _2x1, c128x128_sk, c256x128_1x1).
 """
 
 from __future__ import annotations
@@ -33,22 +37,24 @@ def load(lib_path: str, names: list[str]):
     for name in names:
         run = getattr(lib, f"fp8l_{name}_run")
         run.restype = ctypes.c_int
-        run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_void_p]
+        run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p]
         can = getattr(lib, f"fp8l_{name}_can_implement")
         can.restype = ctypes.c_int
         can.argtypes = [ctypes.c_int] * 3
         ws = getattr(lib, f"fp8l_{name}_workspace_size")
         ws.restype = ctypes.c_size_t
-        ws.argtypes = [ctypes.c_int] * 3
+        ws.argtypes = [ctypes.c_int] * 5
         fns[name] = (run, can, ws)
     return fns
 
 
 def cutlass_fn(run, ws_size, m, n, k, device):
+    index, sms = device.index or 0, torch.cuda.get_device_properties(device).multi_processor_count
+
     def call(a, sa, b, sb):
         y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         w = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=device)
-        rc = run(a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), y.data_ptr(), None, m, n, k,
+        rc = run(a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), y.data_ptr(), None, m, n, k, index, sms,
                  w.data_ptr(), torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"cutlass run failed: {rc}")
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
                 if can(m, n, k) != 0:
                     print(f"  {name} cannot implement {m}x{n}x{k}", file=sys.stderr)
                     continue
-                fn = cutlass_fn(run, ws(m, n, k), m, n, k, device)
+                fn = cutlass_fn(run, ws(m, n, k, device.index or 0,
+                                        torch.cuda.get_device_properties(device).multi_processor_count), m, n, k, device)
                 y = fn(x_q, x_s, w_q, w_s)[sel].double().cpu()
                 errs[name] = ((y - ref).norm() / ref.norm()).item()
                 a = (x_q, x_s, w_q, w_s)

@@ -355,11 +355,13 @@ def block_fp8_matmul(
 ) -> torch.Tensor:
     """y = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias), fp32 accumulation, shape (M, N).
 
-    Under backend "auto" on Hopper, GEMMs with M >= 128 (a multiple of 4) that cuBLAS blockwise
-    FP8 takes run there (:mod:`fp8linear.ops.cublas_gemm`); "triton" always runs our kernel.
-    x_s may be row-major (M, K/128), as `quantize_activation` returns it, or M-major (strides
-    (1, M)), the layout cuBLAS reads: each path copies the other layout into its own (cuBLAS
-    reads M-major scales, our kernels row-major ones). w_s may have any strides. `counters`: as
+    The router (:mod:`fp8linear.ops.router`) picks the kernel: under backend "auto" on Hopper,
+    cuBLAS blockwise FP8 (:mod:`fp8linear.ops.cublas_gemm`) or, where built, CUTLASS's kernels
+    (:mod:`fp8linear.ops.cutlass_gemm`) where this GPU's routes table measured them fastest;
+    "triton" always runs our kernels. x_s may be row-major (M, K/128), as `quantize_activation`
+    returns it, or M-major (strides (1, M)), the layout cuBLAS reads: each path copies the other
+    layout into its own (cuBLAS reads M-major scales, our kernels and CUTLASS row-major ones). w_s
+    may have any strides (CUTLASS runs only on contiguous operands). `counters`: as
     for :func:`fp8_linear` (``workspace=`` is its deprecated name).
     """
     granularity = _validate_matmul(x_q, x_s, w_q, w_s, out_dtype, bias)
@@ -410,8 +412,9 @@ def fp8_linear(
     It checks what can go wrong cheaply (no per-call tensor work), then the router
     (:mod:`fp8linear.ops.router`) picks the kernels: a single token with a weight below 24M
     elements runs one fused quantize+GEMV kernel (same quantized values, fp32 sums in another
-    order); everything else quantizes x, then runs the GEMM (cuBLAS blockwise FP8 for
-    prefill-sized GEMMs on Hopper under backend "auto", else ours). `Fp8BlockLinear` runs the same
+    order); everything else quantizes x, then runs the GEMM (cuBLAS blockwise FP8 or, where built,
+    CUTLASS's kernels for the sizes this GPU's routes table measured them fastest, on Hopper under
+    backend "auto"; else ours). `Fp8BlockLinear` runs the same
     work through a plan it keeps per input shape. CPU tensors under backend "auto" run
     :func:`fp8linear.ops.cpu_linear.cpu_fp8_linear` (the reference's quantized values, weight decoded
     tile by tile, fp32 GEMMs); backend "reference" runs the reference itself.

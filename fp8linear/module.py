@@ -339,16 +339,16 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         k = x.shape[-1]
         args = (x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype, self.bias,
                 cublas_allowed(self.backend), tma_ok(weight))
-        return args, w_s, granularity
+        return args, w_s, granularity, weight.is_contiguous() and w_s.is_contiguous()
 
     def _run_routed(self, x: torch.Tensor, counters: torch.Tensor | None) -> torch.Tensor:
         """One call on the route a plan of x's shape would run (so the same bits), without the plan."""
         from .ops.linear import run_linear_route
         from .ops.router import route_linear
 
-        args, w_s, granularity = self._route_args(x)
+        args, w_s, granularity, dense = self._route_args(x)
         eager = not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-        route = route_linear(*args, eager=eager)
+        route = route_linear(*args, eager=eager, weight_contiguous=dense)
         if route.kernel == "cublas":  # the layer's cuBLAS route serves any M without a plan
             runner = self._cublas_runner(w_s, granularity)
             return runner(x, *runner.form(route.config))  # the route's workspace limit and scale form
@@ -360,10 +360,10 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         from .ops.linear import LinearPlan
         from .ops.router import route_linear
 
-        args, w_s, granularity = self._route_args(x)
+        args, w_s, granularity, dense = self._route_args(x)
         # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
-        return LinearPlan(route_linear(*args, eager=True), x, self.weight, w_s, granularity, self.bias, counters,
-                          capture_route=route_linear(*args),
+        return LinearPlan(route_linear(*args, eager=True, weight_contiguous=dense), x, self.weight, w_s, granularity,
+                          self.bias, counters, capture_route=route_linear(*args, weight_contiguous=dense),
                           cublas_linear=lambda: self._cublas_runner(w_s, granularity))
 
     def _cublas_runner(self, w_s: torch.Tensor, granularity: str):

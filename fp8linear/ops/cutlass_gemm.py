@@ -17,8 +17,9 @@ fastest, and falls back to the kernel measured next where the library is not bui
 The library is compiled by nvcc from that source and CUTLASS's headers (the ``nvidia-cutlass``
 package, or ``CUTLASS_PATH``) into the cache (:func:`library_path`), by
 :mod:`fp8linear.tools.cutlass_build`: never on the forward path. Where it is not built, the GPU is
-not an sm_90 part, or ``FP8LINEAR_CUTLASS=0``, :func:`cutlass_available` is False (a log line says
-why) and nothing changes. Calls go through ``ctypes`` on raw addresses, on the current stream, so
+not an sm_90 part, its code does not load (a probe per kernel, once per GPU), or
+``FP8LINEAR_CUTLASS=0`` (read once), :func:`cutlass_available` is False (a log line says why,
+except for the variable) and nothing changes. Calls go through ``ctypes`` on raw addresses, on the current stream, so
 they are CUDA-graph capturable; the bits are the same on every call of a shape.
 """
 
@@ -34,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+from .config_tables import cache_dir
+from .configs import sm_count
+
 __all__ = ["CUTLASS_CONFIGS", "CUTLASS_ENV", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "cache_root", "library_path",
            "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
 
@@ -43,8 +47,7 @@ SOURCE = Path(__file__).resolve().parent / "cutlass" / "blockwise_gemm.cu"
 # nvcc flags every object is built with (the sm_90a target: wgmma and setmaxnreg need it).
 BUILD_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
                "-gencode=arch=compute_90a,code=sm_90a")
-CUTLASS_ENV = "FP8LINEAR_CUTLASS"  # "0" turns the backend off
-_CACHE_ENV = "FP8LINEAR_CACHE_DIR"
+CUTLASS_ENV = "FP8LINEAR_CUTLASS"  # "0" turns the backend off (read once per process)
 _LIBRARY_NAME = "libfp8linear_cutlass.so"
 # TMA: 16-byte aligned bases and rows (K a multiple of 16 FP8 values, N of 8 bf16 outputs).
 _ALIGN_BYTES = 16
@@ -94,11 +97,8 @@ def _symbol(cfg: CutlassConfig, bias: bool) -> str:
 
 
 def cache_root() -> Path:
-    """Where built libraries live: $FP8LINEAR_CACHE_DIR, else $XDG_CACHE_HOME/fp8linear, else ~/.cache/fp8linear."""
-    root = os.environ.get(_CACHE_ENV)
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8linear"
+    """Where built libraries live: the package's cache folder (:func:`fp8linear.ops.config_tables.cache_dir`)."""
+    return cache_dir()
 
 
 def library_path(root: Path | None = None) -> Path:
@@ -113,22 +113,30 @@ class _Library:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self.run, self.workspace = {}, {}
+        self.run, self.workspace, self.probe = {}, {}, {}
         for cfg in CUTLASS_CONFIGS:
             for bias in (False, True):
                 sym = _symbol(cfg, bias)
                 run = getattr(lib, f"{sym}_run")
                 run.restype = ctypes.c_int
-                run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+                run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 2
                 ws = getattr(lib, f"{sym}_workspace_size")
                 ws.restype = ctypes.c_size_t
-                ws.argtypes = [ctypes.c_int] * 3
-                self.run[cfg, bias], self.workspace[cfg, bias] = run, ws
+                ws.argtypes = [ctypes.c_int] * 5
+                probe = getattr(lib, f"{sym}_probe")
+                probe.restype = ctypes.c_int
+                probe.argtypes = []
+                self.run[cfg, bias], self.workspace[cfg, bias], self.probe[cfg, bias] = run, ws, probe
 
 
 @lru_cache(maxsize=1)
 def _library() -> _Library | None:
-    path = library_path()
+    """The built library, loaded once per process (a library built later is seen by the next process)."""
+    try:
+        path = library_path()
+    except OSError as e:  # an install without the kernel source
+        log.warning("fp8linear: CUTLASS kernel source not readable (%s); running without CUTLASS", e)
+        return None
     if not path.is_file():
         log.info("fp8linear: CUTLASS kernels not built (no %s); `fp8linear build-cutlass` builds them", path)
         return None
@@ -143,13 +151,30 @@ def _library() -> _Library | None:
 def _device_ok(index: int) -> bool:
     if os.environ.get(CUTLASS_ENV, "1") == "0" or torch.version.hip is not None:
         return False
-    if torch.cuda.get_device_capability(index) != (9, 0):  # sm_90a code runs on sm_90 only
+    capability = torch.cuda.get_device_capability(index)
+    if capability != (9, 0):  # sm_90a code runs on sm_90 only
+        log.info("fp8linear: CUTLASS kernels are built for sm_90a; GPU %d is sm_%d%d: not used", index, *capability)
         return False
-    return _library() is not None
+    lib = _library()
+    if lib is None:
+        return False
+    with torch.cuda.device(index):
+        failed = {cfg.name: rc for (cfg, _), probe in lib.probe.items() if (rc := probe()) != 0}
+    if failed:  # e.g. built by an nvcc newer than the driver: the code does not load
+        log.warning("fp8linear: CUTLASS kernels do not load on GPU %d (cudaError %s); running without them",
+                    index, failed)
+        return False
+    return True
+
+
+@lru_cache(maxsize=1)
+def _several_gpus() -> bool:
+    return torch.cuda.device_count() > 1
 
 
 def cutlass_available(device: torch.device) -> bool:
-    """Whether CUTLASS GEMMs can run on `device`: a Hopper GPU and the library built for this source."""
+    """Whether CUTLASS GEMMs can run on `device`: a Hopper GPU and the library built for this source,
+    its kernels loading there (decided once per GPU)."""
     if device.type != "cuda":
         return False
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
@@ -171,14 +196,24 @@ def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_
                      bias: torch.Tensor | None, config: CutlassConfig) -> torch.Tensor:
     """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on a CUTLASS kernel.
 
-    x_q (M, K) and w_q (N, K) contiguous, 16-byte aligned; x_s (M, K/128) and w_s (N/128, K/128)
-    contiguous fp32; the shape must pass :func:`cutlass_accepts` and the device
-    :func:`cutlass_available` (the router checks both)."""
+    x_q (M, K) and w_q (N, K) e4m3fn, contiguous, 16-byte aligned; x_s (M, ceil(K/128)) and w_s
+    (ceil(N/128), ceil(K/128)) contiguous fp32; the shape must pass :func:`cutlass_accepts` and the
+    device :func:`cutlass_available` (the router checks both, and contiguity)."""
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
     m, k = x_q.shape
     n = w_q.shape[0]
+    groups = -(-k // 128)
+    if x_q.device.type != "cuda" or not cutlass_accepts(n, k, "block", w_q.dtype, torch.bfloat16, bias):
+        raise ValueError(f"cutlass_fp8_gemm takes CUDA e4m3fn operands with K % {_ALIGN_K} == 0, N % {_ALIGN_N} == 0 "
+                         f"and an aligned bf16 bias or none; got {tuple(x_q.shape)} x {tuple(w_q.shape)} "
+                         f"{w_q.dtype} on {x_q.device}")
+    if (x_q.dtype != w_q.dtype or w_q.shape[1] != k or x_s.shape != (m, groups)
+            or w_s.shape != (-(-n // 128), groups) or x_s.dtype != torch.float32 or w_s.dtype != torch.float32):
+        raise ValueError(f"cutlass_fp8_gemm: x_q {tuple(x_q.shape)} {x_q.dtype}, x_s {tuple(x_s.shape)} {x_s.dtype}, "
+                         f"w_q {tuple(w_q.shape)} {w_q.dtype}, w_s {tuple(w_s.shape)} {w_s.dtype} do not fit "
+                         f"(M, K), (M, {groups}) fp32, (N, K), ({-(-n // 128)}, {groups}) fp32")
     for name, t in (("x_q", x_q), ("x_s", x_s), ("w_q", w_q), ("w_s", w_s)):
         if not t.is_contiguous():
             raise ValueError(f"cutlass_fp8_gemm needs {name} contiguous, got strides {t.stride()}")
@@ -187,14 +222,21 @@ def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x_q.device)
     if m == 0 or n == 0:
         return y
+    if k == 0:  # an empty sum
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     key = (config, bias is not None)
-    size = lib.workspace[key](m, n, k)
-    workspace = torch.empty(size, dtype=torch.uint8, device=x_q.device) if size else None
     index = x_q.device.index if x_q.device.index is not None else torch.cuda.current_device()
-    rc = lib.run[key](x_q.data_ptr(), x_s.data_ptr(), w_q.data_ptr(), w_s.data_ptr(), y.data_ptr(),
-                      None if bias is None else bias.data_ptr(), m, n, k,
-                      None if workspace is None else workspace.data_ptr(),
-                      torch._C._cuda_getCurrentRawStream(index))
+    sms = sm_count(x_q.device)
+    size = lib.workspace[key](m, n, k, index, sms)
+    workspace = torch.empty(size, dtype=torch.uint8, device=x_q.device) if size else None
+    args = (x_q.data_ptr(), x_s.data_ptr(), w_q.data_ptr(), w_s.data_ptr(), y.data_ptr(),
+            None if bias is None else bias.data_ptr(), m, n, k, index, sms,
+            None if workspace is None else workspace.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
+    if _several_gpus():  # the launch and CUTLASS's per-device kernel attributes go to the current device
+        with torch.cuda.device(index):
+            rc = lib.run[key](*args)
+    else:
+        rc = lib.run[key](*args)
     if rc:
         raise RuntimeError(f"CUTLASS {config.name} GEMM {m}x{n}x{k} failed with status {rc}")
     return y

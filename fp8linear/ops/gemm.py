@@ -213,7 +213,8 @@ def block_fp8_gemm(
     n = w_q.shape[0]
     if config is None:
         route = route_gemm(x_q.device, m, n, k, granularity, w_q.dtype, out_dtype, bias, allow_cublas,
-                           tma_ok(x_q) and tma_ok(w_q))
+                           tma_ok(x_q) and tma_ok(w_q),
+                           x_q.is_contiguous() and w_q.is_contiguous() and w_s.is_contiguous())
     else:
         route = Route("splitk" if isinstance(config, SplitKConfig) else "tiled", config)
     return run_gemm_route(route, x_q, x_s, w_q, w_s, granularity, out_dtype, bias, counters)

@@ -62,7 +62,7 @@ def fp8_linear_tokens(
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K), routed here;
     `counters`: split-K counters (:func:`fp8linear.ops.splitk_gemm.splitk_counters`) or None."""
     route = route_linear(x.device, x.shape[0], w_q.shape[0], x.shape[1], granularity, w_q.dtype, x.dtype, bias,
-                         allow_cublas, tma_ok(w_q))
+                         allow_cublas, tma_ok(w_q), weight_contiguous=w_q.is_contiguous() and w_s.is_contiguous())
     return run_linear_route(route, x, w_q, w_s, granularity, bias, counters)
 
 

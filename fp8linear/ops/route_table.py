@@ -3,8 +3,9 @@
 The router (:mod:`fp8linear.ops.router`) consults these tables before its heuristic. One JSON file
 per GPU model in ``fp8linear/ops/tuned_configs/routes/``, written by ``fp8linear tune-routes``
 (:mod:`fp8linear.tools.route_tune`), which times every candidate kernel (cuBLAS blockwise, our
-tiled kernel at several tiles, our split-K kernel at several tiles and splits) per (N, K, M) under
-CUDA graphs and keeps the fastest. Format::
+tiled kernel at several tiles, our split-K kernel at several tiles and splits, CUTLASS's kernels
+where built) per (N, K, M) under CUDA graphs and keeps the fastest (CUTLASS only by a margin, with
+the fastest other kernel as its fallback). Format::
 
     {"format": "fp8linear-routes", "version": 1, "device": "NVIDIA H100 80GB HBM3", "meta": {...},
      "routes": {"N,K": {"M": {"kernel": "splitk", "block_m": 64, "block_n": 64, "split_k": 5,

@@ -5,7 +5,8 @@ Every choice between implementations is made here and nowhere else; every other 
 caller of this module. The router imports without Triton (CPU-only installs route too).
 
 Backend (:func:`resolve_backend`, :func:`cpu_fast_path`, :func:`cublas_allowed`): "auto" runs our
-Triton kernels on CUDA/ROCm tensors (and cuBLAS blockwise where it is faster), the compiled CPU
+Triton kernels on CUDA/ROCm tensors (and cuBLAS blockwise, or CUTLASS's kernels where built, where
+they are faster), the compiled CPU
 path for a whole linear on CPU tensors and the reference elsewhere; "triton" and "reference" force one.
 
 CPU tensors (:mod:`fp8linear.ops.cpu_linear`): the compiled kernels of :mod:`fp8linear.ops.cpu_native`
@@ -75,7 +76,7 @@ from .configs import (AMD_CU_COUNT, DEFAULT_CU_COUNT, GemmConfig, GemvConfig, Sp
                       device_arch, is_amd_arch, sm_count)
 from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
-from .cutlass_gemm import cutlass_accepts, cutlass_available
+from .cutlass_gemm import CutlassConfig, cutlass_accepts, cutlass_available
 from .route_table import lookup_route
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -156,7 +157,8 @@ def cpu_fast_path(backend: str | None, device: torch.device) -> bool:
 
 
 def cublas_allowed(backend: str | None) -> bool:
-    """Whether GEMMs may go to cuBLAS blockwise FP8 where it is faster: under 'auto' only."""
+    """Whether GEMMs may go to a vendor library (cuBLAS blockwise FP8, CUTLASS's kernels) where it is
+    faster: under 'auto' only."""
     return _requested(backend) == "auto"
 
 
@@ -508,14 +510,14 @@ def act_quant_launch(m: int, k: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Route:
     """What runs one GEMM: the kernel (one of KERNELS), its launch config (cuBLAS: its workspace
-    limit, None for the default), and PDL flags.
+    limit and scale form, None for the defaults; CUTLASS: which built kernel), and PDL flags.
 
     ``pdl``: the GEMM is launched with programmatic dependent launch; ``release_early``: the
     activation quantization before it lets it be scheduled early (:mod:`fp8linear.ops.pdl`).
     """
 
     kernel: str
-    config: GemmConfig | SplitKConfig | GemvConfig | CublasConfig | None = None
+    config: GemmConfig | SplitKConfig | GemvConfig | CublasConfig | CutlassConfig | None = None
     pdl: bool = False
     release_early: bool = False
 
@@ -644,11 +646,13 @@ def _one_launch_decode_ok(device: torch.device) -> bool:
 
 def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
                  out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
-                 weight_tma_ok: bool, eager: bool = False) -> Route:
+                 weight_tma_ok: bool, eager: bool = False, weight_contiguous: bool = False) -> Route:
     """The route of a whole FP8 linear (x not yet quantized, output in x's dtype `out_dtype`).
 
     `weight_tma_ok`: :func:`tma_ok` of the weight (the quantized activations are made
-    16-byte aligned, so they are TMA-addressable whenever K is a multiple of 16). `eager`: the
+    16-byte aligned, so they are TMA-addressable whenever K is a multiple of 16).
+    `weight_contiguous`: the weight and its scale are contiguous (what the CUTLASS kernels read;
+    the quantized activations always are). `eager`: the
     caller launches eagerly (not in a CUDA graph or compiled region), where host time per call
     counts as much as GPU time (see ONE_LAUNCH_MAX_WEIGHT and EAGER_CUBLAS_MIN_MNK).
     """
@@ -657,8 +661,8 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     library_ok = allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
     cublas_ok = library_ok and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device)
     # the quantized activations are 16-byte aligned with K-long rows: TMA-addressable where K % 16 == 0
-    cutlass_ok = (library_ok and weight_tma_ok and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
-                  and cutlass_available(device))
+    cutlass_ok = (library_ok and weight_tma_ok and weight_contiguous
+                  and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:
@@ -675,13 +679,15 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
 
 def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,
                out_dtype: torch.dtype, bias: torch.Tensor | None, allow_cublas: bool,
-               operands_tma_ok: bool) -> Route:
+               operands_tma_ok: bool, operands_contiguous: bool = False) -> Route:
     """The route of a GEMM on already quantized activations (no fused GEMV; where cuBLAS runs an M
-    that is not a multiple of 4, :func:`~fp8linear.ops.cublas_gemm.cublas_fp8_gemm` pads a copy)."""
+    that is not a multiple of 4, :func:`~fp8linear.ops.cublas_gemm.cublas_fp8_gemm` pads a copy).
+    `operands_contiguous`: x_q, w_q and w_s are contiguous (what the CUTLASS kernels read; x_s is
+    made row-major contiguous for every kernel but cuBLAS)."""
     cublas_ok = (allow_cublas and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
                  and cublas_device_ok(device))
-    cutlass_ok = (allow_cublas and operands_tma_ok and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias)
-                  and cutlass_available(device))
+    cutlass_ok = (allow_cublas and operands_tma_ok and operands_contiguous
+                  and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
     return _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m), cutlass_ok)
 
 

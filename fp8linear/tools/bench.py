@@ -218,7 +218,7 @@ def _routed_to_cublas(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, al
 
     m, k = x_q.shape
     route = route_gemm(x_q.device, m, w_q.shape[0], k, granularity, w_q.dtype, torch.bfloat16, None, allow_cublas,
-                       tma_ok(x_q) and tma_ok(w_q))
+                       tma_ok(x_q) and tma_ok(w_q), x_q.is_contiguous() and w_q.is_contiguous())
     return route.kernel == "cublas"
 
 

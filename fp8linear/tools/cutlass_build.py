@@ -3,13 +3,14 @@
 Each (config, bias) variant of ``fp8linear/ops/cutlass/blockwise_gemm.cu``
 (:func:`fp8linear.ops.cutlass_gemm.variants`) is compiled by nvcc for sm_90a into its own object,
 in parallel (one object takes about a minute of one core), then linked into one shared library
-with the CUDA driver library. Everything happens in a temporary folder beside the target and the
+(the CUDA runtime statically; no GPU driver is needed to build). Everything happens in a temporary folder beside the target and the
 library is moved into place by a rename, so the cache holds a complete library or none
 (:func:`fp8linear.ops.cutlass_gemm.library_path`: a new source or flag set gets a new name).
 
 Needs nvcc (``--nvcc``, else ``$CUDA_HOME/bin/nvcc``, else the PATH) and CUTLASS's headers
-(``--cutlass``, else ``$CUTLASS_PATH``, else the ``nvidia-cutlass`` package:
-``pip install nvidia-cutlass``). No GPU is needed to build.
+(``--cutlass``, else ``$CUTLASS_PATH``, else the ``nvidia-cutlass`` package, 4.2 or newer:
+``pip install 'nvidia-cutlass>=4.2'``). No GPU is needed to build. A build stopped midway leaves a
+``.build-*`` folder beside the library, which the next build does not reuse (delete it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..ops.cutlass_gemm import BUILD_FLAGS, SOURCE, library_path, variants
+
+# What the source needs of a CUTLASS tree: the Hopper blockwise-scaling layouts came in CUTLASS 4.x.
+_HEADERS = ("include/cutlass/cutlass.h", "include/cutlass/detail/blockwise_scale_layout.hpp",
+            "tools/util/include/cutlass/util/packed_stride.hpp")
 
 __all__ = ["find_nvcc", "find_cutlass", "compile_command", "link_command", "build_library", "add_arguments", "run"]
 
@@ -60,10 +65,10 @@ def find_cutlass(explicit: str | None = None) -> Path:
             pass
     tried = [r for r in roots if r]
     for root in tried:
-        if (Path(root) / "include" / "cutlass" / "cutlass.h").is_file():
+        if all((Path(root) / h).is_file() for h in _HEADERS):
             return Path(root)
-    raise FileNotFoundError(f"CUTLASS headers not found (tried {tried or 'nothing'}); "
-                            "`pip install nvidia-cutlass`, or pass --cutlass or set CUTLASS_PATH")
+    raise FileNotFoundError(f"CUTLASS >= 4.2 headers ({', '.join(_HEADERS)}) not found under {tried or 'nothing'}; "
+                            "`pip install 'nvidia-cutlass>=4.2'`, or pass --cutlass or set CUTLASS_PATH")
 
 
 def compile_command(nvcc: str, cutlass: Path, symbol: str, macros: dict[str, int], out: Path) -> list[str]:
@@ -74,13 +79,17 @@ def compile_command(nvcc: str, cutlass: Path, symbol: str, macros: dict[str, int
 
 
 def link_command(nvcc: str, objects: list[Path], out: Path) -> list[str]:
-    return [nvcc, "-shared", "-o", str(out), *map(str, objects), "-lcuda"]
+    """The shared library of the objects; the CUDA runtime linked statically, the driver reached
+    through it (no libcuda at build time: a machine without a GPU driver builds too)."""
+    return [nvcc, "-shared", "-o", str(out), *map(str, objects)]
 
 
 def _run(cmd: list[str]) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-20:])
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        errors = [line for line in lines if "error" in line][:5]  # the first errors, then the end
+        tail = "\n".join(dict.fromkeys(errors + lines[-15:]))
         raise RuntimeError(f"{Path(cmd[0]).name} failed (exit {done.returncode}): {' '.join(cmd[-4:])}\n{tail}")
 
 
@@ -102,9 +111,12 @@ def build_library(nvcc: str | None = None, cutlass: str | None = None, jobs: int
         workers = max(1, min(len(commands), jobs or os.cpu_count() or 1))
         log(f"fp8linear build-cutlass: compiling {len(commands)} objects with {workers} jobs "
             f"({nvcc_path}, CUTLASS {cutlass_root})")
-        with ThreadPoolExecutor(workers) as pool:
-            for _ in pool.map(_run, commands):  # re-raises the first failure
-                pass
+        pool = ThreadPoolExecutor(workers)
+        try:
+            for future in [pool.submit(_run, cmd) for cmd in commands]:
+                future.result()  # the first failure, in order
+        finally:
+            pool.shutdown(cancel_futures=True)  # after a failure, compiles not started are dropped
         tmp_lib = work / target.name
         _run(link_command(nvcc_path, objects, tmp_lib))
         os.replace(tmp_lib, target)
@@ -132,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         build_library(args.nvcc, args.cutlass, args.jobs, force=args.force)
-    except (FileNotFoundError, RuntimeError) as e:
+    except (OSError, RuntimeError) as e:  # OSError: no nvcc / headers, or the cache folder not writable
         print(f"fp8linear build-cutlass: {e}", file=sys.stderr)
         return 1
     return 0

@@ -4,7 +4,7 @@ For each weight shape and M it times, interleaved under CUDA graphs over operand
 past L2 (the `fp8linear bench` timer): cuBLAS blockwise (on activations quantized into its padded
 layout, as the linear layer runs it; with two cuBLASLt workspace limits), our tiled kernel with the router's config and fixed tiles,
 our split-K kernel at several tiles and splits, the heuristic's own choice, and BF16 for reference.
-The fastest of ours or cuBLAS becomes the table entry (:mod:`fp8linear.ops.route_table`), so
+The fastest kernel becomes the table entry (:mod:`fp8linear.ops.route_table`), so
 GEMMs of these shapes run what measured fastest on this GPU model. 128x128-block and 1x128
 row-wise weights are measured apart (``--granularity``), each into its section of the table;
 ``--update`` keeps the shapes not measured now (per granularity) from the table already in ``--out``.
@@ -129,7 +129,13 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     from ..ops.configs import sm_count
 
     if cutlass_only:
-        return {**_shipped_candidates(m, n, k, device, granularity), **_cutlass_candidates(n, k, device, granularity)}
+        shipped = _shipped_candidates(m, n, k, device, granularity)
+        if not shipped:  # a shape in no table: the heuristic's choice is what CUTLASS must beat
+            cublas_ok = (cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None)
+                         and cublas_device_ok(device))
+            heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
+            shipped = {_label(heur.kernel, heur.config): (heur.kernel, heur.config)}
+        return {**shipped, **_cutlass_candidates(n, k, device, granularity)}
     out: dict[str, tuple[str, Any]] = {}
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     if cublas_ok:
@@ -243,10 +249,11 @@ def _entry_from_label(label: str) -> dict[str, Any]:
 
 
 def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str, Any],
-                base: dict[str, Any] | None = None) -> dict[str, Any]:
+                base: dict[str, Any] | None = None, merge_ms: bool = False) -> dict[str, Any]:
     """The routes table document: per granularity and (N, K, M) the fastest candidate, with its and
     BF16's µs. `base`: a table whose shapes these rows did not measure are kept (per granularity
-    and shape: a measured shape's entries are all replaced)."""
+    and shape: a measured shape's entries are all replaced, unless `merge_ms`, which keeps its
+    entries at the Ms not measured now)."""
     from ..ops.route_table import ROUTE_SECTIONS, ROUTES_FORMAT, ROUTES_VERSION, parse_routes
 
     doc = {"format": ROUTES_FORMAT, "version": ROUTES_VERSION, "device": device_name, "meta": meta, "routes": {}}
@@ -254,7 +261,8 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
     if base is not None:
         for gran, section in ROUTE_SECTIONS.items():
             parse_routes(base, "base routes table", gran)  # it must read back too
-            kept = {shape: per_m for shape, per_m in base.get(section, {}).items() if (section, shape) not in measured}
+            kept = {shape: dict(per_m) for shape, per_m in base.get(section, {}).items()
+                    if merge_ms or (section, shape) not in measured}
             if kept:
                 doc.setdefault(section, {}).update(kept)
     for r in rows:
@@ -270,7 +278,10 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
 def _best_entry(us: dict[str, float]) -> dict[str, Any]:
     """The table entry of one case's times: the fastest kernel, CUTLASS only where it beats the
     fastest other one by CUTLASS_MIN_GAIN (then with that one as its fallback)."""
-    other_us, other = min((v, lab) for lab, v in us.items() if lab != "bf16" and not lab.startswith("cutlass:"))
+    others = [(v, lab) for lab, v in us.items() if lab != "bf16" and not lab.startswith("cutlass:")]
+    if not others:
+        raise ValueError(f"no kernel but CUTLASS was timed ({sorted(us)}): a CUTLASS entry needs a fallback")
+    other_us, other = min(others)
     entry = {**_entry_from_label(other), "us": round(other_us, 2)}
     cut = [(v, lab) for lab, v in us.items() if lab.startswith("cutlass:")]
     if cut and min(cut)[0] < CUTLASS_MIN_GAIN * other_us:
@@ -312,7 +323,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update", action="store_true",
                         help="keep the shapes (per granularity) not measured now from the table already in --out")
     parser.add_argument("--cutlass-only", action="store_true",
-                        help="time only the shipped entries against the built CUTLASS kernels (128x128 weights)")
+                        help="time only the shipped entries against the built CUTLASS kernels (128x128 weights) "
+                             "and update the table in --out (the shipped one where --out has none) per (shape, M)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -338,7 +350,14 @@ def run(args: argparse.Namespace) -> int:
     from ..ops.route_table import routes_path
 
     base = None
-    if args.update:
+    if args.cutlass_only and not routes_path(name, out).is_file():
+        import shutil
+
+        shipped = routes_path(name)
+        if shipped.is_file():
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shipped, routes_path(name, out))
+    if args.update or (args.cutlass_only and routes_path(name, out).is_file()):
         from ..ops.route_table import ROUTE_SECTIONS, parse_routes
 
         path = routes_path(name, out)
@@ -366,10 +385,14 @@ def run(args: argparse.Namespace) -> int:
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
     if args.cutlass_only:
         meta["cutlass_only"] = True  # the other kernels' entries are the base table's, re-timed
+    if any(lab.startswith("cutlass:") for r in rows for lab in r["us"]):
+        from ..ops.cutlass_gemm import library_path
+
+        meta["cutlass_library"] = library_path().parent.name  # the source and flags' digest
     if base is not None and isinstance(base.get("meta"), dict):
         meta["base"] = {k: v for k, v in base["meta"].items() if k != "base"}
     write_table({"gpu": name, "meta": meta, "rows": rows}, out / "route_sweep.json")
-    path = write_table(build_table(rows, name, meta, base), routes_path(name, out))
+    path = write_table(build_table(rows, name, meta, base, merge_ms=args.cutlass_only), routes_path(name, out))
     print(heuristic_report(rows))
     print(f"wrote {path} ({len(rows)} cases) and {out / 'route_sweep.json'}")
     return 0

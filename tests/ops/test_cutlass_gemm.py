@@ -63,15 +63,57 @@ def test_not_built_means_not_available(tmp_path, monkeypatch):
     monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(tmp_path))
     cutlass_gemm._library.cache_clear()
     cutlass_gemm._device_ok.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     try:
         assert cutlass_gemm._library() is None
-        assert not cutlass_gemm.cutlass_available(torch.device("cpu"))
+        assert not cutlass_gemm._device_ok(0)  # an sm_90 GPU, but nothing built
         x = torch.zeros(4, 128, dtype=torch.uint8).view(FP8)
         with pytest.raises(RuntimeError, match="build-cutlass"):
             cutlass_gemm.cutlass_fp8_gemm(x, torch.ones(4, 1), x, torch.ones(1, 1), None, CutlassConfig(64))
     finally:
         cutlass_gemm._library.cache_clear()
         cutlass_gemm._device_ok.cache_clear()
+
+
+class _FakeLibrary:
+    def __init__(self, probe_rc):
+        self.probe = {(cfg, b): (lambda rc=probe_rc: rc) for cfg in cutlass_gemm.CUTLASS_CONFIGS for b in (False, True)}
+
+
+@pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [
+    ((9, 0), None, None, 0, True),
+    ((10, 0), None, None, 0, False),  # sm_90a code does not run on Blackwell
+    ((8, 0), None, None, 0, False),
+    ((9, 0), "0", None, 0, False),  # turned off
+    ((9, 0), None, "6.4", 0, False),  # ROCm
+    ((9, 0), None, None, 35, False),  # built, but its code does not load (e.g. an nvcc newer than the driver)
+])
+def test_device_check(monkeypatch, capability, env, hip, probe_rc, ok):
+    """CUTLASS runs on an sm_90 GPU where the library's kernels load, unless FP8LINEAR_CUTLASS=0."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.version, "hip", hip)
+    if env is None:
+        monkeypatch.delenv(cutlass_gemm.CUTLASS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cutlass_gemm.CUTLASS_ENV, env)
+    monkeypatch.setattr(cutlass_gemm, "_library", lambda: _FakeLibrary(probe_rc))
+    cutlass_gemm._device_ok.cache_clear()
+    try:
+        assert cutlass_gemm._device_ok(0) is ok
+    finally:
+        cutlass_gemm._device_ok.cache_clear()
+
+
+def test_unreadable_source_means_no_library(tmp_path, monkeypatch):
+    monkeypatch.setattr(cutlass_gemm, "SOURCE", tmp_path / "missing.cu")
+    cutlass_gemm._library.cache_clear()
+    try:
+        assert cutlass_gemm._library() is None
+    finally:
+        cutlass_gemm._library.cache_clear()
 
 
 def test_a_broken_library_is_not_used(tmp_path, monkeypatch):
@@ -159,9 +201,13 @@ def test_cutlass_through_the_router(monkeypatch):
 
     entry = route_table.RouteEntry("cutlass", cfg, route_table.RouteEntry("cublas"))
     monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
-    assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, True, True).kernel == "cutlass"
+    assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, True, True, True).kernel == "cutlass"
     assert same_bits(block_fp8_matmul(x_q, x_s, w_q, w_s, BF16), direct)
-    assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, False, True).kernel != "cutlass"
+    assert router.route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, False, True, True).kernel != "cutlass"
+    w_s_strided = w_s.t().contiguous().t()  # same values, column-major: the fallback runs, same numbers
+    assert not w_s_strided.is_contiguous()
+    fallback = block_fp8_matmul(x_q, x_s, w_q, w_s_strided, BF16)
+    assert rel_err(fallback, direct.float()) < GEMM_TOL[BF16]
 
     layer = Fp8BlockLinear(k, n, bias=False, device="cuda")
     layer.weight.data.copy_(w_q)

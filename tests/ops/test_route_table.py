@@ -186,14 +186,15 @@ def test_cutlass_entry_runs_where_built_else_its_fallback(monkeypatch):
     assert router._choose(CPU, 300, 576, 7168, "block", False, False, False, False).kernel in ("splitk", "tiled")
 
 
-@pytest.mark.parametrize("allow,bias_dtype,k,cutlass", [
-    (True, None, 7168, True),
-    (True, torch.bfloat16, 7168, True),  # a fused bf16 bias
-    (False, None, 7168, False),  # backend "triton": never CUTLASS
-    (True, torch.float16, 7168, False),  # a bias CUTLASS does not fuse
-    (True, None, 7160, False),  # K not a multiple of 16: TMA cannot address the rows
+@pytest.mark.parametrize("allow,bias_dtype,k,dense,cutlass", [
+    (True, None, 7168, True, True),
+    (True, torch.bfloat16, 7168, True, True),  # a fused bf16 bias
+    (False, None, 7168, True, False),  # backend "triton": never CUTLASS
+    (True, torch.float16, 7168, True, False),  # a bias CUTLASS does not fuse
+    (True, None, 7160, True, False),  # K not a multiple of 16: TMA cannot address the rows
+    (True, None, 7168, False, False),  # a strided weight or scale view: the kernels read dense operands
 ])
-def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtype, k, cutlass):
+def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtype, k, dense, cutlass):
     """route_gemm and route_linear take a CUTLASS entry only where the built kernels compute the
     call; eager calls below EAGER_CUBLAS_MIN_MNK never (a library call's host cost); where the
     library is not built the fallback runs."""
@@ -204,14 +205,18 @@ def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtyp
     n, fp8, bf16 = 576, torch.float8_e4m3fn, torch.bfloat16
     bias = None if bias_dtype is None else torch.zeros(n, dtype=bias_dtype)
     expected = "cutlass" if cutlass else "splitk"
-    assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True).kernel == expected
-    assert router.route_linear(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True).kernel == expected
-    assert router.route_linear(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True, eager=True).kernel == expected
+    assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True, dense).kernel == expected
+    assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True).kernel == "splitk"  # not said
+    assert router.route_linear(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True,
+                               weight_contiguous=dense).kernel == expected
+    assert router.route_linear(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True, eager=True,
+                               weight_contiguous=dense).kernel == expected
     assert 100 * n * k < router.EAGER_CUBLAS_MIN_MNK
-    assert router.route_linear(CPU, 100, n, k, "block", fp8, bf16, bias, allow, True, eager=True).kernel != "cutlass"
-    assert router.route_gemm(CPU, 4096, n, k, "row", fp8, bf16, None, allow, True).kernel != "cutlass"
+    assert router.route_linear(CPU, 100, n, k, "block", fp8, bf16, bias, allow, True, eager=True,
+                               weight_contiguous=dense).kernel != "cutlass"
+    assert router.route_gemm(CPU, 4096, n, k, "row", fp8, bf16, None, allow, True, dense).kernel != "cutlass"
     monkeypatch.setattr(router, "cutlass_available", lambda device: False)  # not built: the fallback
-    assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True).kernel == "splitk"
+    assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True, dense).kernel == "splitk"
 
 
 def test_rocm_keeps_its_tiles_above_decode_sizes(monkeypatch):

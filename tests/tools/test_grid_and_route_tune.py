@@ -140,7 +140,20 @@ def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
     assert table[192].fallback.kernel == "splitk" and table[192].fallback.config.split_k == 4
     assert table[256].config == cutlass_gemm.CutlassConfig(128, stream_k=True)
     assert table[256].fallback.config.workspace_mib == 32
-    assert route_tune.CUTLASS_MIN_GAIN < 1
+    with pytest.raises(ValueError, match="needs a fallback"):  # CUTLASS alone timed: no entry can be made
+        route_tune.build_table([{"n": 576, "k": 7168, "m": 1, "heuristic": "x",
+                                 "us": {"bf16": 9.0, "cutlass:64": 5.0}}], "X", {})
+
+
+def test_cutlass_only_merges_per_m():
+    """--cutlass-only re-times some Ms of a shape: its entries at the other Ms stay (merge_ms)."""
+    base = route_tune.build_table([{"n": 576, "k": 7168, "m": mm, "heuristic": "cublas",
+                                    "us": {"bf16": 9.0, "cublas": 8.0}} for mm in (1, 96, 4096)], "X", {})
+    rows = [{"n": 576, "k": 7168, "m": 96, "heuristic": "cublas", "us": {"bf16": 9.0, "cublas": 8.0, "cutlass:64": 6.0}}]
+    merged = route_tune.build_table(rows, "X", {}, base=base, merge_ms=True)["routes"]["576,7168"]
+    assert sorted(merged, key=int) == ["1", "96", "4096"] and merged["96"]["kernel"] == "cutlass"
+    replaced = route_tune.build_table(rows, "X", {}, base=base)["routes"]["576,7168"]
+    assert list(replaced) == ["96"]
 
 
 def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
@@ -154,6 +167,10 @@ def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
     monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: True)
     got = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: None)  # a shape in no table: the heuristic's route
+    alone = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
+    assert len(alone) == 4 and sum(not label.startswith("cutlass") for label in alone) == 1
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
     assert got == {"tiled:64x64x128w4s4g8": ("tiled", tiled), "cutlass:64": ("cutlass", cutlass_gemm.CutlassConfig(64)),
                    "cutlass:128": ("cutlass", cutlass_gemm.CutlassConfig(128)),
                    "cutlass:128sk": ("cutlass", cutlass_gemm.CutlassConfig(128, stream_k=True))}

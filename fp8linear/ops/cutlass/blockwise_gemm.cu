@@ -32,9 +32,12 @@
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-using namespace cute;
+// One namespace per variant (its symbol prefix): the objects are linked into one library, and the
+// kernel's name (cutlass::device_kernel<GemmKernel>) must differ between them. (`using namespace
+// cute` stays inside it: at file scope it makes nvcc's host stub for the kernel ambiguous.)
+namespace FP8L_NAME {
 
-namespace {
+using namespace cute;
 
 using ElementA = cutlass::float_e4m3_t;
 using ElementB = cutlass::float_e4m3_t;
@@ -92,7 +95,7 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
-                                        const void* bias, int m, int n, int k) {
+                                        const void* bias, int m, int n, int k, int device, int sm_count) {
   using StrideA = typename Gemm::GemmKernel::StrideA;
   using StrideB = typename Gemm::GemmKernel::StrideB;
   using StrideD = typename Gemm::GemmKernel::StrideD;
@@ -108,6 +111,9 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
       {{}, nullptr, stride_d, static_cast<ElementD*>(y), stride_d}};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
+  // the caller's cached SM count: CUTLASS would otherwise ask the current device on every call
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
 #if FP8L_BIAS
   args.epilogue.thread.bias_ptr = static_cast<const ElementD*>(bias);
 #else
@@ -116,7 +122,11 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
   return args;
 }
 
-}  // namespace
+}  // namespace FP8L_NAME
+
+using FP8L_NAME::Gemm;
+using FP8L_NAME::GemmKernel;
+using FP8L_NAME::make_arguments;
 
 #define FP8L_JOIN2(a, b) a##b
 #define FP8L_JOIN(a, b) FP8L_JOIN2(a, b)
@@ -124,20 +134,30 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
 // 0 where this configuration can run an (m, n, k) problem, else a cutlass::Status code.
 extern "C" int FP8L_JOIN(FP8L_NAME, _can_implement)(int m, int n, int k) {
   return static_cast<int>(Gemm::can_implement(make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                             m, n, k)));
+                                                             m, n, k, 0, 1)));
 }
 
-// Bytes of device workspace a call of (m, n, k) needs.
-extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k) {
-  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k));
+// 0 where the current device can run this kernel (its code loads: driver, architecture), else
+// the cudaError_t of the attempt. Enqueues nothing.
+extern "C" int FP8L_JOIN(FP8L_NAME, _probe)() {
+  cudaFuncAttributes attributes;
+  return static_cast<int>(cudaFuncGetAttributes(&attributes, cutlass::device_kernel<GemmKernel>));
 }
 
-// Enqueue the GEMM on `stream`: 0, else a cutlass::Status code or 1000 + the launch's cudaError_t.
+// Bytes of device workspace a call of (m, n, k) needs on `device` with `sm_count` SMs.
+extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k, int device, int sm_count) {
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k,
+                                                 device, sm_count));
+}
+
+// Enqueue the GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status code or
+// 1000 + the launch's cudaError_t.
 extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
-                                          const void* bias, int m, int n, int k, void* workspace,
-                                          cudaStream_t stream) {
+                                          const void* bias, int m, int n, int k, int device, int sm_count,
+                                          void* workspace, cudaStream_t stream) {
   Gemm gemm;
-  cutlass::Status status = gemm.initialize(make_arguments(a, sfa, b, sfb, y, bias, m, n, k), workspace, stream);
+  cutlass::Status status =
+      gemm.initialize(make_arguments(a, sfa, b, sfb, y, bias, m, n, k, device, sm_count), workspace, stream);
   if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
   if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
   cudaError_t err = cudaGetLastError();
