@@ -7,7 +7,8 @@ our split-K kernel at several tiles and splits, the heuristic's own choice, and 
 The fastest kernel becomes the table entry (:mod:`fp8linear.ops.route_table`), so
 GEMMs of these shapes run what measured fastest on this GPU model. 128x128-block and 1x128
 row-wise weights are measured apart (``--granularity``), each into its section of the table;
-``--update`` keeps the shapes not measured now (per granularity) from the table already in ``--out``.
+``--update`` keeps the shapes not measured now (per granularity) from the table already in ``--out``
+(with ``--merge-ms``, also a measured shape's entries at the Ms not measured now: how Ms are added).
 Where the CUTLASS library is built (``fp8linear build-cutlass``), its kernels are candidates too;
 a CUTLASS entry records the fastest other kernel as its fallback. ``--cutlass-only`` times just
 the shipped table's entries against the CUTLASS kernels (128x128 weights), a few minutes instead of
@@ -322,6 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight granularities to measure (default: both)")
     parser.add_argument("--update", action="store_true",
                         help="keep the shapes (per granularity) not measured now from the table already in --out")
+    parser.add_argument("--merge-ms", action="store_true",
+                        help="with --update: keep a measured shape's entries at the Ms not measured now "
+                             "(to add Ms to a table, e.g. --m 160 320 640)")
     parser.add_argument("--cutlass-only", action="store_true",
                         help="time only the shipped entries against the built CUTLASS kernels (128x128 weights) "
                              "and update the table in --out (the shipped one where --out has none) per (shape, M)")
@@ -337,6 +341,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"fp8linear tune-routes: {e}", file=sys.stderr)
         return 2
     ms = tuple(args.m) if args.m else (_QUICK_MS if args.quick else TABLE_MS)
+    if getattr(args, "merge_ms", False) and not args.update:
+        print("fp8linear tune-routes: --merge-ms merges into the table in --out: give --update too", file=sys.stderr)
+        return 2
     if any(m < 1 for m in ms):
         print(f"fp8linear tune-routes: M must be positive, got {ms}", file=sys.stderr)
         return 2
@@ -392,7 +399,8 @@ def run(args: argparse.Namespace) -> int:
     if base is not None and isinstance(base.get("meta"), dict):
         meta["base"] = {k: v for k, v in base["meta"].items() if k != "base"}
     write_table({"gpu": name, "meta": meta, "rows": rows}, out / "route_sweep.json")
-    path = write_table(build_table(rows, name, meta, base, merge_ms=args.cutlass_only), routes_path(name, out))
+    merge = args.cutlass_only or getattr(args, "merge_ms", False)
+    path = write_table(build_table(rows, name, meta, base, merge_ms=merge), routes_path(name, out))
     print(heuristic_report(rows))
     print(f"wrote {path} ({len(rows)} cases) and {out / 'route_sweep.json'}")
     return 0

@@ -215,6 +215,14 @@ def test_write_table_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary left
 
 
+def test_merge_ms_needs_update(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = argparse.Namespace(shapes=["576,7168"], m=[160], quick=False, deadline_s=1.0, out="x", update=False,
+                              merge_ms=True, cutlass_only=False, granularity=["block"])
+    assert route_tune.run(args) == 2
+    assert "give --update too" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_tune_routes_needs_a_gpu(capsys):
     assert route_tune.run(argparse.Namespace(shapes=None, m=None, quick=True, deadline_s=1.0, out="x")) == 2
