@@ -4,23 +4,23 @@ once by ``fp8linear build-cutlass`` and loaded from the cache.
 CUTLASS's sm_90a kernels (``fp8linear/ops/cutlass/blockwise_gemm.cu``) run the DeepSeek-V3 recipe
 with a TMA producer warp and consumer warpgroups that get the registers (what a Triton ``tl``
 kernel cannot do on Hopper, see :mod:`fp8linear.ops.gemm`): the ping-pong kernel on 64x128 tiles
-and the cooperative kernel on 128x128 tiles, data-parallel or stream-K. They read the activation scales row-major and the
-128x128 weight scale grid as stored, and take any M, so nothing is padded or copied, where cuBLAS
-needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
+and the cooperative kernel on 128x128 tiles, data-parallel or stream-K. They read the activation
+scales row-major and the 128x128 weight scale grid as stored, and take any M, so nothing is padded
+or copied, where cuBLAS needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
 (:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
-16 shapes x M 64-4096, 160 cases): the faster of the two configs beat the routed kernel by more
-than 3% in 55 cases, e.g. 2048x7168 at M=333 19.0 against 22.6 us (BF16 20.6), 1536x576 at
-M=4096 12.7 against 18.4; where it loses, the routes table keeps the other kernel
-(:mod:`fp8linear.ops.route_table`: the router runs CUTLASS only where a table measured it
-fastest, and falls back to the kernel measured next where the library is not built).
+16 shapes x M 64-4096, 160 cases): the faster of the 64- and 128-row kernels beat the routed
+kernel by more than 3% in 55 cases, e.g. 2048x7168 at M=333 19.0 against 22.6 us (BF16 20.6),
+1536x576 at M=4096 12.7 against 18.4; at M >= 1024 on large weights they are cuBLAS blockwise's
+speed. So the router runs CUTLASS only where a routes table measured it fastest
+(:mod:`fp8linear.ops.route_table`), and the kernel measured next where the library is not built.
 
 The library is compiled by nvcc from that source and CUTLASS's headers (the ``nvidia-cutlass``
 package, or ``CUTLASS_PATH``) into the cache (:func:`library_path`), by
 :mod:`fp8linear.tools.cutlass_build`: never on the forward path. Where it is not built, the GPU is
 not an sm_90 part, its code does not load (a probe per kernel, once per GPU), or
 ``FP8LINEAR_CUTLASS=0`` (read once), :func:`cutlass_available` is False (a log line says why,
-except for the variable) and nothing changes. Calls go through ``ctypes`` on raw addresses, on the current stream, so
-they are CUDA-graph capturable; the bits are the same on every call of a shape.
+except for the variable) and nothing changes. Calls go through ``ctypes`` on raw addresses, on the
+current stream, so they are CUDA-graph capturable; the bits are the same on every call of a shape.
 """
 
 from __future__ import annotations
