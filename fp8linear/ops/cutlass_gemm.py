@@ -38,7 +38,7 @@ import torch
 from .config_tables import cache_dir
 from .configs import sm_count
 
-__all__ = ["CUTLASS_CONFIGS", "CUTLASS_ENV", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "cache_root", "library_path",
+__all__ = ["CUTLASS_CONFIGS", "CUTLASS_ENV", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
            "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
 
 log = logging.getLogger(__name__)
@@ -96,16 +96,12 @@ def _symbol(cfg: CutlassConfig, bias: bool) -> str:
     return f"fp8l_{cfg.name}" + ("_bias" if bias else "")
 
 
-def cache_root() -> Path:
-    """Where built libraries live: the package's cache folder (:func:`fp8linear.ops.config_tables.cache_dir`)."""
-    return cache_dir()
-
-
 def library_path(root: Path | None = None) -> Path:
-    """The library built from this package's source and flags: a new source builds a new file."""
+    """The library built from this package's source and flags, under `root` (default: the package's
+    cache folder, :func:`fp8linear.ops.config_tables.cache_dir`): a new source builds a new file."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(repr((BUILD_FLAGS, variants())).encode())
-    return (root or cache_root()) / "cutlass" / digest.hexdigest()[:16] / _LIBRARY_NAME
+    return (root or cache_dir()) / "cutlass" / digest.hexdigest()[:16] / _LIBRARY_NAME
 
 
 class _Library:

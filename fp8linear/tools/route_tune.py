@@ -129,16 +129,14 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     from ..ops.cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
     from ..ops.configs import sm_count
 
+    cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
+    heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     if cutlass_only:
-        shipped = _shipped_candidates(m, n, k, device, granularity)
-        if not shipped:  # a shape in no table: the heuristic's choice is what CUTLASS must beat
-            cublas_ok = (cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None)
-                         and cublas_device_ok(device))
-            heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
-            shipped = {_label(heur.kernel, heur.config): (heur.kernel, heur.config)}
+        # a shape in no table: the heuristic's choice is what CUTLASS must beat
+        shipped = _shipped_candidates(m, n, k, device, granularity) or {
+            _label(heur.kernel, heur.config): (heur.kernel, heur.config)}
         return {**shipped, **_cutlass_candidates(n, k, device, granularity)}
     out: dict[str, tuple[str, Any]] = {}
-    cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     if cublas_ok:
         out["cublas"] = ("cublas", None)
         large = CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)
@@ -147,7 +145,6 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
             for mib in (CublasConfig.workspace_mib, _LARGE_WORKSPACE_MIB):
                 rows = CublasConfig(workspace_mib=mib, row_scales=True)
                 out[_label("cublas", rows)] = ("cublas", rows)
-    heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     if heur.kernel in ("tiled", "splitk"):
         out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
     table_cfg = router.select_config(device, m, n, k, granularity)
@@ -357,6 +354,15 @@ def run(args: argparse.Namespace) -> int:
     from ..ops.route_table import routes_path
 
     base = None
+    granularities = tuple(dict.fromkeys(args.granularity))
+    if args.cutlass_only:
+        from ..ops.cutlass_gemm import cutlass_available, library_path
+
+        if not cutlass_available(device):
+            print(f"fp8linear tune-routes: --cutlass-only needs the CUTLASS library ({library_path()}; "
+                  "`fp8linear build-cutlass`) and an sm_90 GPU", file=sys.stderr)
+            return 2
+        granularities = ("block",)
     if args.cutlass_only and not routes_path(name, out).is_file():
         import shutil
 
@@ -376,15 +382,6 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"fp8linear tune-routes: --update needs a valid table in {out}: {e}", file=sys.stderr)
             return 2
-    granularities = tuple(dict.fromkeys(args.granularity))
-    if args.cutlass_only:
-        from ..ops.cutlass_gemm import cutlass_available, library_path
-
-        if not cutlass_available(device):
-            print(f"fp8linear tune-routes: --cutlass-only needs the CUTLASS library ({library_path()}; "
-                  "`fp8linear build-cutlass`) and an sm_90 GPU", file=sys.stderr)
-            return 2
-        granularities = ("block",)
     rows = sweep(shapes, ms, device, args.deadline_s, lambda s: print(s, file=sys.stderr, flush=True),
                  granularities, args.cutlass_only)
 
