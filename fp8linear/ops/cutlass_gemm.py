@@ -39,7 +39,7 @@ from .config_tables import cache_dir
 from .configs import sm_count
 
 __all__ = ["CUTLASS_CONFIGS", "CUTLASS_ENV", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
-           "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
+           "CutlassCall", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,63 @@ def cutlass_accepts(n: int, k: int, granularity: str, fp8_dtype: torch.dtype, ou
                             and bias.data_ptr() % _ALIGN_BYTES == 0)
 
 
+class CutlassCall:
+    """One CUTLASS GEMM prepared for one weight and M: the entry point, the weight's addresses, the
+    scalars and the workspace size held, so that a call passes only the activations', output's and
+    workspace's raw device addresses (what an eager plan needs: no tensor, no lookup per call).
+
+    w_q (N, K) e4m3fn and w_s (ceil(N/128), ceil(K/128)) fp32, contiguous, on a device where
+    :func:`cutlass_available`; the shape must pass :func:`cutlass_accepts`. The weight tensors are
+    held (their addresses stay valid while they are updated in place)."""
+
+    __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape")
+
+    def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None, m: int,
+                 config: CutlassConfig) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
+        n, k = w_q.shape
+        groups = -(-k // 128)
+        if w_q.device.type != "cuda" or not cutlass_accepts(n, k, "block", w_q.dtype, torch.bfloat16, bias):
+            raise ValueError(f"CUTLASS GEMMs take CUDA e4m3fn weights with K % {_ALIGN_K} == 0, N % {_ALIGN_N} == 0 "
+                             f"and an aligned bf16 bias or none; got {tuple(w_q.shape)} {w_q.dtype} on {w_q.device}")
+        if w_s.shape != (-(-n // 128), groups) or w_s.dtype != torch.float32:
+            raise ValueError(f"CUTLASS GEMMs take a ({-(-n // 128)}, {groups}) fp32 weight scale for weight "
+                             f"{tuple(w_q.shape)}, got {tuple(w_s.shape)} {w_s.dtype}")
+        for name, t in (("w_q", w_q), ("w_s", w_s)):
+            if not t.is_contiguous():
+                raise ValueError(f"CUTLASS GEMMs need {name} contiguous, got strides {t.stride()}")
+        if w_q.data_ptr() % _ALIGN_BYTES:
+            raise ValueError("CUTLASS GEMMs need w_q 16-byte aligned")
+        key = (config, bias is not None)
+        self.index = w_q.device.index if w_q.device.index is not None else torch.cuda.current_device()
+        sms = sm_count(w_q.device)
+        self.run = lib.run[key]
+        self.workspace_bytes = int(lib.workspace[key](m, n, k, self.index, sms))
+        # the fixed arguments after x_q, x_s: w_q, w_s; after y: bias, m, n, k, device, SM count
+        self.args = ((w_q.data_ptr(), w_s.data_ptr()),
+                     (None if bias is None else bias.data_ptr(), m, n, k, self.index, sms))
+        self.held = (w_q, w_s, bias)
+        self.several = _several_gpus()
+        self.config, self.shape = config, (m, n, k)
+
+    def __call__(self, x_q: int, x_s: int, y: int, workspace: int | None) -> None:
+        """Enqueue y = x_q @ w_q.T on the current stream: x_q (M, K) e4m3fn and x_s (M, ceil(K/128))
+        fp32 row-major, y (M, N) bf16, `workspace` :attr:`workspace_bytes` long (None where that is
+        0); raw device addresses, 16-byte aligned."""
+        w, tail = self.args
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        if self.several:  # the launch and CUTLASS's per-device kernel attributes go to the current device
+            with torch.cuda.device(self.index):
+                rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
+        else:
+            rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
+        if rc:
+            m, n, k = self.shape
+            raise RuntimeError(f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} failed with status {rc}")
+
+
 def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
                      bias: torch.Tensor | None, config: CutlassConfig) -> torch.Tensor:
     """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on a CUTLASS kernel.
@@ -195,8 +252,7 @@ def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_
     x_q (M, K) and w_q (N, K) e4m3fn, contiguous, 16-byte aligned; x_s (M, ceil(K/128)) and w_s
     (ceil(N/128), ceil(K/128)) contiguous fp32; the shape must pass :func:`cutlass_accepts` and the
     device :func:`cutlass_available` (the router checks both, and contiguity)."""
-    lib = _library()
-    if lib is None:
+    if _library() is None:
         raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
     m, k = x_q.shape
     n = w_q.shape[0]
@@ -220,19 +276,8 @@ def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_
         return y
     if k == 0:  # an empty sum
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    key = (config, bias is not None)
-    index = x_q.device.index if x_q.device.index is not None else torch.cuda.current_device()
-    sms = sm_count(x_q.device)
-    size = lib.workspace[key](m, n, k, index, sms)
+    call = CutlassCall(w_q, w_s, bias, m, config)
+    size = call.workspace_bytes
     workspace = torch.empty(size, dtype=torch.uint8, device=x_q.device) if size else None
-    args = (x_q.data_ptr(), x_s.data_ptr(), w_q.data_ptr(), w_s.data_ptr(), y.data_ptr(),
-            None if bias is None else bias.data_ptr(), m, n, k, index, sms,
-            None if workspace is None else workspace.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
-    if _several_gpus():  # the launch and CUTLASS's per-device kernel attributes go to the current device
-        with torch.cuda.device(index):
-            rc = lib.run[key](*args)
-    else:
-        rc = lib.run[key](*args)
-    if rc:
-        raise RuntimeError(f"CUTLASS {config.name} GEMM {m}x{n}x{k} failed with status {rc}")
+    call(x_q.data_ptr(), x_s.data_ptr(), y.data_ptr(), None if workspace is None else workspace.data_ptr())
     return y

@@ -24,6 +24,7 @@ import triton
 from ..formats import GROUP_SIZE
 from .cublas_gemm import config_row_scales, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_block_gemm
+from .cutlass_gemm import CutlassCall
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
 from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
@@ -206,9 +207,9 @@ class LinearPlan:
     contiguous input of the same shape, dtype and device whose data pointer is 16-byte aligned
     (:func:`fp8linear.ops.launch.aligned`: the caller checks), returning y (..., N). Results are
     bit-identical to :func:`run_linear_route` on the same route. cuBLAS routes keep the weight
-    scale in cuBLAS's layout; routes without a prepared form (the persistent kernel, whose TMA
-    descriptors hold the activations' address, CUTLASS, whose launcher builds its descriptors per
-    call, and empty shapes) run :func:`run_linear_route`.
+    scale in cuBLAS's layout; CUTLASS routes hold a :class:`~fp8linear.ops.cutlass_gemm.CutlassCall`;
+    routes without a prepared form (the persistent kernel, whose TMA descriptors hold the
+    activations' address, and empty shapes) run :func:`run_linear_route`.
     `capture_route`: the route to run inside CUDA-graph capture where it differs from `route`
     (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
     The weight, scales, bias and `counters` are held by reference: a plan stays valid while
@@ -260,7 +261,7 @@ class LinearPlan:
         def unprepared(x: torch.Tensor) -> torch.Tensor:
             return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, counters).reshape(out_shape)
 
-        if m == 0 or n == 0 or k == 0 or route.kernel in ("persistent", "cutlass") or not aligned(x):
+        if m == 0 or n == 0 or k == 0 or route.kernel == "persistent" or not aligned(x):
             return unprepared, ()
         fp8_dtype = w_q.dtype
         if route.kernel == "cublas":
@@ -314,6 +315,8 @@ class LinearPlan:
                 return y
 
             return run_gemv, (gemv,)
+        if route.kernel == "cutlass":
+            return LinearPlan._prepare_cutlass(route, x, w_q, w_s, bias, out_shape, quant_bufs)
         split, count, part_shape = ((1, 0), None, None)
         if route.kernel == "splitk":
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, counters)
@@ -349,3 +352,31 @@ class LinearPlan:
             return y
 
         return run_two, (quant, gemm)
+
+    @staticmethod
+    def _prepare_cutlass(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                         bias: torch.Tensor | None, out_shape: tuple[int, ...],
+                         quant_bufs: list) -> tuple[Callable, tuple[KernelCall, ...]]:
+        """act_quant (row-major scales), then the CUTLASS GEMM called on raw addresses; the quantized
+        activations, their scales and CUTLASS's workspace share one allocation."""
+        m, device = x.shape[0], x.device
+        gemm = CutlassCall(w_q, w_s, bias, m, route.config)
+        scratch = Scratch(quant_bufs + [((max(gemm.workspace_bytes, 1),), torch.uint8)])
+        x_q0, x_s0, _ = scratch.views(scratch.allocate(device))
+        grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
+        quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
+        nbytes, has_workspace = scratch.nbytes, gemm.workspace_bytes > 0
+
+        def run_cutlass(x: torch.Tensor) -> torch.Tensor:
+            y = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            q, s, ws = scratch.addresses(buf)
+            if quant.direct:
+                quant(x.data_ptr(), q, s)
+            else:
+                x_q, x_s, _ = scratch.views(buf)
+                quant(x, x_q, x_s)
+            gemm(q, s, y.data_ptr(), ws if has_workspace else None)
+            return y
+
+        return run_cutlass, (quant,)

@@ -29,7 +29,7 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
 - ``cutlass``: on Hopper under backend "auto", where this GPU's routes table measured CUTLASS's
   warp-specialized blockwise kernel fastest and its library is built
   (:mod:`fp8linear.ops.cutlass_gemm`; else the entry's fallback, the kernel measured next);
-  eager callers from EAGER_CUBLAS_MIN_MNK, as for cuBLAS;
+  eager callers from EAGER_CUTLASS_MIN_MNK;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
@@ -95,6 +95,7 @@ __all__ = [
     "CUBLAS_MIN_TILES_PER_SM",
     "CUBLAS_ROW_FORM_MAX_TILES_PER_SM",
     "EAGER_CUBLAS_MIN_MNK",
+    "EAGER_CUTLASS_MIN_MNK",
     "EAGER_GEMV_MAX_WEIGHT",
     "FUSED_GEMV_MAX_WEIGHT",
     "GROUPED_WIDE_TILE_MAX_ROWS",
@@ -296,6 +297,9 @@ ONE_LAUNCH_MAX_MNK = 4 * 10**9
 # M=256), 0.78 at 1536x7168 M=1024 (1.13e10), 1.01 at 7168x2048 M=1024 (1.50e10), 1.43 at 2112x7168
 # M=1024 (1.55e10) and 1.19-1.99 from 1.7e10 up.
 EAGER_CUBLAS_MIN_MNK = 12 * 10**9
+# Eager callers take CUTLASS routes from this M*N*K up (its plan: act_quant, then the CUTLASS call on
+# raw addresses, fp8linear.ops.cutlass_gemm.CutlassCall).
+EAGER_CUTLASS_MIN_MNK = EAGER_CUBLAS_MIN_MNK
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -658,10 +662,11 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     """
     if use_fused_gemv(m, n, k) or (eager and _eager_gemv(m, n, k)):
         return Route("gemv", gemv_config(m, n, k))
-    library_ok = allow_cublas and not (eager and m * n * k < EAGER_CUBLAS_MIN_MNK)
-    cublas_ok = library_ok and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device)
+    mnk = m * n * k
+    cublas_ok = (allow_cublas and not (eager and mnk < EAGER_CUBLAS_MIN_MNK)
+                 and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))
     # the quantized activations are 16-byte aligned with K-long rows: TMA-addressable where K % 16 == 0
-    cutlass_ok = (library_ok and weight_tma_ok and weight_contiguous
+    cutlass_ok = (allow_cublas and not (eager and mnk < EAGER_CUTLASS_MIN_MNK) and weight_tma_ok and weight_contiguous
                   and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)

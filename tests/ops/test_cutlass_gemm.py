@@ -209,6 +209,7 @@ def test_cutlass_through_the_router(monkeypatch):
     fallback = block_fp8_matmul(x_q, x_s, w_q, w_s_strided, BF16)
     assert rel_err(fallback, direct.float()) < GEMM_TOL[BF16]
 
+    monkeypatch.setattr(router, "EAGER_CUTLASS_MIN_MNK", 0)  # eager calls of this size take CUTLASS
     layer = Fp8BlockLinear(k, n, bias=False, device="cuda")
     layer.weight.data.copy_(w_q)
     layer.weight_scale_inv.data.copy_(w_s)
@@ -217,3 +218,41 @@ def test_cutlass_through_the_router(monkeypatch):
     expected = cutlass_gemm.cutlass_fp8_gemm(xq, xs.contiguous(), w_q, w_s, None, cfg)
     for _ in range(3):  # first call routed, then planned
         assert same_bits(layer(x), expected)
+    plan = next(iter(layer._plans.values()))
+    assert plan.route.kernel == "cutlass" and plan.calls  # a prepared plan, not the unprepared route
+
+
+@pytest.mark.gpu
+@needs_cutlass
+@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m", [1, 77, 130, 1000])
+@pytest.mark.parametrize("n,k", [(2112, 576), (576, 2112), (7168, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cutlass_plan_matches_the_route(cfg, m, n, k, bias):
+    """A LinearPlan on a CUTLASS route (act_quant, then the CUTLASS call on one scratch buffer's raw
+    addresses; stream-K's workspace in it) gives run_linear_route's bits on new inputs, with leading
+    dimensions, and within the bf16 bound of the float64 product; the same under CUDA-graph capture."""
+    from fp8linear.ops.linear import LinearPlan, run_linear_route
+    from fp8linear.ops.router import Route
+    from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref, quantize_activation_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m + n * 7 + k)
+    _, _, w_q, w_s, b = _operands(m, n, k, bias, gen)
+    route = Route("cutlass", cfg)
+    xs = [torch.randn(2, m, k, generator=gen, device="cuda").to(BF16) for _ in range(3)]
+    plan = LinearPlan(route, xs[0], w_q, w_s, "block", b, None)
+    assert plan.calls
+    for x in xs:
+        y = plan(x)
+        assert y.shape == (2, m, n) and y.dtype == BF16
+        assert same_bits(y, run_linear_route(route, x.view(-1, k), w_q, w_s, "block", b).view(2, m, n))
+    x_q, x_s = quantize_activation_ref(xs[-1].view(-1, k), FP8)
+    ref = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(w_q, w_s).double().t()
+    if b is not None:
+        ref = ref + b.double()
+    assert rel_err(y.view(-1, n), ref) < GEMM_TOL[BF16]
+    graph, out = capture_graph(plan, xs[0])
+    xs[0].copy_(xs[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, plan(xs[1]))
