@@ -25,18 +25,23 @@ from fp8linear.tools.bench_eager import _burst_times, _gpu_us
 SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048), (1536, 7168), (7168, 18432), (576, 7168))
 
 
-def _forced_layer(lin: nn.Linear, x: torch.Tensor, entry: RouteEntry | None) -> Fp8BlockLinear:
-    """An Fp8BlockLinear whose plan for x's shape runs `entry` eagerly (None: the router's own choice)."""
+def _forced_layer(lin: nn.Linear, x: torch.Tensor, entry: RouteEntry | None,
+                  cutlass: bool = True) -> Fp8BlockLinear:
+    """An Fp8BlockLinear whose plan for x's shape runs `entry` eagerly (None: the router's own choice;
+    `cutlass=False`: the router's choice without the CUTLASS kernels)."""
     layer = Fp8BlockLinear.from_linear(lin, "block")
-    real = (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK)
+    real = (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK, router.cutlass_available)
     if entry is not None:
         router.lookup_route = lambda *a, **k: entry
         router.EAGER_CUTLASS_MIN_MNK = router.EAGER_CUBLAS_MIN_MNK = 0
+    if not cutlass:
+        router.cutlass_available = lambda device: False
     try:
         layer(x)
         layer(x)  # a shape's second call makes its plan
     finally:
-        router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK = real
+        (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK,
+         router.cutlass_available) = real
     return layer
 
 
@@ -79,15 +84,16 @@ def main() -> None:
     forced = {cfg.name: RouteEntry("cutlass", cfg) for cfg in CUTLASS_CONFIGS}
     forced["cublas"] = RouteEntry("cublas")
     print(f"{torch.cuda.get_device_name()}; per method: eager wall us / host us / GPU us (CUDA graphs)")
-    names = ["bf16", "auto", *forced]
-    print(f"{'shape':>12s} {'M':>5s} " + " ".join(f"{n:>19s}" for n in names) + "  best-cutlass/auto  auto route")
-    ratios = []
+    names = ["bf16", "auto", "no-cutlass", *forced]
+    print(f"{'shape':>12s} {'M':>5s} " + " ".join(f"{n:>19s}" for n in names)
+          + "  best-cutlass/auto  auto/no-cutlass  routes (auto, no-cutlass)")
+    ratios, gains = [], []
     for n, k in SHAPES:
         lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         for m in args.m:
             xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                   for _ in range(max(2, min(16, (100 << 20) // (m * k * 2))))]
-            layers = {"auto": _forced_layer(lin, xs[0], None)}
+            layers = {"auto": _forced_layer(lin, xs[0], None), "no-cutlass": _forced_layer(lin, xs[0], None, False)}
             for name, entry in forced.items():
                 layers[name] = _forced_layer(lin, xs[0], entry)
             methods = {"bf16": lin, **layers}
@@ -101,10 +107,12 @@ def main() -> None:
                         raise SystemExit(f"{name} at {n}x{k} M={m} differs from cuBLAS by {err}")
             best = min(times[c.name][0] for c in CUTLASS_CONFIGS)
             ratios.append(best / times["auto"][0])
+            gains.append(times["auto"][0] / times["no-cutlass"][0])
             cells = " ".join(f"{times[nm][0]:6.1f}/{times[nm][1]:5.1f}/{gpu[nm] or float('nan'):5.1f}" for nm in names)
-            auto_route = next(iter(layers["auto"]._plans.values())).route.kernel
-            print(f"{n:>5d}x{k:<6d} {m:5d} {cells}  {ratios[-1]:6.3f}  {auto_route}", flush=True)
-    print(f"geomean best-cutlass / auto eager wall: {statistics.geometric_mean(ratios):.3f}")
+            kinds = ",".join(next(iter(layers[nm]._plans.values())).route.kernel for nm in ("auto", "no-cutlass"))
+            print(f"{n:>5d}x{k:<6d} {m:5d} {cells}  {ratios[-1]:6.3f}  {gains[-1]:6.3f}  {kinds}", flush=True)
+    print(f"geomean best-cutlass / auto eager wall: {statistics.geometric_mean(ratios):.3f}; "
+          f"auto / no-cutlass: {statistics.geometric_mean(gains):.3f}")
 
 
 if __name__ == "__main__":

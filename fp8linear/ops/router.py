@@ -29,7 +29,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
 - ``cutlass``: on Hopper under backend "auto", where this GPU's routes table measured CUTLASS's
   warp-specialized blockwise kernel fastest and its library is built
   (:mod:`fp8linear.ops.cutlass_gemm`; else the entry's fallback, the kernel measured next);
-  eager callers from EAGER_CUTLASS_MIN_MNK;
+  eager callers take table entries from EAGER_CUTLASS_MIN_MNK, and above SMALL_M_MAX rows run it
+  in place of our tiled kernel (:func:`eager_cutlass_config`);
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
@@ -121,6 +122,7 @@ __all__ = [
     "cpu_row_parts",
     "cublas_allowed",
     "decode_tile_counters",
+    "eager_cutlass_config",
     "gemv_config",
     "grouped_config",
     "heuristic_config",
@@ -297,9 +299,16 @@ ONE_LAUNCH_MAX_MNK = 4 * 10**9
 # M=256), 0.78 at 1536x7168 M=1024 (1.13e10), 1.01 at 7168x2048 M=1024 (1.50e10), 1.43 at 2112x7168
 # M=1024 (1.55e10) and 1.19-1.99 from 1.7e10 up.
 EAGER_CUBLAS_MIN_MNK = 12 * 10**9
-# Eager callers take CUTLASS routes from this M*N*K up (its plan: act_quant, then the CUTLASS call on
-# raw addresses, fp8linear.ops.cutlass_gemm.CutlassCall).
-EAGER_CUTLASS_MIN_MNK = EAGER_CUBLAS_MIN_MNK
+# Eager callers above SMALL_M_MAX rows run CUTLASS (where built) in place of our tiled kernel, and take
+# a routes table's CUTLASS entries from this M*N*K up, where the one-launch decode kernel stops. A
+# CUTLASS plan (act_quant, then fp8linear.ops.cutlass_gemm.CutlassCall: 8.6-9.3 us of host time for
+# the call alone) costs about 27 us of host time per call against 19-26 for our two launches, less
+# than the GPU time it saves over our tiled kernel there. H200, benchmarks/eager_cutlass_ab.py (eager
+# wall time, one run): where the eager route was our tiled kernel, CUTLASS with eager_cutlass_config's
+# tile took 0.69-0.90x its time in 8 of 10 cases (1536x7168 M=1024 36.0 against 50.3 us, 24576x1536
+# M=256 28.4 against 40.3), 1.00 and 1.03 in the others; where it was the one-launch decode kernel
+# at M <= 128, 1.09-1.53x.
+EAGER_CUTLASS_MIN_MNK = ONE_LAUNCH_MAX_MNK
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -634,6 +643,15 @@ def _one_split(cfg: GemmConfig) -> SplitKConfig | None:
                         num_stages=cfg.num_stages)
 
 
+def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
+    """The CUTLASS kernel an eager call runs in place of our tiled kernel: the 64x128 ping-pong kernel
+    where its tiles fit in one wave of the SMs, else the 128x128 cooperative kernel (H200,
+    benchmarks/eager_cutlass_ab.py: the faster of the two, or within 3% of it, in each of the 10 cases
+    where the eager route was our tiled kernel; 2112x7168 M=512, 136 64-row tiles on 132 SMs: 43.3
+    against 31.8 us)."""
+    return CutlassConfig(64) if _cdiv(m, 64) * _cdiv(n, GROUP_SIZE) <= sm_count(device) else CutlassConfig(128)
+
+
 def _eager_gemv(m: int, n: int, k: int) -> bool:
     """Whether an eager call takes the fused GEMV past FUSED_GEMV_MAX_WEIGHT (EAGER_GEMV_MAX_WEIGHT;
     measured on NVIDIA only)."""
@@ -666,8 +684,9 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     cublas_ok = (allow_cublas and not (eager and mnk < EAGER_CUBLAS_MIN_MNK)
                  and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))
     # the quantized activations are 16-byte aligned with K-long rows: TMA-addressable where K % 16 == 0
-    cutlass_ok = (allow_cublas and not (eager and mnk < EAGER_CUTLASS_MIN_MNK) and weight_tma_ok and weight_contiguous
-                  and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
+    cutlass_runs = (allow_cublas and weight_tma_ok and weight_contiguous
+                    and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
+    cutlass_ok = cutlass_runs and not (eager and mnk < EAGER_CUTLASS_MIN_MNK)
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:
@@ -679,6 +698,8 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
             return Route("decode", cfg)
+    if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_runs:
+        return Route("cutlass", eager_cutlass_config(device, m, n))
     return route
 
 

@@ -16,9 +16,37 @@
 // kernel, both warpgroups on one 128x128 tile), FP8L_STREAMK (1: the cooperative kernel under
 // CUTLASS's stream-K scheduler, which splits the K loop of the last wave's tiles over idle SMs
 // instead of leaving them idle) and FP8L_BIAS (0 or 1: a fused bias).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+
+// CUTLASS encodes three TMA descriptors per GEMM (A, B, y) through cuTensorMapEncodeTiled, and
+// without CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL asks the runtime for that driver entry point
+// (cudaGetDriverEntryPointByVersion) at every call. The library does not link libcuda, so the
+// direct call goes to this function instead, which asks once per process.
+static CUresult fp8l_cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank,
+                                            void* address, const cuuint64_t* dims, const cuuint64_t* strides,
+                                            const cuuint32_t* box, const cuuint32_t* element_strides,
+                                            CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+                                            CUtensorMapL2promotion promotion, CUtensorMapFloatOOBfill fill) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+  return encode(map, type, rank, address, dims, strides, box, element_strides, interleave, swizzle, promotion, fill);
+}
+#define CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL 1
+#define cuTensorMapEncodeTiled fp8l_cuTensorMapEncodeTiled
 
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
@@ -155,10 +183,24 @@ extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k, int
 extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
                                           const void* bias, int m, int n, int k, int device, int sm_count,
                                           void* workspace, cudaStream_t stream) {
-  Gemm gemm;
-  cutlass::Status status =
-      gemm.initialize(make_arguments(a, sfa, b, sfb, y, bias, m, n, k, device, sm_count), workspace, stream);
-  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  // The kernel's shared-memory limit is raised once per device (Gemm::initialize would do it at
+  // every call); the launch is Gemm::run on the parameters, as Gemm::initialize + run would make.
+  static std::atomic<unsigned long long> smem_raised{0};  // bit d: done on device d (< 64)
+  const unsigned long long bit = device >= 0 && device < 64 ? 1ull << device : 0;
+  if (bit == 0 || (smem_raised.load(std::memory_order_acquire) & bit) == 0) {
+    constexpr int smem = GemmKernel::SharedStorageSize;
+    if (smem >= (48 << 10)) {
+      cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return 1000 + static_cast<int>(err);
+    }
+    smem_raised.fetch_or(bit, std::memory_order_release);
+  }
+  auto args = make_arguments(a, sfa, b, sfb, y, bias, m, n, k, device, sm_count);
+  cutlass::Status status = GemmKernel::initialize_workspace(args, workspace, stream, nullptr);
+  if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
+  status = Gemm::run(params, stream);
   if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? 0 : 1000 + static_cast<int>(err);
