@@ -29,8 +29,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
 - ``cutlass``: on Hopper under backend "auto", where this GPU's routes table measured CUTLASS's
   warp-specialized blockwise kernel fastest and its library is built
   (:mod:`fp8linear.ops.cutlass_gemm`; else the entry's fallback, the kernel measured next);
-  eager callers take table entries from EAGER_CUTLASS_MIN_MNK, and above SMALL_M_MAX rows run it
-  in place of our tiled kernel (:func:`eager_cutlass_config`);
+  eager callers from EAGER_CUTLASS_MIN_MNK, where above SMALL_M_MAX rows it also runs in place of
+  our tiled kernel (:func:`eager_cutlass_config`);
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
@@ -299,16 +299,16 @@ ONE_LAUNCH_MAX_MNK = 4 * 10**9
 # M=256), 0.78 at 1536x7168 M=1024 (1.13e10), 1.01 at 7168x2048 M=1024 (1.50e10), 1.43 at 2112x7168
 # M=1024 (1.55e10) and 1.19-1.99 from 1.7e10 up.
 EAGER_CUBLAS_MIN_MNK = 12 * 10**9
-# Eager callers above SMALL_M_MAX rows run CUTLASS (where built) in place of our tiled kernel, and take
-# a routes table's CUTLASS entries from this M*N*K up, where the one-launch decode kernel stops. A
-# CUTLASS plan (act_quant, then fp8linear.ops.cutlass_gemm.CutlassCall: 8.6-9.3 us of host time for
-# the call alone) costs about 27 us of host time per call against 19-26 for our two launches, less
-# than the GPU time it saves over our tiled kernel there. H200, benchmarks/eager_cutlass_ab.py (eager
-# wall time, one run): where the eager route was our tiled kernel, CUTLASS with eager_cutlass_config's
-# tile took 0.69-0.90x its time in 8 of 10 cases (1536x7168 M=1024 36.0 against 50.3 us, 24576x1536
-# M=256 28.4 against 40.3), 1.00 and 1.03 in the others; where it was the one-launch decode kernel
-# at M <= 128, 1.09-1.53x.
-EAGER_CUTLASS_MIN_MNK = ONE_LAUNCH_MAX_MNK
+# Eager callers run CUTLASS (where built) from this M*N*K up: a routes table's CUTLASS entries, and,
+# above SMALL_M_MAX rows, in place of our tiled kernel (eager_cutlass_config). A CUTLASS plan (act_quant,
+# then fp8linear.ops.cutlass_gemm.CutlassCall: 8.6-9.3 us of host time for the call alone) costs
+# 26-28 us of host time per call against 19-26 for our two launches: below the cut the host sets
+# the pace and that shows; above it CUTLASS's shorter GPU time does. H200,
+# benchmarks/eager_cutlass_ab.py, eager wall time of the router's choice with / without CUTLASS,
+# where they differ (two runs): from 7.5e9 on 0.65-0.92 (24576x1536 M=256 26.2 against 40.1 us,
+# 7168x2048 M=512 28.8 against 32.3, 1536x7168 M=1024 46.8 against 50.7); at 4.8e9-5.6e9 (M of
+# 128-512) 0.83-1.11 from run to run, its GPU time equal to our kernel's.
+EAGER_CUTLASS_MIN_MNK = 6 * 10**9
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -645,10 +645,11 @@ def _one_split(cfg: GemmConfig) -> SplitKConfig | None:
 
 def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
     """The CUTLASS kernel an eager call runs in place of our tiled kernel: the 64x128 ping-pong kernel
-    where its tiles fit in one wave of the SMs, else the 128x128 cooperative kernel (H200,
-    benchmarks/eager_cutlass_ab.py: the faster of the two, or within 3% of it, in each of the 10 cases
-    where the eager route was our tiled kernel; 2112x7168 M=512, 136 64-row tiles on 132 SMs: 43.3
-    against 31.8 us)."""
+    where its tiles fit in one wave of the SMs, else the 128x128 cooperative kernel. H200,
+    benchmarks/eager_cutlass_ab.py, GPU time under CUDA graphs (act_quant included): where the 64-row
+    tiles fit one wave, 0.83-0.88x the cooperative kernel's (2112x7168 M=333 24.2 against 28.1 us,
+    576x7168 M=1024 28.8 against 32.9, 1536x7168 M=512 25.6 against 30.1); where they do not,
+    1.21-1.38x (2112x7168 M=512, 136 tiles on 132 SMs: 39.9 against 29.0)."""
     return CutlassConfig(64) if _cdiv(m, 64) * _cdiv(n, GROUP_SIZE) <= sm_count(device) else CutlassConfig(128)
 
 
@@ -684,9 +685,8 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     cublas_ok = (allow_cublas and not (eager and mnk < EAGER_CUBLAS_MIN_MNK)
                  and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))
     # the quantized activations are 16-byte aligned with K-long rows: TMA-addressable where K % 16 == 0
-    cutlass_runs = (allow_cublas and weight_tma_ok and weight_contiguous
-                    and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
-    cutlass_ok = cutlass_runs and not (eager and mnk < EAGER_CUTLASS_MIN_MNK)
+    cutlass_ok = (allow_cublas and not (eager and mnk < EAGER_CUTLASS_MIN_MNK) and weight_tma_ok and weight_contiguous
+                  and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:
@@ -698,7 +698,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
             return Route("decode", cfg)
-    if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_runs:
+    if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok:
         return Route("cutlass", eager_cutlass_config(device, m, n))
     return route
 

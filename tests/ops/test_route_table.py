@@ -220,10 +220,10 @@ def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtyp
 
 
 @pytest.mark.parametrize("m,n,expected", [
-    (300, 2112, CutlassConfig(64)),  # 5 x 17 64-row tiles fit one wave of 132 SMs: ping-pong
+    (448, 2112, CutlassConfig(64)),  # 7 x 17 64-row tiles fit one wave of 132 SMs: ping-pong
     (512, 2112, CutlassConfig(128)),  # 8 x 17 = 136 do not: cooperative 128x128
     (1024, 1536, CutlassConfig(128)),
-    (1024, 576, CutlassConfig(64)),
+    (1500, 576, CutlassConfig(64)),
 ])
 def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n, expected):
     """Above SMALL_M_MAX rows an eager call whose route is our tiled kernel runs CUTLASS where it
@@ -240,6 +240,7 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
         return router.route_linear(CPU, m, n, k, "block", fp8, bf16, bias, allow, True, eager=eager,
                                    weight_contiguous=dense)
 
+    assert m * n * k >= router.EAGER_CUTLASS_MIN_MNK
     assert route() == router.Route("cutlass", expected)
     assert router.eager_cutlass_config(CPU, m, n) == expected
     assert route(bias=torch.zeros(n, dtype=bf16)).kernel == "cutlass"
@@ -248,6 +249,8 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
     assert route(dense=False).kernel == "tiled"
     assert route(bias=torch.zeros(n, dtype=torch.float16)).kernel == "tiled"
     assert route(m=router.SMALL_M_MAX).kernel != "cutlass"  # decode sizes: the one-launch or tiled kernel
+    below = (router.EAGER_CUTLASS_MIN_MNK - 1) // (n * k)  # host-bound sizes keep our kernel
+    assert below > router.SMALL_M_MAX and route(m=below).kernel != "cutlass"
     monkeypatch.setattr(router, "cutlass_available", lambda device: False)
     assert route().kernel == "tiled"
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
@@ -256,16 +259,16 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
     assert route().kernel == "splitk"
 
 
-def test_eager_cutlass_entries_start_where_the_one_launch_kernel_stops(monkeypatch):
+def test_eager_cutlass_entries_start_at_the_eager_cut(monkeypatch):
     """A table's CUTLASS entry runs eagerly from EAGER_CUTLASS_MIN_MNK (below it the one-launch decode
     kernel or the fallback runs), and at any size under graphs."""
+    assert router.EAGER_CUTLASS_MIN_MNK > router.ONE_LAUNCH_MAX_MNK  # the one-launch kernel's range stays its own
     split = SplitKConfig(64, 128, 3, num_warps=4, num_stages=4)
     entry = route_table.RouteEntry("cutlass", CutlassConfig(128, stream_k=True), route_table.RouteEntry("splitk", split))
     monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
     n, k, fp8, bf16 = 2112, 7168, torch.float8_e4m3fn, torch.bfloat16
-    assert router.EAGER_CUTLASS_MIN_MNK == router.ONE_LAUNCH_MAX_MNK
-    below = router.EAGER_CUTLASS_MIN_MNK // (n * k)
+    below = (router.EAGER_CUTLASS_MIN_MNK - 1) // (n * k)
     for m, eager, kernels in ((below, True, ("splitk", "decode")), (below + 1, True, ("cutlass",)),
                               (below, False, ("cutlass",))):
         got = router.route_linear(CPU, m, n, k, "block", fp8, bf16, None, True, True, eager=eager,
