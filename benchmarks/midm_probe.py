@@ -284,6 +284,8 @@ def host(device: torch.device, out: dict) -> None:
         "torch.compiler.is_compiling": torch.compiler.is_compiling,
         "getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
         "torch.empty(64 KiB, uint8)": lambda: torch.empty(1 << 16, dtype=torch.uint8, device=device),
+        "raw_alloc + raw_delete 64 KiB": lambda: torch._C._cuda_cudaCachingAllocator_raw_delete(
+            torch._C._cuda_cudaCachingAllocator_raw_alloc(1 << 16, torch._C._cuda_getCurrentRawStream(0))),
     }
     res = {}
     for label, fn in pieces.items():
