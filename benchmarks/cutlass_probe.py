@@ -6,10 +6,12 @@ Loads the library `fp8linear build-cutlass` builds (or another built from
 method with CUDA graphs over operand sets rotated past L2, interleaved (fp8linear.tools.timing).
 
     python benchmarks/cutlass_probe.py --lib "$(fp8linear build-cutlass --print-path)" \
-        --configs p64x128 c128x128 s128x128 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
+        --configs p64x128 c128x128 s128x128 s128x128:2 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
+
+(``NAME:S``: kernel NAME with S split-K parts; the stream-K kernel only.)
 
 The results in docs/results/cutlass_probe_h100.csv came from a first build of the source (entry
-points without the device and SM-count arguments, and more tile and cluster shapes: c128x128_1x1 /
+points without the device, SM-count and split arguments, and more tile and cluster shapes: c128x128_1x1 /
 _1x2 / _2x1, p64x128_1x1 / _1x2 / _2x1, c128x128_sk, c256x128_1x1).
 """
 
@@ -32,30 +34,32 @@ BASE_METHODS = ("bf16", "cublas_tensor", "cublas_block", "ours_block", "triton_b
 
 
 def load(lib_path: str, names: list[str]):
+    """Entry points per config name; "NAME:S" runs kernel NAME with S split-K parts (the stream-K kernel)."""
     lib = ctypes.CDLL(lib_path)
     fns = {}
-    for name in names:
+    for label in names:
+        name, _, splits = label.partition(":")
         run = getattr(lib, f"fp8l_{name}_run")
         run.restype = ctypes.c_int
-        run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p]
+        run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
         can = getattr(lib, f"fp8l_{name}_can_implement")
         can.restype = ctypes.c_int
         can.argtypes = [ctypes.c_int] * 3
         ws = getattr(lib, f"fp8l_{name}_workspace_size")
         ws.restype = ctypes.c_size_t
-        ws.argtypes = [ctypes.c_int] * 5
-        fns[name] = (run, can, ws)
+        ws.argtypes = [ctypes.c_int] * 6
+        fns[label] = (run, can, ws, int(splits or 1))
     return fns
 
 
-def cutlass_fn(run, ws_size, m, n, k, device):
+def cutlass_fn(run, ws_size, m, n, k, device, splits=1):
     index, sms = device.index or 0, torch.cuda.get_device_properties(device).multi_processor_count
 
     def call(a, sa, b, sb):
         y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         w = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=device)
         rc = run(a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), y.data_ptr(), None, m, n, k, index, sms,
-                 w.data_ptr(), torch.cuda.current_stream().cuda_stream)
+                 splits, w.data_ptr(), torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"cutlass run failed: {rc}")
         return y
@@ -97,12 +101,13 @@ def main(argv=None) -> int:
             sel = torch.cat([torch.arange(0, min(m, 128)), torch.arange(max(m - 128, 0), m)]).unique().to(device)
             ref = block_fp8_matmul_ref(x_q[sel].cpu(), x_s[sel].cpu(), w_q.cpu(), w_s.cpu(), torch.float32).double()
             errs = {}
-            for name, (run, can, ws) in fns.items():
+            for name, (run, can, ws, splits) in fns.items():
                 if can(m, n, k) != 0:
                     print(f"  {name} cannot implement {m}x{n}x{k}", file=sys.stderr)
                     continue
                 fn = cutlass_fn(run, ws(m, n, k, device.index or 0,
-                                        torch.cuda.get_device_properties(device).multi_processor_count), m, n, k, device)
+                                        torch.cuda.get_device_properties(device).multi_processor_count, splits),
+                                m, n, k, device, splits)
                 y = fn(x_q, x_s, w_q, w_s)[sel].double().cpu()
                 errs[name] = ((y - ref).norm() / ref.norm()).item()
                 a = (x_q, x_s, w_q, w_s)

@@ -38,7 +38,7 @@ import torch
 from .config_tables import cache_dir
 from .configs import sm_count
 
-__all__ = ["CUTLASS_CONFIGS", "CUTLASS_ENV", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
+__all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ENV", "MAX_SPLITS", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
            "CutlassCall", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class CutlassConfig:
 
     tile_m: int
     stream_k: bool = False
+    splits: int = 1
 
     def __post_init__(self) -> None:
         if self.tile_m not in (64, 128):
@@ -71,14 +72,31 @@ class CutlassConfig:
             raise TypeError(f"CutlassConfig.stream_k must be a bool, got {self.stream_k!r}")
         if self.stream_k and self.tile_m != 128:
             raise ValueError("CutlassConfig.stream_k runs the cooperative kernel: tile_m must be 128")
+        if type(self.splits) is not int or not 1 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"CutlassConfig.splits must be an int from 1 to {MAX_SPLITS}, got {self.splits!r}")
+        if self.splits > 1 and not self.stream_k:
+            raise ValueError("CutlassConfig.splits > 1 runs the stream-K kernel's split-K mode: stream_k must be True")
 
     @property
     def name(self) -> str:
+        if self.splits > 1:
+            return f"k{self.splits}_{self.tile_m}x128"
         kind = "s" if self.stream_k else ("p" if self.tile_m == 64 else "c")
         return f"{kind}{self.tile_m}x128"
 
+    @property
+    def kernel(self) -> CutlassConfig:
+        """The built kernel that runs this config (split-K runs on the stream-K kernel)."""
+        return CutlassConfig(self.tile_m, self.stream_k) if self.splits > 1 else self
 
+
+# Split-K parts a config may ask for (CUTLASS's scheduler caps them at the tile's K blocks).
+MAX_SPLITS = 16
+# The built kernels (one object each, with and without bias).
 CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128), CutlassConfig(128, stream_k=True))
+# What tune-routes times: the built kernels, and the stream-K kernel as split-K in 2, 3 and 4 parts
+# (for tiles that leave SMs idle on long K: 2112x7168 at M=512 makes 68 128x128 tiles for 132 SMs).
+CUTLASS_CANDIDATES = CUTLASS_CONFIGS + tuple(CutlassConfig(128, stream_k=True, splits=s) for s in (2, 3, 4))
 
 
 def variants() -> list[tuple[str, dict[str, int]]]:
@@ -115,10 +133,10 @@ class _Library:
                 sym = _symbol(cfg, bias)
                 run = getattr(lib, f"{sym}_run")
                 run.restype = ctypes.c_int
-                run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 2
+                run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
                 ws = getattr(lib, f"{sym}_workspace_size")
                 ws.restype = ctypes.c_size_t
-                ws.argtypes = [ctypes.c_int] * 5
+                ws.argtypes = [ctypes.c_int] * 6
                 probe = getattr(lib, f"{sym}_probe")
                 probe.restype = ctypes.c_int
                 probe.argtypes = []
@@ -217,14 +235,14 @@ class CutlassCall:
                 raise ValueError(f"CUTLASS GEMMs need {name} contiguous, got strides {t.stride()}")
         if w_q.data_ptr() % _ALIGN_BYTES:
             raise ValueError("CUTLASS GEMMs need w_q 16-byte aligned")
-        key = (config, bias is not None)
+        key = (config.kernel, bias is not None)
         self.index = w_q.device.index if w_q.device.index is not None else torch.cuda.current_device()
         sms = sm_count(w_q.device)
         self.run = lib.run[key]
-        self.workspace_bytes = int(lib.workspace[key](m, n, k, self.index, sms))
-        # the fixed arguments after x_q, x_s: w_q, w_s; after y: bias, m, n, k, device, SM count
+        self.workspace_bytes = int(lib.workspace[key](m, n, k, self.index, sms, config.splits))
+        # the fixed arguments after x_q, x_s: w_q, w_s; after y: bias, m, n, k, device, SM count, splits
         self.args = ((w_q.data_ptr(), w_s.data_ptr()),
-                     (None if bias is None else bias.data_ptr(), m, n, k, self.index, sms))
+                     (None if bias is None else bias.data_ptr(), m, n, k, self.index, sms, config.splits))
         self.held = (w_q, w_s, bias)
         self.several = _several_gpus()
         self.config, self.shape = config, (m, n, k)

@@ -19,7 +19,7 @@ per-tensor weights use the heuristic.
 ``kernel`` is ``cublas`` (with an optional ``workspace_mib`` and ``row_scales``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
 :class:`~fp8linear.ops.configs.GemmConfig`), ``splitk`` (a
-:class:`~fp8linear.ops.configs.SplitKConfig`) or ``cutlass`` (``tile_m`` and an optional ``stream_k``, a
+:class:`~fp8linear.ops.configs.SplitKConfig`) or ``cutlass`` (``tile_m`` and optional ``stream_k`` and ``splits``, a
 :class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`, and ``fallback``: the entry of the fastest
 other kernel, which runs where the CUTLASS library is not built). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
@@ -89,7 +89,10 @@ def _entry(raw: Any, where: str) -> RouteEntry:
             stream_k = raw.get("stream_k", False)
             if type(stream_k) is not bool:
                 raise ValueError(f"stream_k must be true or false, got {stream_k!r}")
-            return RouteEntry(kernel, CutlassConfig(tile_m=int(raw["tile_m"]), stream_k=stream_k),
+            splits = raw.get("splits", 1)
+            if type(splits) is not int:
+                raise ValueError(f"splits must be an integer, got {splits!r}")
+            return RouteEntry(kernel, CutlassConfig(tile_m=int(raw["tile_m"]), stream_k=stream_k, splits=splits),
                               _entry(fallback, f"{where}.fallback"))
         if kernel == "splitk":
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
@@ -127,6 +130,8 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
         out.update(tile_m=c.tile_m)
         if c.stream_k:
             out.update(stream_k=True)
+        if c.splits > 1:
+            out.update(splits=c.splits)
     if entry.fallback is not None:
         out.update(fallback=entry_to_json(entry.fallback))
     return out

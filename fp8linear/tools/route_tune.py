@@ -96,16 +96,16 @@ def _label(kernel: str, cfg: Any) -> str:
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     if kernel == "cutlass":
-        return f"cutlass:{cfg.tile_m}" + ("sk" if cfg.stream_k else "")
+        return f"cutlass:{cfg.tile_m}" + (f"k{cfg.splits}" if cfg.splits > 1 else "sk" if cfg.stream_k else "")
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
 
 
 def _cutlass_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
-    from ..ops.cutlass_gemm import CUTLASS_CONFIGS, cutlass_accepts, cutlass_available
+    from ..ops.cutlass_gemm import CUTLASS_CANDIDATES, cutlass_accepts, cutlass_available
 
     if not (cutlass_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cutlass_available(device)):
         return {}
-    return {_label("cutlass", cfg): ("cutlass", cfg) for cfg in CUTLASS_CONFIGS}
+    return {_label("cutlass", cfg): ("cutlass", cfg) for cfg in CUTLASS_CANDIDATES}
 
 
 def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:

@@ -27,6 +27,16 @@ def test_configs_and_variants():
         CutlassConfig(64, stream_k=True)
     with pytest.raises(TypeError, match="stream_k must be a bool"):
         CutlassConfig(128, stream_k=1)
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match="splits must be an int from 1 to 16"):
+            CutlassConfig(128, stream_k=True, splits=bad)
+    with pytest.raises(ValueError, match="stream_k must be True"):
+        CutlassConfig(128, splits=2)
+    split = CutlassConfig(128, stream_k=True, splits=3)
+    assert split.name == "k3_128x128" and split.kernel == CutlassConfig(128, stream_k=True)
+    assert CutlassConfig(64).kernel == CutlassConfig(64)
+    assert set(cutlass_gemm.CUTLASS_CONFIGS) <= set(cutlass_gemm.CUTLASS_CANDIDATES)
+    assert {c.kernel for c in cutlass_gemm.CUTLASS_CANDIDATES} == set(cutlass_gemm.CUTLASS_CONFIGS)
 
 
 @pytest.mark.parametrize("n,k,gran,fp8,out,bias,ok", [
@@ -146,7 +156,7 @@ def _operands(m, n, k, bias, gen):
 
 @pytest.mark.gpu
 @needs_cutlass
-@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CANDIDATES, ids=lambda c: c.name)
 @pytest.mark.parametrize("m", [1, 3, 77, 130, 333, 1000])
 @pytest.mark.parametrize("n,k", [(576, 2112), (2112, 576), (7168, 2048), (256, 7168), (304, 2304)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -169,7 +179,7 @@ def test_cutlass_matches_the_float64_reference(cfg, m, n, k, bias):
 
 @pytest.mark.gpu
 @needs_cutlass
-@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CANDIDATES, ids=lambda c: c.name)
 def test_cutlass_in_a_cuda_graph(cfg):
     """A captured CUTLASS GEMM (stream-K's workspace included) replays the eager bits on new inputs
     copied into its operands."""
@@ -224,7 +234,7 @@ def test_cutlass_through_the_router(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cutlass
-@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CANDIDATES, ids=lambda c: c.name)
 @pytest.mark.parametrize("m", [1, 77, 130, 1000])
 @pytest.mark.parametrize("n,k", [(2112, 576), (576, 2112), (7168, 2048)])
 @pytest.mark.parametrize("bias", [False, True])

@@ -55,6 +55,10 @@ def test_shipped_tables_parse_and_cover_every_bucket():
                              "fallback": {"kernel": "cutlass", "tile_m": 128}}}}), "fallback is an entry of another"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 128, "stream_k": 1, "fallback": {"kernel": "cublas"}}}}),
      "stream_k must be true or false"),
+    (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 128, "stream_k": True, "splits": "2",
+                             "fallback": {"kernel": "cublas"}}}}), "splits must be an integer"),
+    (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 128, "splits": 2, "fallback": {"kernel": "cublas"}}}}),
+     "stream_k must be True"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64, "fallback": {"kernel": "tiled"}}}}),
      r"\.fallback: a tiled entry needs field"),
 ])
@@ -75,7 +79,9 @@ def test_entries_round_trip():
                route_table.RouteEntry("cutlass", CutlassConfig(128),
                                       route_table.RouteEntry("tiled", GemmConfig(128, 128, 128, num_warps=8))),
                route_table.RouteEntry("cutlass", CutlassConfig(128, stream_k=True),
-                                      route_table.RouteEntry("cublas", CublasConfig(workspace_mib=32)))]
+                                      route_table.RouteEntry("cublas", CublasConfig(workspace_mib=32))),
+               route_table.RouteEntry("cutlass", CutlassConfig(128, stream_k=True, splits=3),
+                                      route_table.RouteEntry("cublas"))]
     doc = _doc({"576,7168": {str(i + 1): route_table.entry_to_json(e) for i, e in enumerate(entries)}})
     parsed = route_table.parse_routes(json.loads(json.dumps(doc)))
     assert [parsed[(576, 7168)][i + 1] for i in range(len(entries))] == entries

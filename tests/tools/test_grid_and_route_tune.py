@@ -169,11 +169,13 @@ def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
     got = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: None)  # a shape in no table: the heuristic's route
     alone = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
-    assert len(alone) == 4 and sum(not label.startswith("cutlass") for label in alone) == 1
+    assert len(alone) == 7 and sum(not label.startswith("cutlass") for label in alone) == 1
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
     assert got == {"tiled:64x64x128w4s4g8": ("tiled", tiled), "cutlass:64": ("cutlass", cutlass_gemm.CutlassConfig(64)),
                    "cutlass:128": ("cutlass", cutlass_gemm.CutlassConfig(128)),
-                   "cutlass:128sk": ("cutlass", cutlass_gemm.CutlassConfig(128, stream_k=True))}
+                   "cutlass:128sk": ("cutlass", cutlass_gemm.CutlassConfig(128, stream_k=True)),
+                   **{f"cutlass:128k{s}": ("cutlass", cutlass_gemm.CutlassConfig(128, stream_k=True, splits=s))
+                      for s in (2, 3, 4)}}
     monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: False)
     full = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block")
     assert "tiled:64x64x128w4s4g8" in full and not any(label.startswith("cutlass") for label in full)

@@ -15,7 +15,8 @@
 // ping-pong kernel, two consumer warpgroups taking turns on 64x128 tiles; 128: the cooperative
 // kernel, both warpgroups on one 128x128 tile), FP8L_STREAMK (1: the cooperative kernel under
 // CUTLASS's stream-K scheduler, which splits the K loop of the last wave's tiles over idle SMs
-// instead of leaving them idle) and FP8L_BIAS (0 or 1: a fused bias).
+// instead of leaving them idle; or, asked per call, split-K: every tile's K loop in a given number
+// of parts, their partial sums reduced in a fixed order) and FP8L_BIAS (0 or 1: a fused bias).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -123,7 +124,8 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
-                                        const void* bias, int m, int n, int k, int device, int sm_count) {
+                                        const void* bias, int m, int n, int k, int device, int sm_count,
+                                        int splits) {
   using StrideA = typename Gemm::GemmKernel::StrideA;
   using StrideB = typename Gemm::GemmKernel::StrideB;
   using StrideD = typename Gemm::GemmKernel::StrideD;
@@ -147,6 +149,14 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
 #else
   (void)bias;
 #endif
+#if FP8L_STREAMK
+  if (splits > 1) {  // split-K: every tile's K loop in `splits` parts, reduced in order (deterministic)
+    args.scheduler.splits = splits;
+    args.scheduler.decomposition_mode = decltype(args.scheduler.decomposition_mode)::SplitK;
+  }
+#else
+  (void)splits;
+#endif
   return args;
 }
 
@@ -162,7 +172,7 @@ using FP8L_NAME::make_arguments;
 // 0 where this configuration can run an (m, n, k) problem, else a cutlass::Status code.
 extern "C" int FP8L_JOIN(FP8L_NAME, _can_implement)(int m, int n, int k) {
   return static_cast<int>(Gemm::can_implement(make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                             m, n, k, 0, 1)));
+                                                             m, n, k, 0, 1, 1)));
 }
 
 // 0 where the current device can run this kernel (its code loads: driver, architecture), else
@@ -172,17 +182,18 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _probe)() {
   return static_cast<int>(cudaFuncGetAttributes(&attributes, cutlass::device_kernel<GemmKernel>));
 }
 
-// Bytes of device workspace a call of (m, n, k) needs on `device` with `sm_count` SMs.
-extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k, int device, int sm_count) {
+// Bytes of device workspace a call of (m, n, k) needs on `device` with `sm_count` SMs. `splits` > 1
+// (the stream-K kernel only): a split-K decomposition into that many parts of each tile's K loop.
+extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k, int device, int sm_count, int splits) {
   return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k,
-                                                 device, sm_count));
+                                                 device, sm_count, splits));
 }
 
 // Enqueue the GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status code or
 // 1000 + the launch's cudaError_t.
 extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
                                           const void* bias, int m, int n, int k, int device, int sm_count,
-                                          void* workspace, cudaStream_t stream) {
+                                          int splits, void* workspace, cudaStream_t stream) {
   // The kernel's shared-memory limit is raised once per device (Gemm::initialize would do it at
   // every call); the launch is Gemm::run on the parameters, as Gemm::initialize + run would make.
   static std::atomic<unsigned long long> smem_raised{0};  // bit d: done on device d (< 64)
@@ -196,7 +207,7 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const 
     }
     smem_raised.fetch_or(bit, std::memory_order_release);
   }
-  auto args = make_arguments(a, sfa, b, sfb, y, bias, m, n, k, device, sm_count);
+  auto args = make_arguments(a, sfa, b, sfb, y, bias, m, n, k, device, sm_count, splits);
   cutlass::Status status = GemmKernel::initialize_workspace(args, workspace, stream, nullptr);
   if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
   typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
