@@ -225,10 +225,12 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
 def _entry_from_label(label: str) -> dict[str, Any]:
     if label == "cublas":
         return {"kernel": "cublas"}
-    if label.startswith("cutlass:"):
+    if label.startswith("cutlass:"):  # cutlass:TILE, cutlass:TILEsk (stream-K), cutlass:TILEkS (S split-K parts)
         spec = label[len("cutlass:"):]
-        stream_k = spec.endswith("sk")
-        return {"kernel": "cutlass", "tile_m": int(spec.removesuffix("sk")), **({"stream_k": True} if stream_k else {})}
+        if spec.endswith("sk"):
+            return {"kernel": "cutlass", "tile_m": int(spec[:-2]), "stream_k": True}
+        tile, _, splits = spec.partition("k")
+        return {"kernel": "cutlass", "tile_m": int(tile), **({"stream_k": True, "splits": int(splits)} if splits else {})}
     if label.startswith("cublas:ws"):
         mib, _, form = label[len("cublas:ws"):].partition(":")
         if form not in ("", "row"):

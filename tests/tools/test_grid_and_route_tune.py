@@ -117,6 +117,15 @@ def test_entry_labels_round_trip_through_the_table():
             and "within 1.2x in 4 of 5" in report)
 
 
+@pytest.mark.parametrize("cfg", __import__("fp8linear.ops.cutlass_gemm", fromlist=["x"]).CUTLASS_CANDIDATES,
+                         ids=lambda c: c.name)
+def test_cutlass_labels_round_trip(cfg):
+    """Every CUTLASS candidate's label reads back as its config (split-K parts included)."""
+    entry = route_tune._entry_from_label(route_tune._label("cutlass", cfg))
+    doc = {"kernel": "cutlass", **{k: v for k, v in entry.items() if k != "kernel"}, "fallback": {"kernel": "cublas"}}
+    assert route_table._entry(doc, "test").config == cfg
+
+
 def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
     """CUTLASS becomes the entry only where it beats the fastest other kernel by CUTLASS_MIN_GAIN; its
     entry then names that kernel as the fallback, with its time."""
