@@ -30,7 +30,7 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   warp-specialized blockwise kernel fastest and its library is built
   (:mod:`fp8linear.ops.cutlass_gemm`; else the entry's fallback, the kernel measured next);
   eager callers from EAGER_CUTLASS_MIN_MNK, where above SMALL_M_MAX rows it also runs in place of
-  our tiled kernel (:func:`eager_cutlass_config`);
+  our tiled kernel when no table entry chose that kernel (:func:`eager_cutlass_config`);
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
@@ -300,7 +300,8 @@ ONE_LAUNCH_MAX_MNK = 4 * 10**9
 # M=1024 (1.55e10) and 1.19-1.99 from 1.7e10 up.
 EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # Eager callers run CUTLASS (where built) from this M*N*K up: a routes table's CUTLASS entries, and,
-# above SMALL_M_MAX rows, in place of our tiled kernel (eager_cutlass_config). A CUTLASS plan (act_quant,
+# above SMALL_M_MAX rows, in place of our tiled kernel where no table entry chose it (its cuBLAS
+# entry refused eagerly, or a shape in no table; eager_cutlass_config). A CUTLASS plan (act_quant,
 # then fp8linear.ops.cutlass_gemm.CutlassCall: 8.6-9.3 us of host time for the call alone) costs
 # 26-28 us of host time per call against 19-26 for our two launches: below the cut the host sets
 # the pace and that shows; above it CUTLASS's shorter GPU time does. H200,
@@ -698,9 +699,17 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
             return Route("decode", cfg)
-    if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok:
+    if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok and not _table_tiled(device, m, n, k,
+                                                                                               granularity):
         return Route("cutlass", eager_cutlass_config(device, m, n))
     return route
+
+
+def _table_tiled(device: torch.device, m: int, n: int, k: int, granularity: str) -> bool:
+    """Whether this GPU's routes table names our tiled kernel here: the tables are timed against the
+    CUTLASS kernels where they are built (tune-routes), so such an entry beat them."""
+    entry = lookup_route(device, m, n, k, granularity)
+    return entry is not None and entry.kernel == "tiled"
 
 
 def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, fp8_dtype: torch.dtype,

@@ -232,12 +232,14 @@ def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtyp
     (1500, 576, CutlassConfig(64)),
 ])
 def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n, expected):
-    """Above SMALL_M_MAX rows an eager call whose route is our tiled kernel runs CUTLASS where it
-    runs (its host cost is below the GPU time it saves there), on eager_cutlass_config's tile;
-    graph/compiled calls, backend "triton", a library not built, a strided weight, other kernels and
-    decode sizes keep the route."""
-    tiled = route_table.RouteEntry("tiled", GemmConfig(128, 128, 128, num_warps=8, num_stages=3))
-    monkeypatch.setattr(router, "lookup_route", lambda *a: tiled)
+    """Above SMALL_M_MAX rows an eager call whose route is our tiled kernel (its table's cuBLAS entry
+    refused eagerly, or no entry) runs CUTLASS where it runs (its host cost is below the GPU time it
+    saves there), on eager_cutlass_config's tile; graph/compiled calls, backend "triton", a library
+    not built, a strided weight, a table entry naming the tiled kernel, other kernels and decode
+    sizes keep the route."""
+    tiled = router.Route("tiled", GemmConfig(128, 128, 128, num_warps=8, num_stages=3))
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas"))
+    monkeypatch.setattr(router, "_ours", lambda *a: tiled)  # cuBLAS not allowed: our kernel's route
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
     monkeypatch.setattr(router, "sm_count", lambda device: 132)
     k, fp8, bf16 = 7168, torch.float8_e4m3fn, torch.bfloat16
@@ -260,6 +262,10 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
     monkeypatch.setattr(router, "cutlass_available", lambda device: False)
     assert route().kernel == "tiled"
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
+    monkeypatch.setattr(router, "lookup_route", lambda *a: None)  # a shape in no table
+    assert route() == router.Route("cutlass", expected)
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled.config))
+    assert route().kernel == "tiled"  # the table timed it against CUTLASS
     split = route_table.RouteEntry("splitk", SplitKConfig(64, 128, 3, num_warps=4, num_stages=4))
     monkeypatch.setattr(router, "lookup_route", lambda *a: split)
     assert route().kernel == "splitk"
