@@ -38,7 +38,7 @@ import torch
 from .config_tables import cache_dir
 from .configs import sm_count
 
-__all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ENV", "MAX_SPLITS", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
+__all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
            "CutlassCall", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,14 @@ _ALIGN_K, _ALIGN_N = 16, 8
 
 @dataclass(frozen=True)
 class CutlassConfig:
-    """One built CUTLASS kernel: 64-row tiles run the ping-pong kernel (two consumer warpgroups
+    """A CUTLASS GEMM config: 64-row tiles run the ping-pong kernel (two consumer warpgroups
     alternate between tiles: mid M), 128-row tiles the cooperative kernel (both on one tile);
     `stream_k` (128-row tiles only) schedules it stream-K: where the tiles make a partial last
-    wave, SMs share the K loops of those tiles instead of idling."""
+    wave, SMs share the K loops of those tiles instead of idling. `splits` > 1 (with `stream_k`)
+    runs that kernel as split-K instead: every tile's K loop in `splits` parts, their partial sums
+    reduced in a fixed order (a runtime argument: :attr:`kernel` is the built kernel it runs on).
+    Written ``p64x128`` / ``c128x128`` / ``s128x128`` / ``kS_128x128`` (:attr:`name`), and in
+    tune-routes' labels ``cutlass:64`` / ``cutlass:128`` / ``cutlass:128sk`` / ``cutlass:128kS``."""
 
     tile_m: int
     stream_k: bool = False
@@ -72,8 +76,10 @@ class CutlassConfig:
             raise TypeError(f"CutlassConfig.stream_k must be a bool, got {self.stream_k!r}")
         if self.stream_k and self.tile_m != 128:
             raise ValueError("CutlassConfig.stream_k runs the cooperative kernel: tile_m must be 128")
-        if type(self.splits) is not int or not 1 <= self.splits <= MAX_SPLITS:
-            raise ValueError(f"CutlassConfig.splits must be an int from 1 to {MAX_SPLITS}, got {self.splits!r}")
+        if type(self.splits) is not int:
+            raise TypeError(f"CutlassConfig.splits must be an int, got {self.splits!r}")
+        if not 1 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"CutlassConfig.splits must be from 1 to {MAX_SPLITS}, got {self.splits}")
         if self.splits > 1 and not self.stream_k:
             raise ValueError("CutlassConfig.splits > 1 runs the stream-K kernel's split-K mode: stream_k must be True")
 
@@ -90,12 +96,17 @@ class CutlassConfig:
         return CutlassConfig(self.tile_m, self.stream_k) if self.splits > 1 else self
 
 
-# Split-K parts a config may ask for (CUTLASS's scheduler caps them at the tile's K blocks).
+# Split-K parts a config may name: a bound for the tables' values only (CUTLASS's scheduler also
+# caps the parts at a tile's K blocks); the candidates below use 2-4.
 MAX_SPLITS = 16
+# The N width of every kernel's tile.
+CUTLASS_TILE_N = 128
 # The built kernels (one object each, with and without bias).
 CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128), CutlassConfig(128, stream_k=True))
-# What tune-routes times: the built kernels, and the stream-K kernel as split-K in 2, 3 and 4 parts
-# (for tiles that leave SMs idle on long K: 2112x7168 at M=512 makes 68 128x128 tiles for 132 SMs).
+# What tune-routes times: the built kernels, and the stream-K kernel as split-K in 2, 3 and 4 parts.
+# H200, the shipped entries re-timed against all six: split-K won one entry by more than 3%
+# (8192x29568 at M=128, 72.2 against 78.3 us); on long K with tiles that leave SMs idle it did not
+# help (docs/benchmarks.md, "Split-K on CUTLASS").
 CUTLASS_CANDIDATES = CUTLASS_CONFIGS + tuple(CutlassConfig(128, stream_k=True, splits=s) for s in (2, 3, 4))
 
 
@@ -222,6 +233,15 @@ class CutlassCall:
         lib = _library()
         if lib is None:
             raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
+        if not isinstance(config, CutlassConfig):
+            raise TypeError(f"CutlassCall takes a CutlassConfig, got {type(config).__name__}")
+        if type(m) is not int or m < 1:
+            raise ValueError(f"CutlassCall takes a row count M >= 1 (an int), got {m!r}")
+        if w_q.dim() != 2:
+            raise ValueError(f"CutlassCall takes a 2-D weight (N, K), got shape {tuple(w_q.shape)}")
+        for name, t in (("w_s", w_s), ("bias", bias)):
+            if t is not None and t.device != w_q.device:
+                raise ValueError(f"CutlassCall: {name} is on {t.device}, the weight on {w_q.device}")
         n, k = w_q.shape
         groups = -(-k // 128)
         if w_q.device.type != "cuda" or not cutlass_accepts(n, k, "block", w_q.dtype, torch.bfloat16, bias):
@@ -284,17 +304,20 @@ def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_
         raise ValueError(f"cutlass_fp8_gemm: x_q {tuple(x_q.shape)} {x_q.dtype}, x_s {tuple(x_s.shape)} {x_s.dtype}, "
                          f"w_q {tuple(w_q.shape)} {w_q.dtype}, w_s {tuple(w_s.shape)} {w_s.dtype} do not fit "
                          f"(M, K), (M, {groups}) fp32, (N, K), ({-(-n // 128)}, {groups}) fp32")
-    for name, t in (("x_q", x_q), ("x_s", x_s), ("w_q", w_q), ("w_s", w_s)):
+    if x_s.device != x_q.device or w_q.device != x_q.device:
+        raise ValueError(f"cutlass_fp8_gemm: x_q on {x_q.device}, x_s on {x_s.device}, w_q on {w_q.device}: "
+                         "all operands must be on one GPU")
+    for name, t in (("x_q", x_q), ("x_s", x_s)):
         if not t.is_contiguous():
             raise ValueError(f"cutlass_fp8_gemm needs {name} contiguous, got strides {t.stride()}")
-    if x_q.data_ptr() % _ALIGN_BYTES or w_q.data_ptr() % _ALIGN_BYTES:
-        raise ValueError("cutlass_fp8_gemm needs x_q and w_q 16-byte aligned")
+    if x_q.data_ptr() % _ALIGN_BYTES:
+        raise ValueError("cutlass_fp8_gemm needs x_q 16-byte aligned")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x_q.device)
     if m == 0 or n == 0:
         return y
     if k == 0:  # an empty sum
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    call = CutlassCall(w_q, w_s, bias, m, config)
+    call = CutlassCall(w_q, w_s, bias, m, config)  # checks the weight side
     size = call.workspace_bytes
     workspace = torch.empty(size, dtype=torch.uint8, device=x_q.device) if size else None
     call(x_q.data_ptr(), x_s.data_ptr(), y.data_ptr(), None if workspace is None else workspace.data_ptr())

@@ -77,7 +77,7 @@ from .configs import (AMD_CU_COUNT, DEFAULT_CU_COUNT, GemmConfig, GemvConfig, Sp
                       device_arch, is_amd_arch, sm_count)
 from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
-from .cutlass_gemm import CutlassConfig, cutlass_accepts, cutlass_available
+from .cutlass_gemm import CUTLASS_TILE_N, CutlassConfig, cutlass_accepts, cutlass_available
 from .route_table import lookup_route
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -308,8 +308,9 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # benchmarks/eager_cutlass_ab.py, eager wall time of the router's choice with / without CUTLASS,
 # where they differ (two runs): from 7.5e9 on 0.65-0.92 (24576x1536 M=256 26.2 against 40.1 us,
 # 7168x2048 M=512 28.8 against 32.3, 1536x7168 M=1024 46.8 against 50.7); at 4.8e9-5.6e9 (M of
-# 128-512) 0.83-1.11 from run to run, its GPU time equal to our kernel's. With this cut (a third
-# run, 18 cases of M 333-1024): 0.72-1.00 in the 8 cases it changed, 0.957 over all 18.
+# 128-512) 0.83-1.11 from run to run, its GPU time equal to our kernel's; with this cut, 18 cases of
+# M 333-1024: 0.72-1.00 in the 8 it changes, 0.957 over all 18. Measured on an H200 host only (its
+# BF16 nn.Linear costs 16-19 us of host time); the H100 takes the same rule.
 EAGER_CUTLASS_MIN_MNK = 6 * 10**9
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
@@ -652,7 +653,7 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
     tiles fit one wave, 0.83-0.88x the cooperative kernel's (2112x7168 M=333 24.2 against 28.1 us,
     576x7168 M=1024 28.8 against 32.9, 1536x7168 M=512 25.6 against 30.1); where they do not,
     1.21-1.38x (2112x7168 M=512, 136 tiles on 132 SMs: 39.9 against 29.0)."""
-    return CutlassConfig(64) if _cdiv(m, 64) * _cdiv(n, GROUP_SIZE) <= sm_count(device) else CutlassConfig(128)
+    return CutlassConfig(64) if _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sm_count(device) else CutlassConfig(128)
 
 
 def _eager_gemv(m: int, n: int, k: int) -> bool:
@@ -679,7 +680,8 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     `weight_contiguous`: the weight and its scale are contiguous (what the CUTLASS kernels read;
     the quantized activations always are). `eager`: the
     caller launches eagerly (not in a CUDA graph or compiled region), where host time per call
-    counts as much as GPU time (see ONE_LAUNCH_MAX_WEIGHT and EAGER_CUBLAS_MIN_MNK).
+    counts as much as GPU time (see ONE_LAUNCH_MAX_WEIGHT, EAGER_CUBLAS_MIN_MNK and
+    EAGER_CUTLASS_MIN_MNK).
     """
     if use_fused_gemv(m, n, k) or (eager and _eager_gemv(m, n, k)):
         return Route("gemv", gemv_config(m, n, k))

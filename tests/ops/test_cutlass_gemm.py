@@ -27,8 +27,11 @@ def test_configs_and_variants():
         CutlassConfig(64, stream_k=True)
     with pytest.raises(TypeError, match="stream_k must be a bool"):
         CutlassConfig(128, stream_k=1)
-    for bad in (0, 17, 2.0, True):
-        with pytest.raises(ValueError, match="splits must be an int from 1 to 16"):
+    for bad in (2.0, True, "2"):
+        with pytest.raises(TypeError, match="splits must be an int"):
+            CutlassConfig(128, stream_k=True, splits=bad)
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="splits must be from 1 to 16"):
             CutlassConfig(128, stream_k=True, splits=bad)
     with pytest.raises(ValueError, match="stream_k must be True"):
         CutlassConfig(128, splits=2)
@@ -88,6 +91,44 @@ def test_not_built_means_not_available(tmp_path, monkeypatch):
 class _FakeLibrary:
     def __init__(self, probe_rc):
         self.probe = {(cfg, b): (lambda rc=probe_rc: rc) for cfg in cutlass_gemm.CUTLASS_CONFIGS for b in (False, True)}
+
+
+class _FakeEntryPoints:
+    """A library whose entry points answer without a GPU: the workspace size asked is recorded."""
+
+    def __init__(self):
+        self.asked = []
+        self.run = {(c, b): None for c in cutlass_gemm.CUTLASS_CONFIGS for b in (False, True)}
+        self.workspace = {(c, b): (lambda *a, key=(c, b): self.asked.append((key, a)) or 0)
+                          for c in cutlass_gemm.CUTLASS_CONFIGS for b in (False, True)}
+
+
+def test_cutlass_call_checks_its_inputs(monkeypatch):
+    """CutlassCall refuses what its C entry point cannot take with a clear error, and asks the
+    workspace of the built kernel a split-K config runs on, with its parts."""
+    fake = _FakeEntryPoints()
+    monkeypatch.setattr(cutlass_gemm, "_library", lambda: fake)
+    monkeypatch.setattr(cutlass_gemm, "sm_count", lambda device: 132)
+    w = torch.zeros(256, 512, dtype=torch.uint8).view(FP8)
+    w_s = torch.ones(2, 4)
+    cfg = CutlassConfig(128, stream_k=True, splits=3)
+    with pytest.raises(ValueError, match="CUDA e4m3fn weights"):  # the CPU: no CUDA weight
+        cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    call = cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg)
+    assert fake.asked == [((cfg.kernel, False), (8, 256, 512, 0, 132, 3))]
+    assert call.args[1][-1] == 3 and call.workspace_bytes == 0
+    with pytest.raises(TypeError, match="takes a CutlassConfig"):
+        cutlass_gemm.CutlassCall(w, w_s, None, 8, "k3")
+    for m in (0, 8.0, -1):
+        with pytest.raises(ValueError, match="row count M >= 1"):
+            cutlass_gemm.CutlassCall(w, w_s, None, m, cfg)
+    with pytest.raises(ValueError, match="fp32 weight scale"):
+        cutlass_gemm.CutlassCall(w, torch.ones(2, 3), None, 8, cfg)
+    with pytest.raises(ValueError, match="w_s contiguous"):
+        cutlass_gemm.CutlassCall(w, torch.ones(4, 2).t(), None, 8, cfg)
+    with pytest.raises(ValueError, match="2-D weight"):
+        cutlass_gemm.CutlassCall(w[None], w_s, None, 8, cfg)
 
 
 @pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [

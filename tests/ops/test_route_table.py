@@ -256,7 +256,15 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
     assert route(allow=False).kernel == "tiled"
     assert route(dense=False).kernel == "tiled"
     assert route(bias=torch.zeros(n, dtype=torch.float16)).kernel == "tiled"
-    assert route(m=router.SMALL_M_MAX).kernel != "cutlass"  # decode sizes: the one-launch or tiled kernel
+    monkeypatch.setattr(router, "EAGER_CUTLASS_MIN_MNK", 0)
+    monkeypatch.setattr(router, "_one_launch_decode_ok", lambda device: False)
+    assert route(m=router.SMALL_M_MAX).kernel == "tiled"  # decode sizes keep our kernel at any cut
+    assert route(m=router.SMALL_M_MAX + 1).kernel == "cutlass"
+    monkeypatch.undo()
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas"))
+    monkeypatch.setattr(router, "_ours", lambda *a: tiled)
+    monkeypatch.setattr(router, "cutlass_available", lambda device: True)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
     below = (router.EAGER_CUTLASS_MIN_MNK - 1) // (n * k)  # host-bound sizes keep our kernel
     assert below > router.SMALL_M_MAX and route(m=below).kernel != "cutlass"
     monkeypatch.setattr(router, "cutlass_available", lambda device: False)

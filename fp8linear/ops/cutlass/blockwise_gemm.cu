@@ -25,24 +25,38 @@
 #include <cstddef>
 
 // CUTLASS encodes three TMA descriptors per GEMM (A, B, y) through cuTensorMapEncodeTiled, and
-// without CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL asks the runtime for that driver entry point
-// (cudaGetDriverEntryPointByVersion) at every call. The library does not link libcuda, so the
-// direct call goes to this function instead, which asks once per process.
+// without CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL asks the runtime for that driver entry point at
+// every descriptor. The library does not link libcuda, so the direct call goes to this function
+// instead, which asks once per object (each variant's); _probe reports a failed lookup, so the
+// kernels are not used where it fails (CUTLASS would go on with an unset descriptor under NDEBUG).
+using fp8l_encode_fn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static fp8l_encode_fn fp8l_encode_entry() {
+  static const fp8l_encode_fn encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+#if (__CUDACC_VER_MAJOR__ > 12)  // as CUTLASS asks: by version from CUDA 13 on
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // leave no error behind for the caller's next check
+      fn = nullptr;
+    }
+    return reinterpret_cast<fp8l_encode_fn>(fn);
+  }();
+  return encode;
+}
+
 static CUresult fp8l_cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank,
                                             void* address, const cuuint64_t* dims, const cuuint64_t* strides,
                                             const cuuint32_t* box, const cuuint32_t* element_strides,
                                             CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
                                             CUtensorMapL2promotion promotion, CUtensorMapFloatOOBfill fill) {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
+  const fp8l_encode_fn encode = fp8l_encode_entry();
   if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
   return encode(map, type, rank, address, dims, strides, box, element_strides, interleave, swizzle, promotion, fill);
 }
@@ -179,7 +193,9 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _can_implement)(int m, int n, int k) {
 // the cudaError_t of the attempt. Enqueues nothing.
 extern "C" int FP8L_JOIN(FP8L_NAME, _probe)() {
   cudaFuncAttributes attributes;
-  return static_cast<int>(cudaFuncGetAttributes(&attributes, cutlass::device_kernel<GemmKernel>));
+  cudaError_t err = cudaFuncGetAttributes(&attributes, cutlass::device_kernel<GemmKernel>);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  return fp8l_encode_entry() != nullptr ? 0 : static_cast<int>(cudaErrorSymbolNotFound);
 }
 
 // Bytes of device workspace a call of (m, n, k) needs on `device` with `sm_count` SMs. `splits` > 1
@@ -189,8 +205,8 @@ extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k, int
                                                  device, sm_count, splits));
 }
 
-// Enqueue the GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status code or
-// 1000 + the launch's cudaError_t.
+// Enqueue the GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status code (a
+// failed launch: kErrorInternal) or 1000 + the cudaError_t of raising the shared-memory limit.
 extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
                                           const void* bias, int m, int n, int k, int device, int sm_count,
                                           int splits, void* workspace, cudaStream_t stream) {
@@ -203,7 +219,10 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const 
     if (smem >= (48 << 10)) {
       cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return 1000 + static_cast<int>(err);
+      if (err != cudaSuccess) {
+        cudaGetLastError();  // reported here, not to the caller's next launch check
+        return 1000 + static_cast<int>(err);
+      }
     }
     smem_raised.fetch_or(bit, std::memory_order_release);
   }
@@ -211,8 +230,5 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const 
   cutlass::Status status = GemmKernel::initialize_workspace(args, workspace, stream, nullptr);
   if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
   typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-  status = Gemm::run(params, stream);
-  if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
-  cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? 0 : 1000 + static_cast<int>(err);
+  return static_cast<int>(Gemm::run(params, stream));  // checks the launch (cudaGetLastError) itself
 }
