@@ -6,9 +6,9 @@ Loads the library `fp8linear build-cutlass` builds (or another built from
 method with CUDA graphs over operand sets rotated past L2, interleaved (fp8linear.tools.timing).
 
     python benchmarks/cutlass_probe.py --lib "$(fp8linear build-cutlass --print-path)" \
-        --configs p64x128 c128x128 s128x128 s128x128:2 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
+        --configs p64x128 c128x128 s128x128 k2_128x128 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
 
-(``NAME:S``: kernel NAME with S split-K parts; the stream-K kernel only.)
+(Config names as ``CutlassConfig.name``: ``kS_128x128`` is the stream-K kernel with S split-K parts.)
 
 The results in docs/results/cutlass_probe_h100.csv came from a first build of the source (entry
 points without the device, SM-count and split arguments, and more tile and cluster shapes: c128x128_1x1 /
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import re
 import sys
 
 import torch
@@ -34,11 +35,13 @@ BASE_METHODS = ("bf16", "cublas_tensor", "cublas_block", "ours_block", "triton_b
 
 
 def load(lib_path: str, names: list[str]):
-    """Entry points per config name; "NAME:S" runs kernel NAME with S split-K parts (the stream-K kernel)."""
+    """Entry points per config name (`CutlassConfig.name`): "kS_128x128" runs the stream-K kernel
+    (s128x128) with S split-K parts."""
     lib = ctypes.CDLL(lib_path)
     fns = {}
     for label in names:
-        name, _, splits = label.partition(":")
+        split = re.fullmatch(r"k(\d+)_(\d+)x128", label)
+        name, splits = (f"s{split.group(2)}x128", split.group(1)) if split else (label, "")
         run = getattr(lib, f"fp8l_{name}_run")
         run.restype = ctypes.c_int
         run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
