@@ -11,6 +11,7 @@ import torch
 
 from fp8linear.tools.bench import BenchRow
 from fp8linear.ops import route_table
+from fp8linear.ops.cutlass_gemm import CUTLASS_CANDIDATES
 from fp8linear.tools import grid, route_tune
 
 
@@ -117,8 +118,7 @@ def test_entry_labels_round_trip_through_the_table():
             and "within 1.2x in 4 of 5" in report)
 
 
-@pytest.mark.parametrize("cfg", __import__("fp8linear.ops.cutlass_gemm", fromlist=["x"]).CUTLASS_CANDIDATES,
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", CUTLASS_CANDIDATES, ids=lambda c: c.name)
 def test_cutlass_labels_round_trip(cfg):
     """Every CUTLASS candidate's label reads back as its config (split-K parts included)."""
     entry = route_tune._entry_from_label(route_tune._label("cutlass", cfg))
