@@ -698,7 +698,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         if cfg is not None:
             return Route("decode", cfg)
     route = _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl, cutlass_ok)
-    if one_launch and m > SMALL_M_MAX and m * n * k <= ONE_LAUNCH_MAX_MNK and route.kernel in ("splitk", "tiled"):
+    if one_launch and m > SMALL_M_MAX and mnk <= ONE_LAUNCH_MAX_MNK and route.kernel in ("splitk", "tiled"):
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
             return Route("decode", cfg)
