@@ -35,7 +35,8 @@ from ..formats import GROUP_SIZE
 from .configs import GemmConfig, SplitKConfig, launch_options, sm_count
 from .cublas_gemm import cublas_fp8_gemm
 from .cutlass_gemm import cutlass_fp8_gemm
-from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
+from .gemm_common import (prefetch_scales, promote, store_tile, uniform_weight_scale, weight_scale_layout,
+                          weight_scale_ptrs)
 from .pdl import pdl_launch, wait_for_producer
 from .router import TensorDescriptor, Route, route_gemm, tma_ok
 from .splitk_gemm import splitk_fp8_gemm
@@ -61,7 +62,7 @@ def _block_fp8_gemm_kernel(
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -82,13 +83,25 @@ def _block_fp8_gemm_kernel(
     ws_ptrs = weight_scale_ptrs(ws_ptr, pid_n, safe_n, stride_wsn, BLOCK_N, WS_GROUP_N, W_SCALE_UNIFORM)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+    k_steps = tl.cdiv(K, BLOCK_K)
+    if PREFETCH_SCALES:  # (see prefetch_scales) group 0's scales; each step then loads the next group's
+        x_s_next = tl.load(xs_ptrs, mask=m_ok, other=0.0)
+        w_s_next = tl.load(ws_ptrs)
+    for k_step in range(0, k_steps):
         k_left = K - k_step * BLOCK_K
         x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
-        x_s = tl.load(xs_ptrs + k_group, mask=m_ok, other=0.0)
-        w_s = tl.load(ws_ptrs + k_group * stride_wsk)
+        if PREFETCH_SCALES:
+            x_s = x_s_next
+            w_s = w_s_next
+            # the last step reloads the last group (a valid address) rather than reading past it
+            k_next = tl.minimum((k_step + 1) // SCALE_GROUP_K, (k_steps - 1) // SCALE_GROUP_K)
+            x_s_next = tl.load(xs_ptrs + k_next, mask=m_ok, other=0.0)
+            w_s_next = tl.load(ws_ptrs + k_next * stride_wsk)
+        else:
+            k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
+            x_s = tl.load(xs_ptrs + k_group, mask=m_ok, other=0.0)
+            w_s = tl.load(ws_ptrs + k_group * stride_wsk)
         acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -140,6 +153,7 @@ def tiled_args(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
+        PREFETCH_SCALES=prefetch_scales(granularity, cfg.block_n),
     )
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),

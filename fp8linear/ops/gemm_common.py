@@ -12,7 +12,10 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["promote", "store_tile", "uniform_weight_scale", "weight_scale_layout", "weight_scale_ptrs"]
+__all__ = ["prefetch_scales", "promote", "store_tile", "uniform_weight_scale", "weight_scale_layout", "weight_scale_ptrs"]
+
+# Narrowest tile whose per-column weight scales the tiled kernel loads one K step ahead.
+PREFETCH_SCALES_MIN_BLOCK_N = 128
 
 
 def weight_scale_layout(w_s: torch.Tensor, granularity: str) -> tuple[int, int, int]:
@@ -27,6 +30,17 @@ def uniform_weight_scale(granularity: str, block_n: int) -> bool:
     """Whether a tile of `block_n` columns has one weight scale per K group: per-tensor, or 128x128
     blocks when a tile never straddles two 128-row blocks."""
     return granularity == "tensor" or (granularity == "block" and GROUP_SIZE % block_n == 0)
+
+
+def prefetch_scales(granularity: str, block_n: int) -> bool:
+    """Whether the tiled kernel loads a K group's activation and weight scales one step ahead, so
+    their latency overlaps the previous step's product: for 1x128 weights (a scale per output
+    column) on tiles at least PREFETCH_SCALES_MIN_BLOCK_N wide. H100, kernel alone, 1x128 weights:
+    128x128 tiles 0.77-0.98x the time (3584x3584 M=333 52.3 -> 40.2 us; 24576x1536 M=4096 949 ->
+    854), 64x128 0.97-1.01x; but 64x64 and 16x32 tiles 1.02-1.12x, and 128x128 blocks (one scale
+    per tile and step) 0.97-1.15x, so those load each step's scales in that step
+    (benchmarks/scale_prefetch_ab.py)."""
+    return granularity == "row" and block_n >= PREFETCH_SCALES_MIN_BLOCK_N
 
 
 @triton.jit

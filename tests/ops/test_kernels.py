@@ -172,6 +172,35 @@ def test_gemm_launch_configs(config, granularity):
     assert rel_err(y, ref) < KERNEL_GEMM_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("block_k", [64, 128])  # one or two K steps per scale group
+@pytest.mark.parametrize("k", [128, 300, 576])  # one group; ragged last group
+def test_gemm_scale_prefetch_same_bits(block_k, k, monkeypatch):
+    """1x128 weights on 128-wide tiles load each K group's scales one step ahead: the same bits as
+    loading them in the step that uses them."""
+    from fp8linear.ops import gemm
+    from fp8linear.ops.configs import GemmConfig
+
+    assert gemm.prefetch_scales("row", 128)
+    m, n = (40, 260) if not HAS_CUDA else (1000, 2112)
+    x_q, x_s = quantize_activation(torch.randn(m, k, device=KERNEL_DEVICE), backend="triton")
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE), "row")
+    cfg = GemmConfig(block_m=32, block_n=128, block_k=block_k, num_warps=4, num_stages=2)
+    y = gemm.block_fp8_gemm(x_q, x_s, w_q, w_s, "row", torch.float32, None, cfg)
+    monkeypatch.setattr(gemm, "prefetch_scales", lambda granularity, block_n: False)
+    y_plain = gemm.block_fp8_gemm(x_q, x_s, w_q, w_s, "row", torch.float32, None, cfg)
+    assert same_bits(y, y_plain)
+    assert rel_err(y, block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64)) < KERNEL_GEMM_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("granularity,block_n,expected", [("row", 128, True), ("row", 256, True), ("row", 64, False),
+                                                          ("block", 128, False), ("block", 256, False),
+                                                          ("tensor", 128, False)])
+def test_scale_prefetch_rule(granularity, block_n, expected):
+    from fp8linear.ops.gemm_common import prefetch_scales
+
+    assert prefetch_scales(granularity, block_n) is expected
+
+
 def test_gemm_noncontiguous_and_empty():
     dev = KERNEL_DEVICE
     x_q, x_s = quantize_activation(torch.randn(300, 9, device=dev).T, backend="triton")
