@@ -309,8 +309,9 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # where they differ (two runs): from 7.5e9 on 0.65-0.92 (24576x1536 M=256 26.2 against 40.1 us,
 # 7168x2048 M=512 28.8 against 32.3, 1536x7168 M=1024 46.8 against 50.7); at 4.8e9-5.6e9 (M of
 # 128-512) 0.83-1.11 from run to run, its GPU time equal to our kernel's; with this cut, 18 cases of
-# M 333-1024: 0.72-1.00 in the 8 it changes, 0.957 over all 18. Measured on an H200 host only (its
-# BF16 nn.Linear costs 16-19 us of host time); the H100 takes the same rule.
+# M 333-1024: 0.72-1.00 in the 8 it changes, 0.957 over all 18 (that host's BF16 nn.Linear costs
+# 16-19 us of host time). H100, same script, M 96-2048: the router's choice 0.977x its time without
+# CUTLASS, the fastest forced CUTLASS config 0.992x the router's: the same rule holds there.
 EAGER_CUTLASS_MIN_MNK = 6 * 10**9
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
