@@ -44,7 +44,9 @@ def kind_of(name: str) -> str | None:
     return last if last in KINDS else None
 
 
-def attach_timers(model: torch.nn.Module, acc: dict) -> None:
+def attach_timers(model: torch.nn.Module, acc: dict) -> list:
+    """Add each kind's host seconds per call to acc[kind] (forward hooks); returns the hooks' handles."""
+    handles = []
     for name, mod in model.named_modules():
         kind = kind_of(name)
         if kind is None:
@@ -56,8 +58,9 @@ def attach_timers(model: torch.nn.Module, acc: dict) -> None:
         def post(m, args, out, _k=kind):
             acc[_k] += time.perf_counter() - m._probe_t0
 
-        mod.register_forward_pre_hook(pre)
-        mod.register_forward_hook(post)
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post))
+    return handles
 
 
 @torch.no_grad()  # as generate() runs: without autograd's bookkeeping on the BF16 layers

@@ -3,7 +3,7 @@
 `examples/deepseek_v3_small.py` does), to tell whether the loaded model's host path differs from the
 in-place one. Prints the example's decode and prefill measures for the three, then what differs
 between the two FP8 models (hooks, attention and experts implementations, module types, parameter
-dtypes and devices) and the host time per submodule kind of one decode step.
+dtypes and devices) and the host time per submodule kind of one decode step (decode_host_probe.attach_timers).
 
     python benchmarks/decode_models_ab.py [--preset v3] [--new-tokens 64] [--prefill 2048]
 """
@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from deepseek_v3_small import make_config, sync, timed_generation_pair  # noqa: E402
 
+from decode_host_probe import attach_timers  # noqa: E402  (this folder, the script's own)
+
 from fp8linear.integrations.transformers import from_pretrained, quantize_model_, save_pretrained  # noqa: E402
 
 
@@ -45,16 +47,7 @@ def describe(model: torch.nn.Module) -> dict:
 def kind_host_ms(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> dict:
     """Host ms per decode step inside each submodule kind (forward hooks; a synchronised GPU per step)."""
     acc: dict = defaultdict(float)
-    handles = []
-    for name, mod in model.named_modules():
-        kind = name.rsplit(".", 1)[-1]
-        if kind not in ("self_attn", "gate", "experts", "shared_experts", "mlp", "lm_head"):
-            continue
-        if kind == "mlp" and "layers.0." not in name:
-            continue
-        handles.append(mod.register_forward_pre_hook(lambda m, a: setattr(m, "_t0", time.perf_counter())))
-        handles.append(mod.register_forward_hook(
-            lambda m, a, o, _k=kind: acc.__setitem__(_k, acc[_k] + time.perf_counter() - m._t0)))
+    handles = attach_timers(model, acc)
     with torch.no_grad():
         out = model(prompt, use_cache=True)
         cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -131,9 +124,9 @@ def main() -> None:
                 else:
                     rows[name][k] += v / 2
     kinds = list(dict.fromkeys(k for r in rows.values() for k in r))
-    print(f"{'host ms/step':16}" + "".join(f"{n:>14}" for n in rows))
+    print(f"{'host ms/step':26}" + "".join(f"{n:>14}" for n in rows))
     for k in kinds:
-        print(f"{k:16}" + "".join(f"{rows[n].get(k, 0.0):14.3f}" for n in rows))
+        print(f"{k:26}" + "".join(f"{rows[n].get(k, 0.0):14.3f}" for n in rows))
     for name, top in tops.items():
         print(f"{name}: top kernels, ms per step: " + "; ".join(f"{k} {v:.3f}" for k, v in top))
 
