@@ -40,6 +40,7 @@ from .gemm_common import (prefetch_scales, promote, store_tile, uniform_weight_s
 from .pdl import pdl_launch, wait_for_producer
 from .router import TensorDescriptor, Route, route_gemm, tma_ok
 from .splitk_gemm import splitk_fp8_gemm
+from .ws_gemm import ws_fp8_gemm
 
 __all__ = ["block_fp8_gemm", "run_gemm_route", "tiled_args"]
 
@@ -191,6 +192,8 @@ def run_gemm_route(route: Route, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torc
         return cutlass_fp8_gemm(x_q, x_s, w_q, w_s, bias, route.config)
     if route.kernel == "splitk":
         return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config, counters, route.pdl)
+    if route.kernel == "ws":
+        return ws_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config)
     m, n = x_q.shape[0], w_q.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:

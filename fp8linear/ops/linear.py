@@ -261,7 +261,7 @@ class LinearPlan:
         def unprepared(x: torch.Tensor) -> torch.Tensor:
             return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, counters).reshape(out_shape)
 
-        if m == 0 or n == 0 or k == 0 or route.kernel == "persistent" or not aligned(x):
+        if m == 0 or n == 0 or k == 0 or route.kernel in ("persistent", "ws") or not aligned(x):
             return unprepared, ()
         fp8_dtype = w_q.dtype
         if route.kernel == "cublas":

@@ -42,6 +42,9 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
+- ``ws``: on Hopper, where the route would be our tiled kernel on 128x128 weights from WS_MIN_M rows
+  and K = WS_MIN_K, with a full wave of 128x128 tiles, contiguous TMA-addressable operands and no PDL:
+  the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`, WS_CONFIG), same bits;
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
   MID_M_CONFIG where 128x128 tiles leave SMs idle).
@@ -79,6 +82,7 @@ from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
 from .cutlass_gemm import CUTLASS_TILE_N, CutlassConfig, cutlass_accepts, cutlass_available
 from .route_table import lookup_route
+from .ws_gemm import WsConfig, ws_device_ok
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -111,6 +115,9 @@ __all__ = [
     "PERSISTENT_MAX_K",
     "PERSISTENT_MIN_M",
     "SMALL_M_MAX",
+    "WS_CONFIG",
+    "WS_MIN_K",
+    "WS_MIN_M",
     "Route",
     "act_quant_launch",
     "align_on_kernel",
@@ -258,7 +265,7 @@ _MIN_SPLIT_GROUPS = 32
 _SHORT_SPLIT_GROUPS = 16
 _SHORT_SPLIT_MAX_TILES_PER_SM = 0.75
 
-KERNELS = ("gemv", "decode", "cublas", "cutlass", "splitk", "persistent", "tiled")
+KERNELS = ("gemv", "decode", "cublas", "cutlass", "splitk", "persistent", "ws", "tiled")
 
 # Short K (up to PERSISTENT_MAX_K) with M >= PERSISTENT_MIN_M and 128x128-block or per-tensor
 # weights runs the persistent TMA kernel (H100, M=4096: K=512 211 vs 304 us, K=1536 413 vs 437 us
@@ -267,6 +274,16 @@ KERNELS = ("gemv", "decode", "cublas", "cutlass", "splitk", "persistent", "tiled
 PERSISTENT_MAX_K = 2304
 PERSISTENT_MIN_M = 2048
 PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+# A GEMM our tiled kernel would run goes to the warp-specialized Gluon kernel (fp8linear.ops.ws_gemm)
+# on Hopper from WS_MIN_M rows and K = WS_MIN_K, 128x128 weights, when its 128x128 tiles fill the
+# SMs at least once. H100, benchmarks/ws_gemm_ab.py (CUDA graphs, kernel alone, same bits): 0.73-0.92x
+# the tiled kernel's time at K 3584-18432, M 1000-8192 (18432x7168 M=4096 1164 vs 1443 us, 576x7168
+# M=4096 60.3 vs 73.0); at K <= 1536 1.02-1.30x (32768x512 M=4096 397 vs 313), and with fewer tiles
+# than SMs the split-K kernel wins (576x7168 M=1000 28.9 vs 22.8). 256-column tiles spill (ptxas)
+# and took 1.7-2x the time; 3 ring slots beat 4 by 1-4%.
+WS_MIN_M = 1000
+WS_MIN_K = 3584
+WS_CONFIG = WsConfig(block_n=128, stages=3)
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
 LONG_SPLITK_K = 8192
@@ -534,7 +551,7 @@ class Route:
     """
 
     kernel: str
-    config: GemmConfig | SplitKConfig | GemvConfig | CublasConfig | CutlassConfig | None = None
+    config: GemmConfig | SplitKConfig | GemvConfig | CublasConfig | CutlassConfig | WsConfig | None = None
     pdl: bool = False
     release_early: bool = False
 
@@ -572,6 +589,17 @@ def _ours(device: torch.device, m: int, n: int, k: int, granularity: str, operan
     if mid_rules and _tiles(m, n, GROUP_SIZE, GROUP_SIZE) < sm_count(device):
         return Route("tiled", MID_M_CONFIG, pdl=pdl, release_early=pdl)
     return Route("tiled", select_config(device, m, n, k, granularity), pdl=pdl, release_early=pdl)
+
+
+def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k: int, granularity: str,
+                          operands_ok: bool) -> Route:
+    """The warp-specialized kernel where `route` runs our tiled kernel and its rule holds (WS_MIN_M,
+    WS_MIN_K, a full wave of 128x128 tiles, 128x128 weights, no PDL); `operands_ok`: the operands
+    are contiguous and TMA-addressable."""
+    if (route.kernel != "tiled" or route.pdl or not operands_ok or granularity != "block" or m < WS_MIN_M
+            or k < WS_MIN_K or not ws_device_ok(device) or _tiles(m, n, 128, 128) < sm_count(device)):
+        return route
+    return Route("ws", WS_CONFIG)
 
 
 def _tiles(m: int, n: int, block_m: int, block_n: int) -> int:
@@ -706,7 +734,8 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok and not _table_tiled(device, m, n, k,
                                                                                                granularity):
         return Route("cutlass", eager_cutlass_config(device, m, n))
-    return route
+    return _ws_in_place_of_tiled(route, device, m, n, k, granularity,
+                                 weight_tma_ok and weight_contiguous and k % _TMA_ALIGN == 0)
 
 
 def _table_tiled(device: torch.device, m: int, n: int, k: int, granularity: str) -> bool:
@@ -727,7 +756,8 @@ def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, f
                  and cublas_device_ok(device))
     cutlass_ok = (allow_cublas and operands_tma_ok and operands_contiguous
                   and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
-    return _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m), cutlass_ok)
+    route = _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m), cutlass_ok)
+    return _ws_in_place_of_tiled(route, device, m, n, k, granularity, operands_tma_ok and operands_contiguous)
 
 
 # ----------------------------------------------------------------------------- grouped MoE GEMMs

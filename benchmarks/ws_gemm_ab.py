@@ -1,0 +1,112 @@
+"""The warp-specialized Gluon GEMM (fp8linear/ops/ws_gemm.py) against the other kernels, Hopper.
+
+Per (N, K, M), in one run of interleaved CUDA-graph replays over operands rotated past L2, 128x128
+weights, bf16 output: BF16 ``x @ w.T``, per-tensor cuBLAS FP8, the router's choice (``auto``),
+our Triton kernels alone (``triton``: what backend="triton" runs), the tiled kernel on 128x128 tiles
+(``tiled``), and the warp-specialized kernel on 128- and 256-column tiles with 3 and 4 ring slots
+(``ws128s3`` ...). It checks each against the tiled kernel bit for bit first. Prints per-M geometric means of each method's
+speedup over BF16.
+
+    python benchmarks/ws_gemm_ab.py [--m 1000 2048 4096 8192] [--shapes 18432x7168 ...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
+from fp8linear.ops.configs import GemmConfig
+from fp8linear.ops.gemm import block_fp8_gemm
+from fp8linear.ops.ws_gemm import WsConfig, ws_accepts, ws_fp8_gemm
+from fp8linear.tools.bench import _routed_to_cublas
+from fp8linear.tools.grid import grid_shapes
+from fp8linear.tools.shapes import parse_shape
+from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
+
+WS_CONFIGS = {"ws128s3": WsConfig(128, 3), "ws128s4": WsConfig(128, 4), "ws256s3": WsConfig(256, 3),
+              "ws256s4": WsConfig(256, 4)}
+TILED = GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+
+
+def _bytes(args: tuple) -> int:
+    return sum(t.numel() * t.element_size() for t in args if isinstance(t, torch.Tensor))
+
+
+def measure(n: int, k: int, m: int, gen: torch.Generator) -> dict[str, float] | None:
+    dev = torch.device("cuda")
+    w = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    w_q, w_s = quantize_weight(w, "block")
+    w_qt, w_st = quantize_weight(w, "tensor")
+    x_q, x_s = quantize_activation(x, fp8_dtype=w_q.dtype, backend="triton")
+    x_s = x_s.contiguous()
+    if not ws_accepts(x_q, w_q, torch.bfloat16):
+        return None
+    tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, TILED)
+    same = all(torch.equal(ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, cfg).view(torch.int16),
+                           tiled.view(torch.int16)) for cfg in WS_CONFIGS.values())
+    xs_auto = x_s.t().contiguous().t() if _routed_to_cublas(x_q, w_q, "block", True) else x_s
+    one = torch.ones((), device=dev)
+    methods = {
+        "bf16": (lambda a, b: a @ b.t(), (x, w)),
+        "tensor": (lambda a, b, sa, sb: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16),
+                   (x_q, w_qt, one, w_st)),
+        "auto": (lambda a, sa, b, sb: block_fp8_matmul(a, sa, b, sb, torch.bfloat16), (x_q, xs_auto, w_q, w_s)),
+        "triton": (lambda a, sa, b, sb: block_fp8_matmul(a, sa, b, sb, torch.bfloat16, backend="triton"),
+                   (x_q, x_s, w_q, w_s)),
+        "tiled": (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None, TILED),
+                  (x_q, x_s, w_q, w_s)),
+    }
+    for name, cfg in WS_CONFIGS.items():
+        methods[name] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None, cfg),
+                         (x_q, x_s, w_q, w_s))
+    rounds = {}
+    for name, (fn, args) in methods.items():
+        rounds[name], _ = prepare_cuda(fn, rotation_sets(args, _bytes(args), dev), 3, graph_timer=True)
+    t = time_rounds(rounds, 5)
+    t["same_bits"] = float(same)
+    return t
+
+
+def best_ws(t: dict[str, float]) -> float:
+    return min(t[name] for name in WS_CONFIGS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, nargs="+", default=[1000, 2048, 4096, 8192])
+    p.add_argument("--shapes", nargs="+")
+    p.add_argument("--json")
+    a = p.parse_args()
+    shapes = [parse_shape(s) for s in a.shapes] if a.shapes else grid_shapes()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for s in shapes:
+        for m in a.m:
+            t = measure(s.n, s.k, m, gen)
+            if t is None:
+                print(f"{s.n:6}x{s.k:<6} M={m:5} not TMA-addressable: skipped")
+                continue
+            rows.append({"n": s.n, "k": s.k, "m": m, **t})
+            print(f"{s.n:6}x{s.k:<6} M={m:5} " + " ".join(f"{kk}={v:.1f}" for kk, v in t.items())
+                  + f"  best ws/tiled={best_ws(t) / t['tiled']:.3f} /auto={best_ws(t) / t['auto']:.3f}", flush=True)
+    names = ["tensor", "auto", "triton", "tiled", *WS_CONFIGS]
+    for m in a.m:
+        sel = [r for r in rows if r["m"] == m]
+        if sel:
+            gm = {nm: math.exp(sum(math.log(r["bf16"] / r[nm]) for r in sel) / len(sel)) for nm in names}
+            print(f"M={m}: x BF16 geomean over {len(sel)}: " + " ".join(f"{nm} {v:.3f}" for nm, v in gm.items()))
+    gm_all = {nm: math.exp(sum(math.log(r["bf16"] / r[nm]) for r in rows) / max(1, len(rows))) for nm in names}
+    print("all: x BF16 geomean: " + " ".join(f"{nm} {v:.3f}" for nm, v in gm_all.items()))
+    print(f"every ws config same bits as tiled in {sum(r['same_bits'] for r in rows):.0f} of {len(rows)}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""Warp-specialized blockwise FP8 GEMM for Hopper, in Gluon (Triton's low-level language).
+
+y = dequant(x) @ dequant(w).T (+ bias), the tiled kernel's numerics (each 128-wide K group's
+tensor-core product promoted into an fp32 accumulator with :func:`~fp8linear.ops.gemm_common.promote`'s
+arithmetic), scheduled as DeepGEMM does on Hopper. A program computes one 128x128 output tile with
+three partitions of warps:
+
+- a producer warp streams the K groups of x (two 64-row boxes) and w through a ring of STAGES
+  shared-memory slots with TMA (zero-filled past M, N and K), each slot guarded by a ``ready``
+  barrier (the loads landed) and an ``empty`` barrier (both consumers are done with it);
+- two consumer warpgroups each own 64 rows of the tile: they wait for a slot, multiply on the
+  tensor cores (WGMMA), release the slot, and promote the product into their accumulator.
+
+The two consumers run independently, so one's promotion on the CUDA cores overlaps the other's
+tensor-core work, which the `tl` kernel (one instruction stream, ``wgmma.wait_group 0`` before
+every promotion) cannot do; and the producer warp gives most of the register file to them.
+
+Needs a Hopper GPU and a Triton whose Gluon has ``warp_specialize`` (3.6); operands must be
+TMA-addressable (:func:`ws_accepts`). Gluon does not run in Triton's CPU interpreter: the router
+(:mod:`fp8linear.ops.router`) sends work here only on such a GPU, and the GPU tests compare it with
+the float64 reference and with the tiled kernel.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..backend import interpreting
+from ..formats import GROUP_SIZE
+from .gemm_common import weight_scale_layout
+
+try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
+    import triton.language as tl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    HAS_GLUON_WS = hasattr(gl, "warp_specialize")
+except ImportError:  # no Triton or no Gluon: the router never picks this kernel
+    HAS_GLUON_WS = False
+
+__all__ = ["HAS_GLUON_WS", "WsConfig", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+
+# Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
+_HALF_M = 64
+# Columns of one tensor-core product (one WGMMA's N): a consumer holds its 64-row accumulators and
+# one 64x128 fp32 product (64 registers a thread); tiles are 128 or 256 columns (WsConfig.block_n).
+_PRODUCT_COLS = 128
+# Register cap the kernel is compiled with: 3 warpgroups x 128 threads x 168 <= 64K registers. The
+# partitions then reallocate them (``gl.warp_specialize``'s last argument): the producer warp's
+# warpgroup keeps 24 a thread (the minimum; it only issues TMA), the two consumer warpgroups get
+# 240 each, what is left.
+_MAXNREG = 168
+
+
+class WsConfig:
+    """Launch options of the warp-specialized kernel: tile width (128 or 256 columns), ring depth
+    (shared memory per slot: 32 KB at 128 columns, 48 KB at 256) and tile order."""
+
+    __slots__ = ("block_n", "stages", "group_m")
+
+    def __init__(self, block_n: int = 128, stages: int = 4, group_m: int = 8) -> None:
+        if block_n not in (128, 256):
+            raise ValueError(f"WsConfig.block_n must be 128 or 256, got {block_n}")
+        if stages < 2:
+            raise ValueError(f"WsConfig.stages must be >= 2, got {stages}")
+        if group_m < 1:
+            raise ValueError(f"WsConfig.group_m must be >= 1, got {group_m}")
+        self.block_n = block_n
+        self.stages = stages
+        self.group_m = group_m
+
+    def _key(self) -> tuple[int, int, int]:
+        return self.block_n, self.stages, self.group_m
+
+    def __repr__(self) -> str:
+        return f"WsConfig(block_n={self.block_n}, stages={self.stages}, group_m={self.group_m})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WsConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+def ws_accepts(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the kernel can take these operands: contiguous FP8 rows whose length K is a multiple
+    of 16 bytes and 16-byte aligned bases (TMA), bf16/fp16/fp32 output."""
+    return (HAS_GLUON_WS and x_q.is_cuda and x_q.is_contiguous() and w_q.is_contiguous()
+            and x_q.shape[1] % 16 == 0 and x_q.data_ptr() % 16 == 0 and w_q.data_ptr() % 16 == 0
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+@lru_cache(maxsize=16)
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def ws_device_ok(device: torch.device) -> bool:
+    """Whether the kernel runs on `device`: a Hopper GPU (sm_90) under CUDA, a Triton with Gluon's
+    warp specialization, not Triton's CPU interpreter."""
+    if not HAS_GLUON_WS or device.type != "cuda" or torch.version.hip is not None or interpreting():
+        return False
+    return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+if HAS_GLUON_WS:
+    _PRODUCT_N: tl.constexpr = tl.constexpr(_PRODUCT_COLS)
+
+    @gluon.jit
+    def _produce(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """The producer warp: fill slot k % STAGES with K group k once both consumers released it."""
+        stages: gl.constexpr = b_bufs.type.shape[0]
+        half: gl.constexpr = x_desc.block_type.shape[0]
+        block_k: gl.constexpr = x_desc.block_type.shape[1]
+        nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        for k in range(gl.cdiv(K, block_k)):
+            s = k % stages
+            # empty barriers start with phase 1 complete, so the first round does not wait
+            mbarrier.wait(empty.index(s), ((k // stages) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k * block_k], ready.index(s), a_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(x_desc, [off_m + half, k * block_k], ready.index(s), a_bufs.index(2 * s + 1))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * block_k], ready.index(s), b_bufs.index(s))
+
+    @gluon.jit
+    def _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols: gl.constexpr, WIDTH: gl.constexpr,
+                    WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr):
+        """Weight-scale pointers of K group 0 for output columns off_n .. off_n + WIDTH - 1: one scalar
+        when they share a scale (per-tensor; 128x128 blocks, WIDTH = 128, off_n a multiple of 128),
+        else one per column; columns past N point at valid scales (their outputs are masked)."""
+        if W_SCALE_UNIFORM:
+            return ws_ptr + gl.minimum(off_n // WS_GROUP_N, (N - 1) // WS_GROUP_N).to(gl.int64) * stride_wsn
+        else:
+            offs_n = off_n + gl.arange(0, WIDTH, layout=cols)
+            return ws_ptr + (gl.where(offs_n < N, offs_n, 0) // WS_GROUP_N).to(gl.int64) * stride_wsn
+
+    @gluon.jit
+    def _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM: gl.constexpr):
+        """gemm_common.promote's arithmetic (the tiled kernel's bits)."""
+        if W_SCALE_UNIFORM:
+            return acc + product * (x_s * w_s)[:, None]
+        else:
+            return acc + product * (x_s[:, None] * w_s[None, :])
+
+    @gluon.jit
+    def _store(y_ptr, bias_ptr, acc, offs_m, off_n, M, N, stride_ym, cols: gl.constexpr, WIDTH: gl.constexpr,
+               HAS_BIAS: gl.constexpr):
+        offs_n = off_n + gl.arange(0, WIDTH, layout=cols)
+        n_ok = offs_n < N
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + gl.where(n_ok, offs_n, 0)).to(gl.float32)[None, :]
+        out = acc.to(y_ptr.dtype.element_ty)
+        y_ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
+        gl.store(y_ptrs, out, mask=(offs_m < M)[:, None] & n_ok[None, :])
+
+    @gluon.jit
+    def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 HALF: gl.constexpr):
+        """Consumer warpgroup HALF: rows off_m + 64*HALF .. +63 of the tile, every K group. A tile 256
+        columns wide is two 128-column products per K group, one after the other into the same
+        registers (64x256 fp32 accumulators plus one 64x128 product fit; two products would not)."""
+        stages: gl.constexpr = b_bufs.type.shape[0]
+        half: gl.constexpr = x_desc.block_type.shape[0]
+        block_k: gl.constexpr = x_desc.block_type.shape[1]
+        block_n: gl.constexpr = w_desc.block_type.shape[0]
+        WIDE: gl.constexpr = block_n == 2 * _PRODUCT_N
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _PRODUCT_N, 32])
+        rows: gl.constexpr = gl.SliceLayout(1, mma)
+        cols: gl.constexpr = gl.SliceLayout(0, mma)
+        offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
+        # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and the
+        # store masks them
+        xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
+        ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
+        acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+        if WIDE:
+            ws_ptrs_hi = _scale_ptrs(ws_ptr, off_n + _PRODUCT_N, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N,
+                                     W_SCALE_UNIFORM)
+            acc_hi = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+        for k in range(gl.cdiv(K, block_k)):
+            s = k % stages
+            mbarrier.wait(ready.index(s), (k // stages) & 1)
+            a = a_bufs.index(2 * s + HALF)
+            b = b_bufs.index(s)
+            if WIDE:
+                b = b.slice(0, _PRODUCT_N)
+            # a fresh product (zeros as the C operand, not added): holding the previous product's
+            # registers as C instead left the 1x128-weight consumer short of registers (ptxas spills)
+            product = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma),
+                                    use_acc=False, is_async=True)
+            x_s = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
+            w_s = gl.load(ws_ptrs + k * stride_wsk)
+            product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+            if WIDE:
+                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
+                product = warpgroup_mma(a, b_bufs.index(s).slice(_PRODUCT_N, _PRODUCT_N).permute((1, 0)),
+                                        gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False,
+                                        is_async=True)
+                w_s = gl.load(ws_ptrs_hi + k * stride_wsk)
+                product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_hi = _promote(acc_hi, product, x_s, w_s, W_SCALE_UNIFORM)
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
+        _store(y_ptr, bias_ptr, acc, offs_m, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+        if WIDE:
+            _store(y_ptr, bias_ptr, acc_hi, offs_m, off_n + _PRODUCT_N, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+
+    @gluon.jit
+    def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                       off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                       WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr):
+        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, 0)
+
+    @gluon.jit
+    def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                        off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                        WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr):
+        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, 1)
+
+    @gluon.jit
+    def _ws_fp8_gemm_kernel(
+        x_desc, w_desc, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+        M, N, K,
+        stride_xsm, stride_wsn, stride_wsk, stride_ym,
+        WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        half: gl.constexpr = x_desc.block_type.shape[0]
+        block_n: gl.constexpr = w_desc.block_type.shape[0]
+        # grouped tile order, as fp8linear.ops.gemm._tile_coords
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, 2 * half)
+        num_pid_n = gl.cdiv(N, block_n)
+        per_group = GROUP_M * num_pid_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        off_m = (first_m + (pid % per_group) % group_m) * (2 * half)
+        off_n = ((pid % per_group) // group_m) * block_n
+
+        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+
+        # The partitions' arguments are written out in each tuple: a tuple assigned to a variable
+        # first would turn its constexprs into runtime values.
+        gl.warp_specialize([
+            (_consume_first, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                              off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS)),
+            (_produce, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                        off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS)),
+            (_consume_second, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                               off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS)),
+        ], [1, 4], [24, 240])  # warps and registers of the producer and the second consumer
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}[dtype]
+
+
+def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
+                out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: WsConfig | None = None) -> torch.Tensor:
+    """y (M, N) in `out_dtype` for validated operands that :func:`ws_accepts`: x_q (M, K), w_q (N, K)
+    FP8, x_s (M, K/128) row-major, w_s in `granularity`'s layout (0-d for "tensor")."""
+    cfg = cfg or WsConfig()
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    ws_group_n, stride_wsn, stride_wsk = weight_scale_layout(w_s, granularity)
+    x_block, w_block = [_HALF_M, GROUP_SIZE], [cfg.block_n, GROUP_SIZE]
+    fp8 = _gl_dtype(x_q.dtype)
+    x_desc = GluonTensorDescriptor.from_tensor(x_q, x_block, gl.NVMMASharedLayout.get_default_for(x_block, fp8))
+    w_desc = GluonTensorDescriptor.from_tensor(w_q, w_block, gl.NVMMASharedLayout.get_default_for(w_block, fp8))
+    x_s = x_s.contiguous()
+    grid = (-(-m // (2 * _HALF_M)) * -(-n // cfg.block_n),)
+    _ws_fp8_gemm_kernel[grid](
+        x_desc, w_desc, x_s, w_s, y, bias if bias is not None else y,
+        m, n, k,
+        x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
+        WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=granularity != "row",
+        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages,
+        num_warps=4, maxnreg=_MAXNREG,
+    )
+    return y

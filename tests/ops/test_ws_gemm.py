@@ -1,0 +1,166 @@
+"""The warp-specialized Gluon GEMM for Hopper (fp8linear/ops/ws_gemm.py): its rules on CPU, its
+numbers on a Hopper GPU with a Gluon that has warp specialization (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8linear.ops import ws_gemm
+from fp8linear.ops.ws_gemm import WsConfig
+
+from _utils import KERNEL_GEMM_TOL, capture_graph, rel_err, same_bits
+from conftest import HAS_CUDA
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def test_config_validation():
+    assert WsConfig() == WsConfig(128, 4, 8) and hash(WsConfig(256, 3, 4)) == hash(WsConfig(256, 3, 4))
+    assert WsConfig(128, 3) != WsConfig(128, 4) and WsConfig(256) != WsConfig(128)
+    with pytest.raises(ValueError, match="block_n must be 128 or 256"):
+        WsConfig(64)
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        WsConfig(128, 1)
+    with pytest.raises(ValueError, match="group_m must be >= 1"):
+        WsConfig(128, 4, 0)
+
+
+def test_cpu_operands_are_not_accepted():
+    x = torch.zeros(256, 256, dtype=torch.uint8).view(FP8)
+    assert not ws_gemm.ws_accepts(x, x, BF16)
+
+
+@pytest.mark.parametrize("m,n,k,gran,operands_ok,ws", [
+    (4096, 7168, 7168, "block", True, True),
+    (1000, 18432, 3584, "block", True, True),
+    (999, 18432, 7168, "block", True, False),  # below WS_MIN_M
+    (4096, 7168, 2048, "block", True, False),  # below WS_MIN_K
+    (4096, 7168, 7168, "row", True, False),  # measured for 128x128 weights only
+    (4096, 7168, 7168, "block", False, False),  # not contiguous / not TMA-addressable
+    (1000, 576, 7168, "block", True, False),  # 40 tiles on 132 SMs: split-K
+])
+def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
+    """Where our tiled kernel would run on Hopper, the rule sends the GEMM to the warp-specialized
+    kernel, for GEMMs on quantized activations and for whole linears alike."""
+    from fp8linear.ops import router
+
+    monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    monkeypatch.setattr(router, "lookup_route", lambda *a: None)
+    dev = torch.device("cpu")
+    gemm = router.route_gemm(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, operands_ok)
+    whole = router.route_linear(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, weight_contiguous=operands_ok)
+    for route in (gemm, whole):
+        assert (route.kernel == "ws") is ws, route
+        if ws:
+            assert route.config == router.WS_CONFIG
+    monkeypatch.setattr(router, "ws_device_ok", lambda device: False)  # not a Hopper GPU
+    assert router.route_gemm(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, operands_ok).kernel != "ws"
+
+
+# ----------------------------------------------------------------------------- GPU
+HOPPER = HAS_CUDA and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
+needs_ws = pytest.mark.skipif(not (HOPPER and ws_gemm.HAS_GLUON_WS),
+                              reason="needs a Hopper GPU and a Triton whose Gluon has warp_specialize")
+
+
+def _operands(m, n, k, gran, bias, gen):
+    from fp8linear import quantize_activation, quantize_weight
+
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(BF16)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+    w_q, w_s = quantize_weight(w, gran, FP8)
+    x_q, x_s = quantize_activation(x, fp8_dtype=FP8, backend="triton")
+    b = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(BF16) if bias else None
+    return x_q, x_s.contiguous(), w_q, (w_s.reshape(()) if gran == "tensor" else w_s), w_s, b
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("gran", ["block", "row", "tensor"])
+@pytest.mark.parametrize("m,n,k", [(1, 576, 2112), (77, 2112, 576), (129, 304, 7168), (333, 576, 2112),
+                                   (1000, 2112, 7168), (2049, 4096, 512), (64, 128, 128), (4099, 1536, 1536)])
+def test_matches_reference_and_tiled_kernel(gran, m, n, k):
+    """Against the float64 reference within the kernels' bound, and bit for bit against the tiled
+    kernel on the same tile (same products, same promotion arithmetic)."""
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.gemm import block_fp8_gemm
+    from fp8linear.reference import block_fp8_matmul_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
+    x_q, x_s, w_q, w_s, w_s_ref, _ = _operands(m, n, k, gran, False, gen)
+    for cfg in (WsConfig(), WsConfig(128, 2, 1), WsConfig(256, 3)):
+        y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
+        ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64)
+        assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
+        tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None,
+                               GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3))
+        assert same_bits(y, tiled)
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("out", [BF16, torch.float16, torch.float32])
+@pytest.mark.parametrize("gran", ["block", "row"])
+def test_bias_and_output_dtypes(out, gran):
+    from fp8linear.reference import block_fp8_matmul_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 2304, gran, True, gen)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
+    for cfg in (WsConfig(128), WsConfig(256)):
+        y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
+        assert y.dtype == out
+        assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]
+
+
+@pytest.mark.gpu
+@needs_ws
+def test_graph_capture_and_empty_inputs():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x_q, x_s, w_q, w_s, _, b = _operands(256, 576, 1024, "block", True, gen)
+    eager = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", BF16, b)
+    graph, out = capture_graph(lambda a, s: ws_gemm.ws_fp8_gemm(a, s, w_q, w_s, "block", BF16, b), x_q, x_s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, eager)
+    assert ws_gemm.ws_fp8_gemm(x_q[:0], x_s[:0], w_q, w_s, "block", BF16, b).shape == (0, 576)
+
+
+@pytest.mark.gpu
+@needs_ws
+def test_accepts_on_gpu():
+    x = torch.zeros(64, 2112, dtype=torch.uint8, device="cuda").view(FP8)
+    assert ws_gemm.ws_accepts(x, x, BF16)
+    assert not ws_gemm.ws_accepts(x[:, :2100], x[:, :2100], BF16)  # rows not contiguous
+    y = torch.zeros(64, 300, dtype=torch.uint8, device="cuda").view(FP8)
+    assert not ws_gemm.ws_accepts(y, y, BF16)  # K % 16
+    assert not ws_gemm.ws_accepts(x, x, torch.float64)
+
+
+@pytest.mark.gpu
+@needs_ws
+def test_routed_forward_runs_it():
+    """backend="triton" sends a long-K prefill GEMM here, functional and module paths alike, with
+    the tiled kernel's bits."""
+    import fp8linear
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.gemm import block_fp8_gemm
+    from fp8linear.ops.router import route_gemm, tma_ok
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    m, n, k = 1024, 2176, 3584  # 8 x 17 = 136 tiles of 128x128
+    x_q, x_s, w_q, w_s, _, _ = _operands(m, n, k, "block", False, gen)
+    route = route_gemm(x_q.device, m, n, k, "block", FP8, BF16, None, False, tma_ok(x_q) and tma_ok(w_q), True)
+    assert route.kernel == "ws"
+    y = fp8linear.block_fp8_matmul(x_q, x_s, w_q, w_s, BF16, backend="triton")
+    tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", BF16, None,
+                           GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3))
+    assert same_bits(y, tiled)
+    layer = fp8linear.Fp8BlockLinear.from_linear(torch.nn.Linear(k, n, bias=True, dtype=BF16, device="cuda"),
+                                                 backend="triton")
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+    first, second, third = layer(x), layer(x), layer(x)  # the second call makes the plan, the third runs it
+    functional = fp8linear.fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="triton")
+    assert same_bits(first, functional) and same_bits(second, functional) and same_bits(third, functional)
