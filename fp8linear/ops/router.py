@@ -42,8 +42,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
-- ``ws``: on Hopper, where the route would be our tiled kernel on 128x128 weights from WS_MIN_M rows
-  and K = WS_MIN_K, with a full wave of 128x128 tiles, contiguous TMA-addressable operands and no PDL:
+- ``ws``: on Hopper, where the route would be our tiled kernel on 128x128 tiles and weights from WS_MIN_M rows
+  and K = WS_MIN_K, with contiguous TMA-addressable operands and no PDL:
   the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`, WS_CONFIG), same bits;
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
@@ -275,13 +275,14 @@ PERSISTENT_MAX_K = 2304
 PERSISTENT_MIN_M = 2048
 PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 # A GEMM our tiled kernel would run goes to the warp-specialized Gluon kernel (fp8linear.ops.ws_gemm)
-# on Hopper from WS_MIN_M rows and K = WS_MIN_K, 128x128 weights, when its 128x128 tiles fill the
-# SMs at least once. H100, benchmarks/ws_gemm_ab.py (CUDA graphs, kernel alone, same bits): 0.73-0.92x
-# the tiled kernel's time at K 3584-18432, M 1000-8192 (18432x7168 M=4096 1164 vs 1443 us, 576x7168
-# M=4096 60.3 vs 73.0); at K <= 1536 1.02-1.30x (32768x512 M=4096 397 vs 313), and with fewer tiles
-# than SMs the split-K kernel wins (576x7168 M=1000 28.9 vs 22.8). 256-column tiles spill (ptxas)
-# and took 1.7-2x the time; 3 ring slots beat 4 by 1-4%.
-WS_MIN_M = 1000
+# on 128x128 tiles, on Hopper, from WS_MIN_M rows and K = WS_MIN_K, 128x128 weights. H100, benchmarks/ws_gemm_ab.py
+# (CUDA graphs, kernel alone, same bits), against the tiled kernel on 128x128 tiles: 0.66-0.92x the
+# time at K 3584-18944 and every M measured, 333 to 8192 (18432x7168 M=4096 1164 vs 1443 us,
+# 3584x18944 M=512 77.2 vs 112.3, 1536x7168 M=333 28.0 vs 34.8); at K <= 1536 1.02-1.30x (32768x512
+# M=4096 397 vs 313). Where the router picks split-K instead (few tiles) that stays faster
+# (1536x7168 M=333 23.2, 576x7168 M=1000 22.8 vs 28.9). 256-column tiles spill (ptxas) and took
+# 1.7-2x the time; 3 ring slots beat 4 by 1-4% from M=512.
+WS_MIN_M = 333
 WS_MIN_K = 3584
 WS_CONFIG = WsConfig(block_n=128, stages=3)
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
@@ -593,11 +594,11 @@ def _ours(device: torch.device, m: int, n: int, k: int, granularity: str, operan
 
 def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k: int, granularity: str,
                           operands_ok: bool) -> Route:
-    """The warp-specialized kernel where `route` runs our tiled kernel and its rule holds (WS_MIN_M,
-    WS_MIN_K, a full wave of 128x128 tiles, 128x128 weights, no PDL); `operands_ok`: the operands
-    are contiguous and TMA-addressable."""
-    if (route.kernel != "tiled" or route.pdl or not operands_ok or granularity != "block" or m < WS_MIN_M
-            or k < WS_MIN_K or not ws_device_ok(device) or _tiles(m, n, 128, 128) < sm_count(device)):
+    """The warp-specialized kernel where `route` runs our tiled kernel on 128x128 tiles (what it was
+    measured against) and its rule holds (WS_MIN_M, WS_MIN_K, 128x128 weights, no PDL);
+    `operands_ok`: the operands are contiguous and TMA-addressable."""
+    if (route.kernel != "tiled" or route.config.block_m != 128 or route.config.block_n != 128 or route.pdl
+            or not operands_ok or granularity != "block" or m < WS_MIN_M or k < WS_MIN_K or not ws_device_ok(device)):
         return route
     return Route("ws", WS_CONFIG)
 
