@@ -9,9 +9,10 @@ Per (M, K), in one run (CUDA-graph replays, inputs rotated past L2):
 - ``fp32_recip``: x * fp32(1 / scale) (not bit-exact: the floor of the division's cost);
 - ``no_nan``: without the NaN check's second reduction;
 - ``hw_round``: the hardware FP8 conversion instead of round_to_fp8_grid;
+- ``lean``: all three shortcuts at once (not bit-exact: the floor of the arithmetic's cost);
 - ``rows{R}w{W}``: the shipped quantization with R rows per program and W warps.
 
-    python benchmarks/act_quant_probe.py [--json out.json]
+    python benchmarks/act_quant_probe.py [--cases 4096x18432 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ def _variant(block_m: int, warps: int, copy=False, divide=0, nan_check=True, gri
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
+    p.add_argument("--cases", nargs="+", help="MxK cases instead of the built-in list, e.g. 4096x18432")
     a = p.parse_args()
+    cases = [tuple(map(int, c.split("x"))) for c in a.cases] if a.cases else CASES
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__, triton.__version__)
     out = []
-    for m, k in CASES:
+    for m, k in cases:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         rows = 16 if m > 64 else 4
         fns = {"shipped": lambda x: act_quant(x, torch.float8_e4m3fn),
@@ -92,7 +95,8 @@ def main() -> None:
                "div_rn": _variant(rows, 4, divide=1),
                "fp32_recip": _variant(rows, 4, divide=2),
                "no_nan": _variant(rows, 4, nan_check=False),
-               "hw_round": _variant(rows, 4, grid_round=False)}
+               "hw_round": _variant(rows, 4, grid_round=False),
+               "lean": _variant(rows, 4, divide=2, nan_check=False, grid_round=False)}
         for r, w in ((1, 1), (4, 1), (4, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
             fns[f"rows{r}w{w}"] = _variant(r, w)
         sets = rotation_sets((x,), x.numel() * 2, device)

@@ -7,7 +7,8 @@ our Triton kernels alone (``triton``: what backend="triton" runs), the tiled ker
 (``ws128s3`` ...). It checks each against the tiled kernel bit for bit first. Prints per-M geometric means of each method's
 speedup over BF16.
 
-    python benchmarks/ws_gemm_ab.py [--m 1000 2048 4096 8192] [--shapes 18432x7168 ...] [--json F]
+    python benchmarks/ws_gemm_ab.py [--m 1000 2048 4096 8192] [--shapes 18432x7168 ...]
+        [--granularity block|row|tensor] [--configs ws128s3 ...] [--json F]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
 from fp8linear.ops.configs import GemmConfig
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.ws_gemm import WsConfig, ws_accepts, ws_fp8_gemm
+from fp8linear.ops.router import route_gemm, tma_ok
 from fp8linear.tools.bench import _routed_to_cublas
 from fp8linear.tools.grid import grid_shapes
 from fp8linear.tools.shapes import parse_shape
@@ -36,65 +38,73 @@ def _bytes(args: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in args if isinstance(t, torch.Tensor))
 
 
-def measure(n: int, k: int, m: int, gen: torch.Generator) -> dict[str, float] | None:
+def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: dict[str, WsConfig]) -> dict[str, float] | None:
     dev = torch.device("cuda")
     w = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
-    w_q, w_s = quantize_weight(w, "block")
+    w_q, w_s = quantize_weight(w, gran)
     w_qt, w_st = quantize_weight(w, "tensor")
     x_q, x_s = quantize_activation(x, fp8_dtype=w_q.dtype, backend="triton")
     x_s = x_s.contiguous()
     if not ws_accepts(x_q, w_q, torch.bfloat16):
         return None
-    tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, TILED)
-    same = all(torch.equal(ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, cfg).view(torch.int16),
-                           tiled.view(torch.int16)) for cfg in WS_CONFIGS.values())
-    xs_auto = x_s.t().contiguous().t() if _routed_to_cublas(x_q, w_q, "block", True) else x_s
+    tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, TILED)
+    same = all(torch.equal(ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg).view(torch.int16),
+                           tiled.view(torch.int16)) for cfg in configs.values())
+    xs_auto = x_s.t().contiguous().t() if _routed_to_cublas(x_q, w_q, gran, True) else x_s
     one = torch.ones((), device=dev)
     methods = {
         "bf16": (lambda a, b: a @ b.t(), (x, w)),
         "tensor": (lambda a, b, sa, sb: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16),
                    (x_q, w_qt, one, w_st)),
         "auto": (lambda a, sa, b, sb: block_fp8_matmul(a, sa, b, sb, torch.bfloat16), (x_q, xs_auto, w_q, w_s)),
+        # (the per-tensor and BF16 bars are the same for every weight granularity)
         "triton": (lambda a, sa, b, sb: block_fp8_matmul(a, sa, b, sb, torch.bfloat16, backend="triton"),
                    (x_q, x_s, w_q, w_s)),
-        "tiled": (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None, TILED),
+        "tiled": (lambda a, sa, b, sb: block_fp8_gemm(a, sa, b, sb, gran, torch.bfloat16, None, TILED),
                   (x_q, x_s, w_q, w_s)),
     }
-    for name, cfg in WS_CONFIGS.items():
-        methods[name] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(a, sa, b, sb, "block", torch.bfloat16, None, cfg),
+    for name, cfg in configs.items():
+        methods[name] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(a, sa, b, sb, gran, torch.bfloat16, None, cfg),
                          (x_q, x_s, w_q, w_s))
     rounds = {}
     for name, (fn, args) in methods.items():
         rounds[name], _ = prepare_cuda(fn, rotation_sets(args, _bytes(args), dev), 3, graph_timer=True)
     t = time_rounds(rounds, 5)
     t["same_bits"] = float(same)
+    route = route_gemm(dev, m, n, k, gran, w_q.dtype, torch.bfloat16, None, False, tma_ok(x_q) and tma_ok(w_q), True)
+    cfg = route.config
+    t["triton_route"] = route.kernel + (f" {cfg.block_m}x{cfg.block_n}" if hasattr(cfg, "block_m") else "")
     return t
 
 
 def best_ws(t: dict[str, float]) -> float:
-    return min(t[name] for name in WS_CONFIGS)
+    return min(t[name] for name in WS_CONFIGS if name in t)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, nargs="+", default=[1000, 2048, 4096, 8192])
     p.add_argument("--shapes", nargs="+")
+    p.add_argument("--granularity", default="block", choices=["block", "row", "tensor"])
+    p.add_argument("--configs", nargs="+", choices=list(WS_CONFIGS), default=list(WS_CONFIGS))
     p.add_argument("--json")
     a = p.parse_args()
+    configs = {name: WS_CONFIGS[name] for name in a.configs}
     shapes = [parse_shape(s) for s in a.shapes] if a.shapes else grid_shapes()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for s in shapes:
         for m in a.m:
-            t = measure(s.n, s.k, m, gen)
+            t = measure(s.n, s.k, m, gen, a.granularity, configs)
             if t is None:
                 print(f"{s.n:6}x{s.k:<6} M={m:5} not TMA-addressable: skipped")
                 continue
             rows.append({"n": s.n, "k": s.k, "m": m, **t})
-            print(f"{s.n:6}x{s.k:<6} M={m:5} " + " ".join(f"{kk}={v:.1f}" for kk, v in t.items())
+            print(f"{s.n:6}x{s.k:<6} M={m:5} " + " ".join(f"{kk}={v:.1f}" if isinstance(v, float) else f"{kk}={v}"
+                                                       for kk, v in t.items())
                   + f"  best ws/tiled={best_ws(t) / t['tiled']:.3f} /auto={best_ws(t) / t['auto']:.3f}", flush=True)
-    names = ["tensor", "auto", "triton", "tiled", *WS_CONFIGS]
+    names = ["tensor", "auto", "triton", "tiled", *configs]
     for m in a.m:
         sel = [r for r in rows if r["m"] == m]
         if sel:
