@@ -42,8 +42,9 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
-- ``ws``: on Hopper, where the route would be our tiled kernel on 128x128 tiles and weights from WS_MIN_M rows
-  and K = WS_MIN_K, with contiguous TMA-addressable operands and no PDL:
+- ``ws``: on Hopper, where the route would be our tiled kernel, on 128x128 or 1x128 weights, from
+  WS_MIN_M rows, K = WS_MIN_K and WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous
+  TMA-addressable operands and no PDL:
   the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`, WS_CONFIG), same bits;
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
@@ -118,6 +119,7 @@ __all__ = [
     "WS_CONFIG",
     "WS_MIN_K",
     "WS_MIN_M",
+    "WS_MIN_TILES_PER_SM",
     "Route",
     "act_quant_launch",
     "align_on_kernel",
@@ -275,15 +277,20 @@ PERSISTENT_MAX_K = 2304
 PERSISTENT_MIN_M = 2048
 PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 # A GEMM our tiled kernel would run goes to the warp-specialized Gluon kernel (fp8linear.ops.ws_gemm)
-# on 128x128 tiles, on Hopper, from WS_MIN_M rows and K = WS_MIN_K, 128x128 weights. H100, benchmarks/ws_gemm_ab.py
-# (CUDA graphs, kernel alone, same bits), against the tiled kernel on 128x128 tiles: 0.66-0.92x the
-# time at K 3584-18944 and every M measured, 333 to 8192 (18432x7168 M=4096 1164 vs 1443 us,
-# 3584x18944 M=512 77.2 vs 112.3, 1536x7168 M=333 28.0 vs 34.8); at K <= 1536 1.02-1.30x (32768x512
-# M=4096 397 vs 313). Where the router picks split-K instead (few tiles) that stays faster
-# (1536x7168 M=333 23.2, 576x7168 M=1000 22.8 vs 28.9). 256-column tiles spill (ptxas) and took
-# 1.7-2x the time; 3 ring slots beat 4 by 1-4% from M=512.
-WS_MIN_M = 333
+# on Hopper from WS_MIN_M rows and K = WS_MIN_K, 128x128 or 1x128 weights, where its 128x128 tiles
+# number at least WS_MIN_TILES_PER_SM per SM. H100, benchmarks/ws_gemm_ab.py (CUDA graphs, kernel
+# alone, same bits as the tiled kernel on 128x128 tiles):
+# - against 128x128 tiles: 0.61-0.92x the time at K 3584-18944, M 128-8192 (18432x7168 M=4096
+#   1164 vs 1443 us); 1x128 weights 0.70-0.73x; at K <= 1536 1.02-1.30x (32768x512 M=4096 397 vs 313);
+# - against the route it replaces (tiled 64x64 or 128x128, tables or heuristic), with 72 tiles or
+#   more: 0.54-0.99x (7168x18432 M=200 81.6 vs 137.5 us, 3584x18944 M=384 78.1 vs 108.2, 2048x7168
+#   M=640 29.1 vs 36.7); with 64 or fewer: 1.03-1.15x (4096x14336 M=256 55.0 vs 52.5, 2048x7168
+#   M=512 28.1 vs 25.6), and at M=128 level at best (8192x8192 40.9 vs 36.4);
+# - split-K routes (few tiles, long K) stay faster (1536x7168 M=333 23.2 vs 28.0 us).
+# 256-column tiles spill (ptxas) and took 1.7-2x the time; 3 ring slots beat 4 by 1-4% from M=512.
+WS_MIN_M = 200
 WS_MIN_K = 3584
+WS_MIN_TILES_PER_SM = 0.5
 WS_CONFIG = WsConfig(block_n=128, stages=3)
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
@@ -594,11 +601,12 @@ def _ours(device: torch.device, m: int, n: int, k: int, granularity: str, operan
 
 def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k: int, granularity: str,
                           operands_ok: bool) -> Route:
-    """The warp-specialized kernel where `route` runs our tiled kernel on 128x128 tiles (what it was
-    measured against) and its rule holds (WS_MIN_M, WS_MIN_K, 128x128 weights, no PDL);
-    `operands_ok`: the operands are contiguous and TMA-addressable."""
-    if (route.kernel != "tiled" or route.config.block_m != 128 or route.config.block_n != 128 or route.pdl
-            or not operands_ok or granularity != "block" or m < WS_MIN_M or k < WS_MIN_K or not ws_device_ok(device)):
+    """The warp-specialized kernel where `route` runs our tiled kernel and its rule holds (WS_MIN_M,
+    WS_MIN_K, WS_MIN_TILES_PER_SM, 128x128 or 1x128 weights, no PDL); `operands_ok`: the operands
+    are contiguous and TMA-addressable."""
+    if (route.kernel != "tiled" or route.pdl or not operands_ok or granularity == "tensor" or m < WS_MIN_M
+            or k < WS_MIN_K or not ws_device_ok(device)
+            or _tiles(m, n, 128, 128) < WS_MIN_TILES_PER_SM * sm_count(device)):
         return route
     return Route("ws", WS_CONFIG)
 

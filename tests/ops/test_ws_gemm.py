@@ -34,12 +34,14 @@ def test_cpu_operands_are_not_accepted():
 @pytest.mark.parametrize("m,n,k,gran,operands_ok,ws", [
     (4096, 7168, 7168, "block", True, True),
     (1000, 18432, 3584, "block", True, True),
-    (333, 18432, 7168, "block", True, True),
-    (332, 18432, 7168, "block", True, False),  # below WS_MIN_M
+    (4096, 7168, 7168, "row", True, True),
+    (200, 7168, 18432, "block", True, True),  # 112 tiles: in place of the heuristic's 64x64 tiles
+    (199, 7168, 18432, "block", True, False),  # below WS_MIN_M
     (4096, 7168, 2048, "block", True, False),  # below WS_MIN_K
-    (4096, 7168, 7168, "row", True, False),  # measured for 128x128 weights only
+    (4096, 7168, 7168, "tensor", True, False),  # not measured for per-tensor weights
     (4096, 7168, 7168, "block", False, False),  # not contiguous / not TMA-addressable
-    (1000, 576, 7168, "block", True, False),  # 40 tiles of 128x128 on 132 SMs: 64x64 tiles stay
+    (256, 4096, 14336, "block", True, False),  # 64 tiles of 128x128 on 132 SMs: below half a wave
+    (384, 4096, 14336, "block", True, True),  # 96 tiles
 ])
 def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
     """Where our tiled kernel would run on Hopper, the rule sends the GEMM to the warp-specialized
