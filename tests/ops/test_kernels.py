@@ -573,3 +573,47 @@ def test_single_token_linear_op_passes_opcheck_and_compiles():
     compiled = torch.compile(mod, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
     x1 = torch.randn(1, 1, 300, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     assert same_bits(compiled(x1), mod(x1))
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from fp8linear.ops.quant import to_fp8
+
+    @triton.jit
+    def _to_fp8_kernel(x_ptr, q_ptr, HW_ROUND: tl.constexpr):
+        offs = tl.arange(0, 16)
+        tl.store(q_ptr + offs, to_fp8(tl.load(x_ptr + offs), q_ptr.dtype.element_ty, HW_ROUND))
+
+
+def test_hardware_rounding_gives_the_grid_bytes(monkeypatch):
+    """quant.to_fp8 with the hardware conversion: values round to nearest even as round_to_fp8_grid
+    does, and a negative zero (what the conversion gives for negative values that round to zero)
+    becomes the grid's +0. The rule: NVIDIA e4m3fn outside the interpreter only."""
+    from fp8linear.ops import quant
+    from fp8linear.reference import round_to_fp8_grid
+
+    # values on the grid, and values that round to (negative) zero; on a GPU also ties and values
+    # between grid points (the CPU interpreter's conversion does not round to nearest even)
+    x = [-0.0, -1e-30, -2.0**-12, 2.0**-12, 1.0, -448.0, 448.0, 0.0, 1.125, -2.0**-9, 240.0, -16.0, 2.0**-9,
+         3.0 * 2.0**-9, -1e-20, -0.0]
+    if HAS_CUDA:
+        x = [-0.0, -1e-30, -2.0**-11, 2.0**-11, -2.0**-10 * 3, 1.0625, -448.0, 1.1875, -0.001, 3.0 * 2.0**-9,
+             -17.0, 17.0, 0.3, -0.0004, 2.0**-10 * 5, -1e-20]
+    x = torch.tensor(x, device=KERNEL_DEVICE)
+    q = torch.empty(16, dtype=torch.float8_e4m3fn, device=KERNEL_DEVICE)
+    _to_fp8_kernel[(1,)](x, q, HW_ROUND=True)
+    ref = round_to_fp8_grid(x.cpu(), torch.float8_e4m3fn)
+    ref = torch.where(ref == 0, torch.zeros_like(ref), ref).to(torch.float8_e4m3fn)  # the grid's zero is +0
+    assert same_bits(q.cpu(), ref)
+    assert (q.cpu().view(torch.uint8) != 0x80).all()
+    monkeypatch.setattr(quant, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert quant.hardware_rounding(torch.float8_e4m3fn)
+    assert not quant.hardware_rounding(torch.float8_e4m3fnuz)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not quant.hardware_rounding(torch.float8_e4m3fn)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(quant, "interpreting", lambda: True)
+    assert not quant.hardware_rounding(torch.float8_e4m3fn)
