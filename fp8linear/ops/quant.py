@@ -61,13 +61,14 @@ def quantize_groups(x, qmax, amax_floor, MIN_EXP: tl.constexpr, GRID_ROUND: tl.c
 
 
 @triton.jit
-def to_fp8(q, dtype: tl.constexpr, HW_ROUND: tl.constexpr):
+def to_fp8(q, dtype: tl.constexpr, HW_ROUND: tl.constexpr, MIN_EXP: tl.constexpr):
     """FP8 bytes of `q`: values already on the grid (HW_ROUND False), or clamped values rounded by the
-    hardware conversion (round to nearest even, as round_to_fp8_grid), whose -0 for negative values
-    that round to zero becomes the grid's +0."""
+    hardware conversion (to nearest even, as round_to_fp8_grid), after values that round to zero
+    (at most half the smallest subnormal, 2**(MIN_EXP - 4)) are set to +0: the conversion would give
+    negative ones -0, the grid +0."""
     if HW_ROUND:
-        b = q.to(dtype).to(tl.int8, bitcast=True)
-        return tl.where(b == -128, 0, b).to(tl.int8).to(dtype, bitcast=True)
+        half_tiny = tl.full((), (127 + MIN_EXP - 4) << 23, tl.int32).to(tl.float32, bitcast=True)
+        return tl.where(tl.abs(q) <= half_tiny, 0.0, q).to(dtype)
     else:
         return q.to(dtype)
 
@@ -94,7 +95,7 @@ def _act_quant_kernel(
     x_mask = (offs_m < M_IN)[:, None] & k_ok
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
     q, scale = quantize_groups(x, qmax, amax_floor, MIN_EXP, not HW_ROUND)
-    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], to_fp8(q, q_ptr.dtype.element_ty, HW_ROUND),
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], to_fp8(q, q_ptr.dtype.element_ty, HW_ROUND, MIN_EXP),
              mask=row_ok[:, None] & k_ok)
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, scale, mask=row_ok)
 

@@ -584,7 +584,7 @@ if HAS_TRITON:
     @triton.jit
     def _to_fp8_kernel(x_ptr, q_ptr, HW_ROUND: tl.constexpr):
         offs = tl.arange(0, 16)
-        tl.store(q_ptr + offs, to_fp8(tl.load(x_ptr + offs), q_ptr.dtype.element_ty, HW_ROUND))
+        tl.store(q_ptr + offs, to_fp8(tl.load(x_ptr + offs), q_ptr.dtype.element_ty, HW_ROUND, -6))
 
 
 def test_hardware_rounding_gives_the_grid_bytes(monkeypatch):
@@ -597,10 +597,10 @@ def test_hardware_rounding_gives_the_grid_bytes(monkeypatch):
     # values on the grid, and values that round to (negative) zero; on a GPU also ties and values
     # between grid points (the CPU interpreter's conversion does not round to nearest even)
     x = [-0.0, -1e-30, -2.0**-12, 2.0**-12, 1.0, -448.0, 448.0, 0.0, 1.125, -2.0**-9, 240.0, -16.0, 2.0**-9,
-         3.0 * 2.0**-9, -1e-20, -0.0]
+         3.0 * 2.0**-9, -1e-20, -2.0**-10]
     if HAS_CUDA:
-        x = [-0.0, -1e-30, -2.0**-11, 2.0**-11, -2.0**-10 * 3, 1.0625, -448.0, 1.1875, -0.001, 3.0 * 2.0**-9,
-             -17.0, 17.0, 0.3, -0.0004, 2.0**-10 * 5, -1e-20]
+        x = [-0.0, -1e-30, -2.0**-10, 2.0**-10, -2.0**-10 * 3, 1.0625, -448.0, 1.1875, -0.001, 3.0 * 2.0**-9,
+             -17.0, 17.0, 0.3, -0.0004, -2.0**-10 * 1.0000001, -1e-20]
     x = torch.tensor(x, device=KERNEL_DEVICE)
     q = torch.empty(16, dtype=torch.float8_e4m3fn, device=KERNEL_DEVICE)
     _to_fp8_kernel[(1,)](x, q, HW_ROUND=True)
