@@ -54,6 +54,8 @@ try:  # Gluon: Triton >= 3.5
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
+    from fp8linear.ops.ws_gemm import _promote  # gemm_common.promote's arithmetic in Gluon
+
     HAS_GLUON = True
 except ImportError:
     HAS_GLUON = False
@@ -65,14 +67,6 @@ NUM_WARPS = 8
 GROUP_M = 8
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM: gl.constexpr):
-        """gemm_common.promote in Gluon: acc + product * x_s[m] * w_s[n], the scale product first."""
-        if W_SCALE_UNIFORM:
-            return acc + product * (x_s * w_s)[:, None]
-        else:
-            return acc + product * (x_s[:, None] * w_s[None, :])
 
     @gluon.jit
     def _gluon_fp8_gemm_kernel(

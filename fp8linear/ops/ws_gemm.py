@@ -215,6 +215,8 @@ if HAS_GLUON_WS:
         if WIDE:
             _store(y_ptr, bias_ptr, acc_hi, offs_m, off_n + _PRODUCT_N, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
 
+    # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
+    # are _consume with HALF 0 and 1.
     @gluon.jit
     def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                        off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
