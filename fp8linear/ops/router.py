@@ -44,7 +44,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
 - ``ws``: on Hopper, where the route would be our tiled kernel, on 128x128 or 1x128 weights, from
   WS_MIN_M rows, K = WS_MIN_K and WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous
-  TMA-addressable operands and no PDL:
+  TMA-addressable operands and no PDL, for callers other than eager plans (CUDA graphs,
+  torch.compile, the functional ops):
   the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`, WS_CONFIG), same bits;
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
@@ -288,6 +289,10 @@ PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=
 #   M=512 28.1 vs 25.6), and at M=128 level at best (8192x8192 40.9 vs 36.4);
 # - split-K routes (few tiles, long K) stay faster (1536x7168 M=333 23.2 vs 28.0 us).
 # 256-column tiles spill (ptxas) and took 1.7-2x the time; 3 ring slots beat 4 by 1-4% from M=512.
+# Eager callers keep the tiled kernel: its plan launches it prepared (raw addresses, 26-28 us of host
+# time a call), while the warp-specialized kernel goes through Gluon's launcher with two TMA
+# descriptors made per call: H100, benchmarks/eager_ws_ab.py (CUTLASS off), eager wall 4.00x at
+# 2112x7168 M=512 (143.3 vs 35.8 us, host 142.7 vs 26.2) and 2.85x at 1536x7168 M=1024.
 WS_MIN_M = 200
 WS_MIN_K = 3584
 WS_MIN_TILES_PER_SM = 0.5
@@ -743,6 +748,8 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok and not _table_tiled(device, m, n, k,
                                                                                                granularity):
         return Route("cutlass", eager_cutlass_config(device, m, n))
+    if eager:  # eager plans keep the tiled kernel's prepared launch (see WS_MIN_M)
+        return route
     return _ws_in_place_of_tiled(route, device, m, n, k, granularity,
                                  weight_tma_ok and weight_contiguous and k % _TMA_ALIGN == 0)
 

@@ -45,7 +45,7 @@ def test_cpu_operands_are_not_accepted():
 ])
 def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
     """Where our tiled kernel would run on Hopper, the rule sends the GEMM to the warp-specialized
-    kernel, for GEMMs on quantized activations and for whole linears alike."""
+    kernel, for GEMMs on quantized activations and for whole linears alike, but not eager plans."""
     from fp8linear.ops import router
 
     monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
@@ -58,6 +58,10 @@ def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
         assert (route.kernel == "ws") is ws, route
         if ws:
             assert route.config == router.WS_CONFIG
+    # eager plans keep the tiled kernel's prepared launch (router: WS_MIN_M's comment)
+    eager = router.route_linear(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, eager=True,
+                                weight_contiguous=operands_ok)
+    assert eager.kernel != "ws", eager
     monkeypatch.setattr(router, "ws_device_ok", lambda device: False)  # not a Hopper GPU
     assert router.route_gemm(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, operands_ok).kernel != "ws"
 
