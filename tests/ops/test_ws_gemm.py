@@ -149,8 +149,9 @@ def test_accepts_on_gpu():
 @pytest.mark.gpu
 @needs_ws
 def test_routed_forward_runs_it():
-    """backend="triton" sends a long-K prefill GEMM here, functional and module paths alike, with
-    the tiled kernel's bits."""
+    """backend="triton" sends a long-K prefill GEMM here on the functional path, with the tiled
+    kernel's bits; the module's eager plans (the tiled kernel, prepared) give the same bits, and so
+    does the module captured in a CUDA graph (this kernel)."""
     import fp8linear
     from fp8linear.ops.configs import GemmConfig
     from fp8linear.ops.gemm import block_fp8_gemm
@@ -171,3 +172,7 @@ def test_routed_forward_runs_it():
     first, second, third = layer(x), layer(x), layer(x)  # the second call makes the plan, the third runs it
     functional = fp8linear.fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="triton")
     assert same_bits(first, functional) and same_bits(second, functional) and same_bits(third, functional)
+    graph, captured = capture_graph(layer, x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(captured, functional)
