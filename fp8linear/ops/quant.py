@@ -34,7 +34,7 @@ def round_to_fp8_grid(v, MIN_EXP: tl.constexpr):
 def quantize_groups(x, qmax, amax_floor, MIN_EXP: tl.constexpr, GRID_ROUND: tl.constexpr = True):
     """fp32 (R, 128) tile, one 1x128 group per row -> (q (R, 128) fp32 values on the FP8 grid, scale (R,)).
     Without GRID_ROUND q is returned before rounding to the grid (clamped to +-qmax), for
-    :func:`store_fp8` to round with the hardware conversion.
+    :func:`to_fp8` to round with the hardware conversion.
 
     Same results as reference._quantize_groups, bit for bit; NaN propagates through max and clamp
     (an Inf makes its group's scale Inf and its values NaN).
@@ -95,8 +95,8 @@ def _act_quant_kernel(
     x_mask = (offs_m < M_IN)[:, None] & k_ok
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
     q, scale = quantize_groups(x, qmax, amax_floor, MIN_EXP, not HW_ROUND)
-    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], to_fp8(q, q_ptr.dtype.element_ty, HW_ROUND, MIN_EXP),
-             mask=row_ok[:, None] & k_ok)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :],
+             to_fp8(q, q_ptr.dtype.element_ty, HW_ROUND, MIN_EXP), mask=row_ok[:, None] & k_ok)
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, scale, mask=row_ok)
 
 

@@ -2,8 +2,8 @@
 
 y = dequant(x) @ dequant(w).T (+ bias), the tiled kernel's numerics (each 128-wide K group's
 tensor-core product promoted into an fp32 accumulator with :func:`~fp8linear.ops.gemm_common.promote`'s
-arithmetic), scheduled as DeepGEMM does on Hopper. A program computes one 128x128 output tile with
-three partitions of warps:
+arithmetic), scheduled as DeepGEMM does on Hopper. A program computes one output tile of 128 rows
+and 128 (or 256: slower, see the router's WS_MIN_M comment) columns with three partitions of warps:
 
 - a producer warp streams the K groups of x (two 64-row boxes) and w through a ring of STAGES
   shared-memory slots with TMA (zero-filled past M, N and K), each slot guarded by a ``ready``
@@ -61,7 +61,7 @@ class WsConfig:
 
     __slots__ = ("block_n", "stages", "group_m")
 
-    def __init__(self, block_n: int = 128, stages: int = 4, group_m: int = 8) -> None:
+    def __init__(self, block_n: int = 128, stages: int = 3, group_m: int = 8) -> None:
         if block_n not in (128, 256):
             raise ValueError(f"WsConfig.block_n must be 128 or 256, got {block_n}")
         if stages < 2:

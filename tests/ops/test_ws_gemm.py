@@ -16,7 +16,7 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
 def test_config_validation():
-    assert WsConfig() == WsConfig(128, 4, 8) and hash(WsConfig(256, 3, 4)) == hash(WsConfig(256, 3, 4))
+    assert WsConfig() == WsConfig(128, 3, 8) and hash(WsConfig(256, 3, 4)) == hash(WsConfig(256, 3, 4))
     assert WsConfig(128, 3) != WsConfig(128, 4) and WsConfig(256) != WsConfig(128)
     with pytest.raises(ValueError, match="block_n must be 128 or 256"):
         WsConfig(64)
@@ -97,7 +97,7 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
 
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
     x_q, x_s, w_q, w_s, w_s_ref, _ = _operands(m, n, k, gran, False, gen)
-    for cfg in (WsConfig(), WsConfig(128, 2, 1), WsConfig(256, 3)):
+    for cfg in (WsConfig(), WsConfig(128, 4), WsConfig(128, 2, 1), WsConfig(256, 3)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
         ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
