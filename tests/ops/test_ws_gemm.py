@@ -26,6 +26,30 @@ def test_config_validation():
         WsConfig(128, 4, 0)
 
 
+def test_device_rule(monkeypatch):
+    """Only a Hopper GPU under CUDA, outside the CPU interpreter, with Gluon's warp specialization."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(ws_gemm, "HAS_GLUON_WS", True)
+    monkeypatch.setattr(ws_gemm, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, ok in (((9, 0), True), ((10, 0), False), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        ws_gemm._device_ok.cache_clear()
+        assert ws_gemm.ws_device_ok(cuda) is ok
+    ws_gemm._device_ok.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    assert not ws_gemm.ws_device_ok(torch.device("cpu"))
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not ws_gemm.ws_device_ok(cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(ws_gemm, "interpreting", lambda: True)
+    assert not ws_gemm.ws_device_ok(cuda)
+    monkeypatch.setattr(ws_gemm, "interpreting", lambda: False)
+    monkeypatch.setattr(ws_gemm, "HAS_GLUON_WS", False)
+    assert not ws_gemm.ws_device_ok(cuda)
+    ws_gemm._device_ok.cache_clear()
+
+
 def test_cpu_operands_are_not_accepted():
     x = torch.zeros(256, 256, dtype=torch.uint8).view(FP8)
     assert not ws_gemm.ws_accepts(x, x, BF16)
