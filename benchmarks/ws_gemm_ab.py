@@ -4,7 +4,7 @@ Per (N, K, M), in one run of interleaved CUDA-graph replays over operands rotate
 weights, bf16 output: BF16 ``x @ w.T``, per-tensor cuBLAS FP8, the router's choice (``auto``),
 our Triton kernels alone (``triton``: what backend="triton" runs), the tiled kernel on 128x128 tiles
 (``tiled``), and the warp-specialized kernel on 128- and 256-column tiles with 3 and 4 ring slots
-(``ws128s3`` ...). It checks each against the tiled kernel bit for bit first. Prints per-M geometric means of each method's
+(``ws128s3`` ...), and persistent (one program per SM) with 3, 4 and 6 slots (``wsp128s3`` ...). It checks each against the tiled kernel bit for bit first. Prints per-M geometric means of each method's
 speedup over BF16.
 
     python benchmarks/ws_gemm_ab.py [--m 1000 2048 4096 8192] [--shapes 18432x7168 ...]
@@ -30,7 +30,8 @@ from fp8linear.tools.shapes import parse_shape
 from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 
 WS_CONFIGS = {"ws128s3": WsConfig(128, 3), "ws128s4": WsConfig(128, 4), "ws256s3": WsConfig(256, 3),
-              "ws256s4": WsConfig(256, 4)}
+              "ws256s4": WsConfig(256, 4), "wsp128s3": WsConfig(128, 3, persistent=True),
+              "wsp128s4": WsConfig(128, 4, persistent=True), "wsp128s6": WsConfig(128, 6, persistent=True)}
 TILED = GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
 
 

@@ -42,11 +42,12 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
-- ``ws``: on Hopper, where the route would be our tiled kernel, on 128x128 or 1x128 weights, from
-  WS_MIN_M rows, K = WS_MIN_K and WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous
-  TMA-addressable operands and no PDL, for callers other than eager plans (CUDA graphs,
-  torch.compile, the functional ops):
-  the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`, WS_CONFIG), same bits;
+- ``ws``: on Hopper, where the route would be our tiled or persistent kernel, on 128x128 or 1x128
+  weights, from WS_MIN_M rows filling at least WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K
+  and WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous TMA-addressable operands and no PDL,
+  for callers other than eager plans (CUDA graphs, torch.compile, the functional ops); and where a
+  routes table names it: the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`,
+  WS_CONFIG: persistent), same bits;
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
   MID_M_CONFIG where 128x128 tiles leave SMs idle).
@@ -120,6 +121,7 @@ __all__ = [
     "WS_CONFIG",
     "WS_MIN_K",
     "WS_MIN_M",
+    "WS_MIN_ROW_FILL",
     "WS_MIN_TILES_PER_SM",
     "Route",
     "act_quant_launch",
@@ -277,26 +279,32 @@ KERNELS = ("gemv", "decode", "cublas", "cutlass", "splitk", "persistent", "ws", 
 PERSISTENT_MAX_K = 2304
 PERSISTENT_MIN_M = 2048
 PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
-# A GEMM our tiled kernel would run goes to the warp-specialized Gluon kernel (fp8linear.ops.ws_gemm)
-# on Hopper from WS_MIN_M rows and K = WS_MIN_K, 128x128 or 1x128 weights, where its 128x128 tiles
-# number at least WS_MIN_TILES_PER_SM per SM. H100, benchmarks/ws_gemm_ab.py (CUDA graphs, kernel
-# alone, same bits as the tiled kernel on 128x128 tiles):
-# - against 128x128 tiles: 0.61-0.92x the time at K 3584-18944, M 128-8192 (18432x7168 M=4096
-#   1164 vs 1443 us); 1x128 weights 0.70-0.73x; at K <= 1536 1.02-1.30x (32768x512 M=4096 397 vs 313);
-# - against the route it replaces (tiled 64x64 or 128x128, tables or heuristic), with 72 tiles or
-#   more: 0.54-0.99x (7168x18432 M=200 81.6 vs 137.5 us, 3584x18944 M=384 78.1 vs 108.2, 2048x7168
-#   M=640 29.1 vs 36.7); with 64 or fewer: 1.03-1.15x (4096x14336 M=256 55.0 vs 52.5, 2048x7168
-#   M=512 28.1 vs 25.6), and at M=128 level at best (8192x8192 40.9 vs 36.4);
-# - split-K routes (few tiles, long K) stay faster (1536x7168 M=333 23.2 vs 28.0 us).
-# 256-column tiles spill (ptxas) and took 1.7-2x the time; 3 ring slots beat 4 by 1-4% from M=512.
+# A GEMM our tiled or persistent kernel would run goes to the persistent warp-specialized Gluon kernel
+# (fp8linear.ops.ws_gemm, 4 ring slots) on Hopper from WS_MIN_M rows that fill at least
+# WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K, 128x128 or 1x128 weights, where its 128x128
+# tiles number at least WS_MIN_TILES_PER_SM per SM. benchmarks/ws_gemm_ab.py (CUDA graphs, kernel
+# alone, same bits as the tiled kernel on 128x128 tiles), H200, against the route it replaces:
+# - K 512-2048 (32768x512, 24576x1536, 7168x2048, 2048x1408 from 128 tiles, 1536x576 from 192):
+#   0.57-0.78x at M 256-8192 (32768x512 M=1024 46.7 vs 81.8 us, 24576x1536 M=4096 330 vs 483 on the
+#   persistent kernel); long K (4096x4096 to 7168x18432, >= 68 tiles): 0.86-0.98x;
+# - M 96-128 with >= 112 tiles: 0.63-0.93x (14336x4096 M=128 21.7 vs 34.5); M 160, whose second
+#   row of tiles is a quarter full, 0.76-0.88x at K <= 1536 but 0.97-1.11x at K >= 4096 (18432x7168
+#   94.4 vs 84.9), hence the fill rule; M=64 (half a tile) 1.07-1.52x;
+# - 64 tiles or fewer: 1.0-1.3x (4096x14336 M=256 51.3 vs 51.6, 2048x1408 M=256 8.8 vs 6.8), and
+#   split-K routes stay faster (576x7168 M=512 25.9 vs 15.8).
+# Over the 73 cases of those runs the rule selects: 0.57-0.995x the replaced route (geomean 0.80).
+# Its persistent programs (one per SM) load a tile's first K groups while they store the last one;
+# one program per tile (WsConfig(persistent=False)) took 0.98-1.68x the time (geomean 1.16), 3 slots
+# 1.06x and 6 slots 1.05x of 4. 256-column tiles spill (ptxas) and took 1.7-2x the time.
 # Eager callers keep the tiled kernel: its plan launches it prepared (raw addresses, 26-28 us of host
 # time a call), while the warp-specialized kernel goes through Gluon's launcher with two TMA
 # descriptors made per call: H100, benchmarks/eager_ws_ab.py (CUTLASS off), eager wall 4.00x at
 # 2112x7168 M=512 (143.3 vs 35.8 us, host 142.7 vs 26.2) and 2.85x at 1536x7168 M=1024.
-WS_MIN_M = 200
-WS_MIN_K = 3584
+WS_MIN_M = 96
+WS_MIN_ROW_FILL = 0.75
+WS_MIN_K = 512  # the shortest K measured (32768x512)
 WS_MIN_TILES_PER_SM = 0.5
-WS_CONFIG = WsConfig(block_n=128, stages=3)
+WS_CONFIG = WsConfig(block_n=128, stages=4, persistent=True)
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
 LONG_SPLITK_K = 8192
@@ -606,14 +614,20 @@ def _ours(device: torch.device, m: int, n: int, k: int, granularity: str, operan
 
 def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k: int, granularity: str,
                           operands_ok: bool) -> Route:
-    """The warp-specialized kernel where `route` runs our tiled kernel and its rule holds (WS_MIN_M,
-    WS_MIN_K, WS_MIN_TILES_PER_SM, 128x128 or 1x128 weights, no PDL); `operands_ok`: the operands
-    are contiguous and TMA-addressable."""
-    if (route.kernel != "tiled" or route.pdl or not operands_ok or granularity == "tensor" or m < WS_MIN_M
-            or k < WS_MIN_K or not ws_device_ok(device)
-            or _tiles(m, n, 128, 128) < WS_MIN_TILES_PER_SM * sm_count(device)):
+    """The warp-specialized kernel where `route` runs our tiled or persistent kernel and its rule holds
+    (WS_MIN_M, WS_MIN_ROW_FILL, WS_MIN_K, WS_MIN_TILES_PER_SM, 128x128 or 1x128 weights, no PDL);
+    `operands_ok`: the operands are contiguous and TMA-addressable."""
+    if route.kernel not in ("tiled", "persistent") or route.pdl or not _ws_rule(device, m, n, k, granularity,
+                                                                                 operands_ok):
         return route
     return Route("ws", WS_CONFIG)
+
+
+def _ws_rule(device: torch.device, m: int, n: int, k: int, granularity: str, operands_ok: bool) -> bool:
+    """Whether the warp-specialized kernel's rule holds for this GEMM (see WS_MIN_M)."""
+    return (operands_ok and granularity != "tensor" and m >= WS_MIN_M and k >= WS_MIN_K
+            and m >= WS_MIN_ROW_FILL * 128 * _cdiv(m, 128) and ws_device_ok(device)
+            and _tiles(m, n, 128, 128) >= WS_MIN_TILES_PER_SM * sm_count(device))
 
 
 def _tiles(m: int, n: int, block_m: int, block_n: int) -> int:

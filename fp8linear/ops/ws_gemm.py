@@ -57,26 +57,32 @@ _MAXNREG = 168
 
 class WsConfig:
     """Launch options of the warp-specialized kernel: tile width (128 or 256 columns), ring depth
-    (shared memory per slot: 32 KB at 128 columns, 48 KB at 256) and tile order."""
+    (shared memory per slot: 32 KB at 128 columns, 48 KB at 256), tile order, and whether it runs
+    persistent (one program per SM looping over the tiles, so the loads of a program's next tile
+    overlap the store of its last one and no program starts cold) or one program per tile."""
 
-    __slots__ = ("block_n", "stages", "group_m")
+    __slots__ = ("block_n", "stages", "group_m", "persistent")
 
-    def __init__(self, block_n: int = 128, stages: int = 3, group_m: int = 8) -> None:
+    def __init__(self, block_n: int = 128, stages: int = 3, group_m: int = 8, persistent: bool = False) -> None:
         if block_n not in (128, 256):
             raise ValueError(f"WsConfig.block_n must be 128 or 256, got {block_n}")
         if stages < 2:
             raise ValueError(f"WsConfig.stages must be >= 2, got {stages}")
         if group_m < 1:
             raise ValueError(f"WsConfig.group_m must be >= 1, got {group_m}")
+        if not isinstance(persistent, bool):
+            raise TypeError(f"WsConfig.persistent must be a bool, got {type(persistent).__name__}")
         self.block_n = block_n
         self.stages = stages
         self.group_m = group_m
+        self.persistent = persistent
 
-    def _key(self) -> tuple[int, int, int]:
-        return self.block_n, self.stages, self.group_m
+    def _key(self) -> tuple[int, int, int, bool]:
+        return self.block_n, self.stages, self.group_m, self.persistent
 
     def __repr__(self) -> str:
-        return f"WsConfig(block_n={self.block_n}, stages={self.stages}, group_m={self.group_m})"
+        return (f"WsConfig(block_n={self.block_n}, stages={self.stages}, group_m={self.group_m}, "
+                f"persistent={self.persistent})")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, WsConfig) and self._key() == other._key()
@@ -110,22 +116,42 @@ if HAS_GLUON_WS:
     _PRODUCT_N: tl.constexpr = tl.constexpr(_PRODUCT_COLS)
 
     @gluon.jit
+    def _tile_offsets(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """(row, column) offsets of output tile `tile` in grouped order, as fp8linear.ops.gemm._tile_coords."""
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        per_group = GROUP_M * gl.cdiv(N, BLOCK_N)
+        first_m = (tile // per_group) * GROUP_M
+        group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return (first_m + (tile % per_group) % group_m) * BLOCK_M, ((tile % per_group) // group_m) * BLOCK_N
+
+    @gluon.jit
     def _produce(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """The producer warp: fill slot k % STAGES with K group k once both consumers released it."""
+                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+        """The producer warp: fill the ring's slots with the K groups of the program's tiles, in order,
+        each slot once both consumers released it (so the next tile's first groups load while the
+        consumers store the last one)."""
         stages: gl.constexpr = b_bufs.type.shape[0]
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
+        block_n: gl.constexpr = w_desc.block_type.shape[0]
         nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
-        for k in range(gl.cdiv(K, block_k)):
-            s = k % stages
-            # empty barriers start with phase 1 complete, so the first round does not wait
-            mbarrier.wait(empty.index(s), ((k // stages) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, k * block_k], ready.index(s), a_bufs.index(2 * s))
-            tma.async_copy_global_to_shared(x_desc, [off_m + half, k * block_k], ready.index(s), a_bufs.index(2 * s + 1))
-            tma.async_copy_global_to_shared(w_desc, [off_n, k * block_k], ready.index(s), b_bufs.index(s))
+        k_groups = gl.cdiv(K, block_k)
+        num_tiles = gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n)
+        it = 0  # K groups loaded by this program so far: slot it % stages, round it // stages
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
+            for k in range(k_groups):
+                s = it % stages
+                # empty barriers start with phase 1 complete, so the first round does not wait
+                mbarrier.wait(empty.index(s), ((it // stages) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                tma.async_copy_global_to_shared(x_desc, [off_m, k * block_k], ready.index(s), a_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(x_desc, [off_m + half, k * block_k], ready.index(s),
+                                                a_bufs.index(2 * s + 1))
+                tma.async_copy_global_to_shared(w_desc, [off_n, k * block_k], ready.index(s), b_bufs.index(s))
+                it += 1
 
     @gluon.jit
     def _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols: gl.constexpr, WIDTH: gl.constexpr,
@@ -148,24 +174,34 @@ if HAS_GLUON_WS:
             return acc + product * (x_s[:, None] * w_s[None, :])
 
     @gluon.jit
-    def _store(y_ptr, bias_ptr, acc, offs_m, off_n, M, N, stride_ym, cols: gl.constexpr, WIDTH: gl.constexpr,
+    def _store(y_ptr, bias_ptr, acc, off_m, off_n, M, N, stride_ym, cols: gl.constexpr, WIDTH: gl.constexpr,
                HAS_BIAS: gl.constexpr):
-        offs_n = off_n + gl.arange(0, WIDTH, layout=cols)
-        n_ok = offs_n < N
+        """Add the bias (fp32), cast, and store a consumer's rows off_m .. +63 x columns off_n .. +WIDTH-1
+        masked to (M, N). The tile goes from the tensor cores' register layout (a thread holds pairs of
+        columns of 8-row strips) to one where each thread writes 16 contiguous bytes of a row: the
+        conversion runs through shared memory, and the stores coalesce."""
         if HAS_BIAS:
-            acc = acc + gl.load(bias_ptr + gl.where(n_ok, offs_n, 0)).to(gl.float32)[None, :]
-        out = acc.to(y_ptr.dtype.element_ty)
+            offs_b = off_n + gl.arange(0, WIDTH, layout=cols)
+            acc = acc + gl.load(bias_ptr + gl.where(offs_b < N, offs_b, 0)).to(gl.float32)[None, :]
+        dtype: gl.constexpr = y_ptr.dtype.element_ty
+        per_thread: gl.constexpr = 128 // dtype.primitive_bitwidth  # 16 bytes
+        across: gl.constexpr = WIDTH // per_thread
+        coalesced: gl.constexpr = gl.BlockedLayout([1, per_thread], [32 // across, across], [4, 1], [1, 0])
+        out = gl.convert_layout(acc.to(dtype), coalesced)
+        offs_m = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, coalesced))
+        offs_n = off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, coalesced))
         y_ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
-        gl.store(y_ptrs, out, mask=(offs_m < M)[:, None] & n_ok[None, :])
+        gl.store(y_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
     @gluon.jit
     def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 HALF: gl.constexpr):
-        """Consumer warpgroup HALF: rows off_m + 64*HALF .. +63 of the tile, every K group. A tile 256
-        columns wide is two 128-column products per K group, one after the other into the same
-        registers (64x256 fp32 accumulators plus one 64x128 product fit; two products would not)."""
+                 GROUP_M: gl.constexpr, HALF: gl.constexpr):
+        """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's tiles, every K group,
+        then the tile's store. A tile 256 columns wide is two 128-column products per K group, one
+        after the other into the same registers (64x256 fp32 accumulators plus one 64x128 product
+        fit; two products would not)."""
         stages: gl.constexpr = b_bufs.type.shape[0]
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
@@ -175,63 +211,72 @@ if HAS_GLUON_WS:
                                                       instr_shape=[16, _PRODUCT_N, 32])
         rows: gl.constexpr = gl.SliceLayout(1, mma)
         cols: gl.constexpr = gl.SliceLayout(0, mma)
-        offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
-        # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and the
-        # store masks them
-        xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
-        ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
-        acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
-        if WIDE:
-            ws_ptrs_hi = _scale_ptrs(ws_ptr, off_n + _PRODUCT_N, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N,
-                                     W_SCALE_UNIFORM)
-            acc_hi = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
-        for k in range(gl.cdiv(K, block_k)):
-            s = k % stages
-            mbarrier.wait(ready.index(s), (k // stages) & 1)
-            a = a_bufs.index(2 * s + HALF)
-            b = b_bufs.index(s)
+        k_groups = gl.cdiv(K, block_k)
+        num_tiles = gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n)
+        it = 0  # K groups consumed by this program so far, as the producer counts them
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
+            offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
+            # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
+            # the store masks them
+            xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
+            ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
+            acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
             if WIDE:
-                b = b.slice(0, _PRODUCT_N)
-            # a fresh product (zeros as the C operand, not added): holding the previous product's
-            # registers as C instead left the 1x128-weight consumer short of registers (ptxas spills)
-            product = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma),
-                                    use_acc=False, is_async=True)
-            x_s = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
-            w_s = gl.load(ws_ptrs + k * stride_wsk)
-            product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-            if WIDE:
-                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
-                product = warpgroup_mma(a, b_bufs.index(s).slice(_PRODUCT_N, _PRODUCT_N).permute((1, 0)),
-                                        gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False,
-                                        is_async=True)
-                w_s = gl.load(ws_ptrs_hi + k * stride_wsk)
+                ws_ptrs_hi = _scale_ptrs(ws_ptr, off_n + _PRODUCT_N, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N,
+                                         W_SCALE_UNIFORM)
+                acc_hi = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+            for k in range(k_groups):
+                s = it % stages
+                mbarrier.wait(ready.index(s), (it // stages) & 1)
+                a = a_bufs.index(2 * s + HALF)
+                b = b_bufs.index(s)
+                if WIDE:
+                    b = b.slice(0, _PRODUCT_N)
+                # a fresh product (zeros as the C operand, not added): holding the previous product's
+                # registers as C instead left the 1x128-weight consumer short of registers (ptxas spills)
+                product = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma),
+                                        use_acc=False, is_async=True)
+                x_s = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
+                w_s = gl.load(ws_ptrs + k * stride_wsk)
                 product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc_hi = _promote(acc_hi, product, x_s, w_s, W_SCALE_UNIFORM)
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
-        _store(y_ptr, bias_ptr, acc, offs_m, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
-        if WIDE:
-            _store(y_ptr, bias_ptr, acc_hi, offs_m, off_n + _PRODUCT_N, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+                if WIDE:
+                    acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
+                    product = warpgroup_mma(a, b_bufs.index(s).slice(_PRODUCT_N, _PRODUCT_N).permute((1, 0)),
+                                            gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False,
+                                            is_async=True)
+                    w_s = gl.load(ws_ptrs_hi + k * stride_wsk)
+                    product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc_hi = _promote(acc_hi, product, x_s, w_s, W_SCALE_UNIFORM)
+                else:
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
+                it += 1
+            row0 = off_m + HALF * half
+            _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+            if WIDE:
+                _store(y_ptr, bias_ptr, acc_hi, row0, off_n + _PRODUCT_N, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
 
     # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
     # are _consume with HALF 0 and 1.
     @gluon.jit
     def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                       off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                       WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr):
+                       M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                       WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       GROUP_M: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, 0)
+                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, 0)
 
     @gluon.jit
     def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                        off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                        WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr):
+                        M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                        WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        GROUP_M: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, 1)
+                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, 1)
 
     @gluon.jit
     def _ws_fp8_gemm_kernel(
@@ -241,18 +286,8 @@ if HAS_GLUON_WS:
         WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     ):
-        half: gl.constexpr = x_desc.block_type.shape[0]
-        block_n: gl.constexpr = w_desc.block_type.shape[0]
-        # grouped tile order, as fp8linear.ops.gemm._tile_coords
-        pid = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, 2 * half)
-        num_pid_n = gl.cdiv(N, block_n)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-        off_m = (first_m + (pid % per_group) % group_m) * (2 * half)
-        off_n = ((pid % per_group) // group_m) * block_n
-
+        """Program p computes output tiles p, p + P, p + 2P, ... (P programs; grouped tile order):
+        one tile each when P is the tile count, a persistent loop over tiles when P is smaller."""
         a_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -265,14 +300,14 @@ if HAS_GLUON_WS:
         # first would turn its constexprs into runtime values.
         gl.warp_specialize([
             (_consume_first, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                              off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS)),
+                              M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M)),
             (_produce, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                        off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS)),
+                        M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M)),
             (_consume_second, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                               off_m, off_n, M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS)),
+                               M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M)),
         ], [1, 4], [24, 240])  # warps and registers of the producer and the second consumer
 
 
@@ -284,6 +319,7 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
                 out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: WsConfig | None = None) -> torch.Tensor:
     """y (M, N) in `out_dtype` for validated operands that :func:`ws_accepts`: x_q (M, K), w_q (N, K)
     FP8, x_s (M, K/128) row-major, w_s in `granularity`'s layout (0-d for "tensor")."""
+    from .configs import sm_count
     from .gemm_common import weight_scale_layout  # imports Triton; the router imports this module without it
 
     cfg = cfg or WsConfig()
@@ -300,7 +336,8 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
     x_desc = GluonTensorDescriptor.from_tensor(x_q, x_block, gl.NVMMASharedLayout.get_default_for(x_block, fp8))
     w_desc = GluonTensorDescriptor.from_tensor(w_q, w_block, gl.NVMMASharedLayout.get_default_for(w_block, fp8))
     x_s = x_s.contiguous()
-    grid = (-(-m // (2 * _HALF_M)) * -(-n // cfg.block_n),)
+    tiles = -(-m // (2 * _HALF_M)) * -(-n // cfg.block_n)
+    grid = (min(tiles, sm_count(x_q.device)) if cfg.persistent else tiles,)  # one program per SM fits (shared memory)
     _ws_fp8_gemm_kernel[grid](
         x_desc, w_desc, x_s, w_s, y, bias if bias is not None else y,
         m, n, k,

@@ -24,6 +24,9 @@ def test_config_validation():
         WsConfig(128, 1)
     with pytest.raises(ValueError, match="group_m must be >= 1"):
         WsConfig(128, 4, 0)
+    assert WsConfig(persistent=True) != WsConfig() and "persistent=True" in repr(WsConfig(persistent=True))
+    with pytest.raises(TypeError, match="persistent must be a bool"):
+        WsConfig(128, 3, 8, 1)
 
 
 def test_device_rule(monkeypatch):
@@ -60,16 +63,22 @@ def test_cpu_operands_are_not_accepted():
     (1000, 18432, 3584, "block", True, True),
     (4096, 7168, 7168, "row", True, True),
     (200, 7168, 18432, "block", True, True),  # 112 tiles: in place of the heuristic's 64x64 tiles
-    (199, 7168, 18432, "block", True, False),  # below WS_MIN_M
-    (4096, 7168, 2048, "block", True, False),  # below WS_MIN_K
+    (4096, 7168, 2048, "block", True, True),  # in place of the persistent TMA kernel
+    (2048, 32768, 512, "block", True, True),  # K = WS_MIN_K
+    (2048, 32768, 384, "block", True, False),  # below WS_MIN_K
+    (96, 24576, 1536, "block", True, True),  # WS_MIN_M, 192 tiles
+    (95, 24576, 1536, "block", True, False),  # below WS_MIN_M
+    (160, 24576, 1536, "block", True, False),  # 160 rows fill 62% of two rows of tiles
+    (192, 24576, 1536, "block", True, True),  # 75%: WS_MIN_ROW_FILL
     (4096, 7168, 7168, "tensor", True, False),  # not measured for per-tensor weights
     (4096, 7168, 7168, "block", False, False),  # not contiguous / not TMA-addressable
     (256, 4096, 14336, "block", True, False),  # 64 tiles of 128x128 on 132 SMs: below half a wave
     (384, 4096, 14336, "block", True, True),  # 96 tiles
 ])
 def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
-    """Where our tiled kernel would run on Hopper, the rule sends the GEMM to the warp-specialized
-    kernel, for GEMMs on quantized activations and for whole linears alike, but not eager plans."""
+    """Where our tiled or persistent kernel would run on Hopper, the rule sends the GEMM to the
+    warp-specialized kernel, for GEMMs on quantized activations and for whole linears alike, but not
+    eager plans."""
     from fp8linear.ops import router
 
     monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
@@ -88,6 +97,20 @@ def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
     assert eager.kernel != "ws", eager
     monkeypatch.setattr(router, "ws_device_ok", lambda device: False)  # not a Hopper GPU
     assert router.route_gemm(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, operands_ok).kernel != "ws"
+
+
+def test_rule_replaces_the_persistent_kernel_but_not_split_k_or_cublas(monkeypatch):
+    from fp8linear.ops import router
+
+    monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    persistent = router.Route("persistent", router.PERSISTENT_CONFIG)
+    assert router._ws_in_place_of_tiled(persistent, dev, 4096, 7168, 2048, "block", True) == router.Route(
+        "ws", router.WS_CONFIG)
+    for kept in (router.Route("cublas"), router.Route("splitk", router.SplitKConfig(64, 64, 4)),
+                 router.Route("tiled", router.MID_M_CONFIG, pdl=True)):
+        assert router._ws_in_place_of_tiled(kept, dev, 4096, 7168, 2048, "block", True) == kept
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -121,7 +144,10 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
 
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
     x_q, x_s, w_q, w_s, w_s_ref, _ = _operands(m, n, k, gran, False, gen)
-    for cfg in (WsConfig(), WsConfig(128, 4), WsConfig(128, 2, 1), WsConfig(256, 3)):
+    # persistent programs loop over several tiles wherever the tiles outnumber the SMs (4099x1536: 396
+    # tiles); with 2 ring slots and short K the producer laps the ring within a tile and across tiles
+    for cfg in (WsConfig(), WsConfig(128, 4), WsConfig(128, 2, 1), WsConfig(256, 3), WsConfig(persistent=True),
+                WsConfig(128, 2, 1, persistent=True), WsConfig(256, 4, persistent=True)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
         ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
@@ -140,7 +166,7 @@ def test_bias_and_output_dtypes(out, gran):
     gen = torch.Generator(device="cuda").manual_seed(3)
     x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 2304, gran, True, gen)
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
-    for cfg in (WsConfig(128), WsConfig(256)):
+    for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
         assert y.dtype == out
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]
@@ -153,6 +179,12 @@ def test_graph_capture_and_empty_inputs():
     x_q, x_s, w_q, w_s, _, b = _operands(256, 576, 1024, "block", True, gen)
     eager = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", BF16, b)
     graph, out = capture_graph(lambda a, s: ws_gemm.ws_fp8_gemm(a, s, w_q, w_s, "block", BF16, b), x_q, x_s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, eager)
+    persistent = WsConfig(persistent=True)
+    graph, out = capture_graph(lambda a, s: ws_gemm.ws_fp8_gemm(a, s, w_q, w_s, "block", BF16, b, persistent),
+                               x_q, x_s)
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(out, eager)
