@@ -3,9 +3,10 @@
 The router (:mod:`fp8linear.ops.router`) consults these tables before its heuristic. One JSON file
 per GPU model in ``fp8linear/ops/tuned_configs/routes/``, written by ``fp8linear tune-routes``
 (:mod:`fp8linear.tools.route_tune`), which times every candidate kernel (cuBLAS blockwise, our
-tiled kernel at several tiles, our split-K kernel at several tiles and splits, CUTLASS's kernels
-where built) per (N, K, M) under CUDA graphs and keeps the fastest (CUTLASS only by a margin, with
-the fastest other kernel as its fallback). Format::
+tiled kernel at several tiles, our split-K kernel at several tiles and splits, and the optional
+kernels: CUTLASS's where built, the warp-specialized Gluon kernel where it runs) per (N, K, M) under
+CUDA graphs and keeps the fastest (an optional kernel only by a margin, with the fastest other
+kernel as its fallback). Format::
 
     {"format": "fp8linear-routes", "version": 1, "device": "NVIDIA H100 80GB HBM3", "meta": {...},
      "routes": {"N,K": {"M": {"kernel": "splitk", "block_m": 64, "block_n": 64, "split_k": 5,
@@ -19,9 +20,12 @@ per-tensor weights use the heuristic.
 ``kernel`` is ``cublas`` (with an optional ``workspace_mib`` and ``row_scales``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
 :class:`~fp8linear.ops.configs.GemmConfig`), ``splitk`` (a
-:class:`~fp8linear.ops.configs.SplitKConfig`) or ``cutlass`` (``tile_m`` and optional ``stream_k`` and ``splits``, a
-:class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`, and ``fallback``: the entry of the fastest
-other kernel, which runs where the CUTLASS library is not built). A GEMM with M rows uses the entry measured at
+:class:`~fp8linear.ops.configs.SplitKConfig`), ``cutlass`` (``tile_m`` and optional ``stream_k`` and ``splits``, a
+:class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`) or ``ws`` (``stages`` and optional ``block_n``,
+``group_m`` and ``persistent``, a :class:`~fp8linear.ops.ws_gemm.WsConfig`). The optional kernels'
+entries (OPTIONAL_KERNELS) carry ``fallback``: the entry of the fastest other kernel, which runs where
+the CUTLASS library is not built, where the warp-specialized kernel cannot run (no Gluon with warp
+specialization, eager calls, operands TMA cannot address). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
 within that factor; otherwise there is no entry.
 """
@@ -40,15 +44,18 @@ from .config_tables import table_filename
 from .configs import GemmConfig, SplitKConfig
 from .cublas_gemm import CublasConfig
 from .cutlass_gemm import CutlassConfig
+from .ws_gemm import WsConfig
 
-__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
+__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
            "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
 
 ROUTES_FORMAT = "fp8linear-routes"
 ROUTES_VERSION = 1
 # An entry serves M within this factor of the M it was measured at (entries sit at most 1.5x apart).
 MAX_M_RATIO = 1.5
-ROUTE_KERNELS = ("cublas", "tiled", "splitk", "cutlass")
+ROUTE_KERNELS = ("cublas", "tiled", "splitk", "cutlass", "ws")
+# Kernels that may be missing where a table is read: their entries name a fallback entry.
+OPTIONAL_KERNELS = ("cutlass", "ws")
 # The table section of each weight granularity that has one.
 ROUTE_SECTIONS = {"block": "routes", "row": "row_routes"}
 _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
@@ -56,11 +63,11 @@ _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
 
 @dataclass(frozen=True)
 class RouteEntry:
-    """One measured choice: the kernel and its launch config; a CUTLASS entry also names the fastest
-    other kernel (`fallback`, never itself a CUTLASS entry)."""
+    """One measured choice: the kernel and its launch config; an optional kernel's entry (CUTLASS,
+    warp-specialized) also names the fastest other kernel (`fallback`, never an optional kernel's)."""
 
     kernel: str
-    config: GemmConfig | SplitKConfig | CublasConfig | CutlassConfig | None = None
+    config: GemmConfig | SplitKConfig | CublasConfig | CutlassConfig | WsConfig | None = None
     fallback: RouteEntry | None = None
 
 
@@ -82,10 +89,20 @@ def _entry(raw: Any, where: str) -> RouteEntry:
             return RouteEntry(kernel, GemmConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                  block_k=int(raw.get("block_k", 128)), group_m=int(raw.get("group_m", 8)),
                                                  num_warps=int(raw["num_warps"]), num_stages=int(raw["num_stages"])))
+        if kernel in OPTIONAL_KERNELS:
+            fallback = raw["fallback"]
+            if not isinstance(fallback, dict) or fallback.get("kernel") in OPTIONAL_KERNELS:
+                raise ValueError(f"a {kernel} entry's fallback is an entry of a kernel not in {OPTIONAL_KERNELS}, "
+                                 f"got {fallback!r}")
+        if kernel == "ws":
+            persistent = raw.get("persistent", False)
+            if type(persistent) is not bool:
+                raise ValueError(f"persistent must be true or false, got {persistent!r}")
+            return RouteEntry(kernel, WsConfig(block_n=int(raw.get("block_n", 128)), stages=int(raw["stages"]),
+                                               group_m=int(raw.get("group_m", 8)), persistent=persistent),
+                              _entry(raw["fallback"], f"{where}.fallback"))
         if kernel == "cutlass":
             fallback = raw["fallback"]
-            if not isinstance(fallback, dict) or fallback.get("kernel") == "cutlass":
-                raise ValueError(f"a cutlass entry's fallback is an entry of another kernel, got {fallback!r}")
             stream_k = raw.get("stream_k", False)
             if type(stream_k) is not bool:
                 raise ValueError(f"stream_k must be true or false, got {stream_k!r}")
@@ -126,6 +143,10 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
         out.update(workspace_mib=c.workspace_mib)
         if c.row_scales:
             out.update(row_scales=True)
+    elif isinstance(c, WsConfig):
+        out.update(block_n=c.block_n, stages=c.stages, group_m=c.group_m)
+        if c.persistent:
+            out.update(persistent=True)
     elif isinstance(c, CutlassConfig):
         out.update(tile_m=c.tile_m)
         if c.stream_k:

@@ -84,7 +84,7 @@ from .configs import (AMD_CU_COUNT, DEFAULT_CU_COUNT, GemmConfig, GemvConfig, Sp
 from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
 from .cutlass_gemm import CUTLASS_TILE_N, CutlassConfig, cutlass_accepts, cutlass_available
-from .route_table import lookup_route
+from .route_table import OPTIONAL_KERNELS, lookup_route
 from .ws_gemm import WsConfig, ws_device_ok
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -667,13 +667,14 @@ def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, c
 
 
 def _choose(device: torch.device, m: int, n: int, k: int, granularity: str, cublas_ok: bool, operands_tma_ok: bool,
-            pdl: bool, cutlass_ok: bool = False) -> Route:
+            pdl: bool, cutlass_ok: bool = False, ws_ok: bool = False) -> Route:
     """The measured choice where this GPU's table has one (:mod:`fp8linear.ops.route_table`), else the
-    heuristic. A CUTLASS entry runs where `cutlass_ok`, else its fallback entry does."""
+    heuristic. A CUTLASS entry runs where `cutlass_ok`, a warp-specialized one where `ws_ok`, else
+    their fallback entry does."""
     entry = lookup_route(device, m, n, k, granularity)
-    if entry is not None and entry.kernel == "cutlass":
-        if cutlass_ok:
-            return Route("cutlass", entry.config)
+    if entry is not None and entry.kernel in OPTIONAL_KERNELS:
+        if (cutlass_ok if entry.kernel == "cutlass" else ws_ok and ws_device_ok(device)):
+            return Route(entry.kernel, entry.config)
         entry = entry.fallback
     if entry is None:
         return _heuristic(device, m, n, k, granularity, cublas_ok, operands_tma_ok, pdl)
@@ -754,7 +755,9 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         cfg = _decode_config(device, m, n, k, granularity)
         if cfg is not None:
             return Route("decode", cfg)
-    route = _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl, cutlass_ok)
+    ws_operands_ok = weight_tma_ok and weight_contiguous and k % _TMA_ALIGN == 0
+    route = _choose(device, m, n, k, granularity, cublas_ok, weight_tma_ok and k % _TMA_ALIGN == 0, pdl, cutlass_ok,
+                    ws_ok=ws_operands_ok and not eager and not pdl)
     if one_launch and m > SMALL_M_MAX and mnk <= ONE_LAUNCH_MAX_MNK and route.kernel in ("splitk", "tiled"):
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
@@ -764,8 +767,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         return Route("cutlass", eager_cutlass_config(device, m, n))
     if eager:  # eager plans keep the tiled kernel's prepared launch (see WS_MIN_M)
         return route
-    return _ws_in_place_of_tiled(route, device, m, n, k, granularity,
-                                 weight_tma_ok and weight_contiguous and k % _TMA_ALIGN == 0)
+    return _ws_in_place_of_tiled(route, device, m, n, k, granularity, ws_operands_ok)
 
 
 def _table_tiled(device: torch.device, m: int, n: int, k: int, granularity: str) -> bool:
@@ -786,8 +788,11 @@ def route_gemm(device: torch.device, m: int, n: int, k: int, granularity: str, f
                  and cublas_device_ok(device))
     cutlass_ok = (allow_cublas and operands_tma_ok and operands_contiguous
                   and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
-    route = _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, use_pdl(device, m), cutlass_ok)
-    return _ws_in_place_of_tiled(route, device, m, n, k, granularity, operands_tma_ok and operands_contiguous)
+    pdl = use_pdl(device, m)
+    ws_operands_ok = operands_tma_ok and operands_contiguous
+    route = _choose(device, m, n, k, granularity, cublas_ok, operands_tma_ok, pdl, cutlass_ok,
+                    ws_ok=ws_operands_ok and not pdl)
+    return _ws_in_place_of_tiled(route, device, m, n, k, granularity, ws_operands_ok)
 
 
 # ----------------------------------------------------------------------------- grouped MoE GEMMs

@@ -9,10 +9,11 @@ GEMMs of these shapes run what measured fastest on this GPU model. 128x128-block
 row-wise weights are measured apart (``--granularity``), each into its section of the table;
 ``--update`` keeps the shapes not measured now (per granularity) from the table already in ``--out``
 (with ``--merge-ms``, also a measured shape's entries at the Ms not measured now: how Ms are added).
-Where the CUTLASS library is built (``fp8linear build-cutlass``), its kernels are candidates too;
-a CUTLASS entry records the fastest other kernel as its fallback. ``--cutlass-only`` times just
-the shipped table's entries against the CUTLASS kernels (128x128 weights), a few minutes instead of
-a full sweep. Writes the table (JSON, by a
+The optional kernels are candidates where they run: CUTLASS's where the library is built
+(``fp8linear build-cutlass``), the warp-specialized Gluon kernel on Hopper; an optional kernel's
+entry records the fastest other kernel as its fallback. ``--challengers cutlass ws`` times just the
+shipped table's entries against the named optional kernels, a few minutes instead of a full sweep,
+and merges per (shape, M). Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
 the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -48,9 +49,12 @@ _LARGE_WORKSPACE_MIB = 32
 # Tiles below 64x64 are timed up to this M (above it they need 4x the programs of 64x64 tiles).
 _NARROW_TILE_MAX_M = 512
 _SPLIT_TILES = ((16, 32), (32, 32), (16, 64), (32, 64), (64, 64), (64, 128), (128, 128))
-# A CUTLASS kernel becomes the entry only if it beats the fastest other kernel by this factor: the
-# timer's run-to-run spread is 1-2%, and an entry whose win is noise would only add a dependency.
-CUTLASS_MIN_GAIN = 0.97
+# An optional kernel (CUTLASS, warp-specialized) becomes the entry only if it beats the fastest other
+# kernel by this factor: the timer's run-to-run spread is 1-2%, and an entry whose win is noise would
+# only add a dependency.
+OPTIONAL_MIN_GAIN = 0.97
+# The optional kernels --challengers may name, and the label prefix of their candidates.
+CHALLENGERS = {"cutlass": "cutlass:", "ws": "ws:"}
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
 _REPLAYS = 5
@@ -97,6 +101,8 @@ def _label(kernel: str, cfg: Any) -> str:
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     if kernel == "cutlass":
         return f"cutlass:{cfg.tile_m}" + (f"k{cfg.splits}" if cfg.splits > 1 else "sk" if cfg.stream_k else "")
+    if kernel == "ws":
+        return f"ws:{cfg.block_n}s{cfg.stages}g{cfg.group_m}" + ("p" if cfg.persistent else "")
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
 
 
@@ -108,34 +114,62 @@ def _cutlass_candidates(n: int, k: int, device: torch.device, granularity: str) 
     return {_label("cutlass", cfg): ("cutlass", cfg) for cfg in CUTLASS_CANDIDATES}
 
 
+def _ws_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
+    from ..ops.router import WS_CONFIG
+    from ..ops.ws_gemm import ws_device_ok
+
+    if granularity == "tensor" or k % 16 or not ws_device_ok(device):
+        return {}
+    return {_label("ws", WS_CONFIG): ("ws", WS_CONFIG)}
+
+
+def _optional_runs(kernel: str, n: int, k: int, device: torch.device, granularity: str) -> bool:
+    """Whether an optional kernel's table entry can be timed here."""
+    if kernel == "cutlass":
+        from ..ops.cutlass_gemm import cutlass_accepts, cutlass_available
+
+        return cutlass_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cutlass_available(device)
+    from ..ops.ws_gemm import ws_device_ok
+
+    return granularity != "tensor" and k % 16 == 0 and ws_device_ok(device)
+
+
 def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
-    """The shipped table's entry for this GEMM (a CUTLASS entry's fallback too)."""
-    from ..ops.route_table import lookup_route
+    """The shipped table's entry for this GEMM and, for an optional kernel's entry, its fallback (the
+    optional kernel itself where it runs here)."""
+    from ..ops.route_table import OPTIONAL_KERNELS, lookup_route
 
     out: dict[str, tuple[str, Any]] = {}
     entry = lookup_route(device, m, n, k, granularity)
     while entry is not None:
-        if entry.kernel != "cutlass":
+        if entry.kernel not in OPTIONAL_KERNELS or _optional_runs(entry.kernel, n, k, device, granularity):
             out[_label(entry.kernel, entry.config)] = (entry.kernel, entry.config)
         entry = entry.fallback
     return out
 
 
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
-               cutlass_only: bool = False) -> dict[str, tuple[str, Any]]:
+               challengers: Sequence[str] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
-    CUTLASS where it is built); `cutlass_only`: the shipped table's entry and the CUTLASS kernels."""
+    the optional kernels where they run); with `challengers` (optional kernels, CHALLENGERS): the
+    shipped table's entry and those kernels' candidates."""
     from ..ops import router
     from ..ops.cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
     from ..ops.configs import sm_count
 
+    unknown = set(challengers) - set(CHALLENGERS)
+    if unknown:
+        raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)}, got {sorted(unknown)}")
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
-    if cutlass_only:
-        # a shape in no table: the heuristic's choice is what CUTLASS must beat
-        shipped = _shipped_candidates(m, n, k, device, granularity) or {
+    optional = {"cutlass": _cutlass_candidates, "ws": _ws_candidates}
+    if challengers:
+        # a shape in no table: the heuristic's choice is what the challengers must beat
+        out = _shipped_candidates(m, n, k, device, granularity) or {
             _label(heur.kernel, heur.config): (heur.kernel, heur.config)}
-        return {**shipped, **_cutlass_candidates(n, k, device, granularity)}
+        for kernel in challengers:
+            out.update(optional[kernel](n, k, device, granularity))
+        return out
     out: dict[str, tuple[str, Any]] = {}
     if cublas_ok:
         out["cublas"] = ("cublas", None)
@@ -158,13 +192,14 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     for label, cand in _shipped_candidates(m, n, k, device, granularity).items():
         if cand[1] is not None:
             out.setdefault(label, cand)
-    out.update(_cutlass_candidates(n, k, device, granularity))
+    for make in optional.values():
+        out.update(make(n, k, device, granularity))
     return out
 
 
 def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.device, deadline_s: float,
           log: Callable[[str], None], granularities: Sequence[str] = ("block",),
-          cutlass_only: bool = False) -> list[dict[str, Any]]:
+          challengers: Sequence[str] = ()) -> list[dict[str, Any]]:
     """One row per (granularity, N, K, M): every candidate's µs per call, BF16's, and the heuristic's label."""
     from ..functional import quantize_weight
     from ..ops import router
@@ -173,6 +208,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
     from ..ops.gemm import block_fp8_gemm
     from ..ops.quant import act_quant
     from ..ops.splitk_gemm import splitk_counters
+    from ..ops.ws_gemm import ws_fp8_gemm
 
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -190,13 +226,16 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 x_q, x_s = act_quant(x, torch.float8_e4m3fn)
                 xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
                 fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
-                for label, (kernel, c) in candidates(m, n, k, device, gran, cutlass_only).items():
+                for label, (kernel, c) in candidates(m, n, k, device, gran, challengers).items():
                     if kernel == "cublas":
                         fns[label] = ((lambda g, c_: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None, c_))(
                             gran, c), (xp_q, xp_s, w_q, w_s))
                     elif kernel == "cutlass":
                         fns[label] = ((lambda c_: lambda a, sa, b, sb: cutlass_fp8_gemm(a, sa, b, sb, None, c_))(c),
                                       (x_q, x_s, w_q, w_s))
+                    elif kernel == "ws":
+                        fns[label] = ((lambda c_, g: lambda a, sa, b, sb: ws_fp8_gemm(
+                            a, sa, b, sb, g, torch.bfloat16, None, c_))(c, gran), (x_q, x_s, w_q, w_s))
                     else:
                         fns[label] = ((lambda c_, g: lambda a, sa, b, sb: block_fp8_gemm(
                             a, sa, b, sb, g, torch.bfloat16, None, config=c_, counters=counters))(c, gran),
@@ -231,6 +270,13 @@ def _entry_from_label(label: str) -> dict[str, Any]:
             return {"kernel": "cutlass", "tile_m": int(spec[:-2]), "stream_k": True}
         tile, _, splits = spec.partition("k")
         return {"kernel": "cutlass", "tile_m": int(tile), **({"stream_k": True, "splits": int(splits)} if splits else {})}
+    if label.startswith("ws:"):  # ws:BLOCK_NsSTAGESgGROUP_M, p: persistent
+        spec = label[len("ws:"):]
+        persistent = spec.endswith("p")
+        block_n, rest = spec.rstrip("p").split("s")
+        stages, group_m = rest.split("g")
+        return {"kernel": "ws", "block_n": int(block_n), "stages": int(stages), "group_m": int(group_m),
+                **({"persistent": True} if persistent else {})}
     if label.startswith("cublas:ws"):
         mib, _, form = label[len("cublas:ws"):].partition(":")
         if form not in ("", "row"):
@@ -276,17 +322,21 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
 
 
 def _best_entry(us: dict[str, float]) -> dict[str, Any]:
-    """The table entry of one case's times: the fastest kernel, CUTLASS only where it beats the
-    fastest other one by CUTLASS_MIN_GAIN (then with that one as its fallback)."""
-    others = [(v, lab) for lab, v in us.items() if lab != "bf16" and not lab.startswith("cutlass:")]
+    """The table entry of one case's times: the fastest kernel, an optional kernel (CUTLASS,
+    warp-specialized) only where it beats the fastest other one by OPTIONAL_MIN_GAIN (then with that
+    one as its fallback)."""
+    def optional(label: str) -> bool:
+        return label.startswith(tuple(CHALLENGERS.values()))
+
+    others = [(v, lab) for lab, v in us.items() if lab != "bf16" and not optional(lab)]
     if not others:
-        raise ValueError(f"no kernel but CUTLASS was timed ({sorted(us)}): a CUTLASS entry needs a fallback")
+        raise ValueError(f"no kernel but optional ones was timed ({sorted(us)}): their entries need a fallback")
     other_us, other = min(others)
     entry = {**_entry_from_label(other), "us": round(other_us, 2)}
-    cut = [(v, lab) for lab, v in us.items() if lab.startswith("cutlass:")]
-    if cut and min(cut)[0] < CUTLASS_MIN_GAIN * other_us:
-        cut_us, label = min(cut)
-        return {**_entry_from_label(label), "us": round(cut_us, 2), "fallback": entry}
+    opt = [(v, lab) for lab, v in us.items() if optional(lab)]
+    if opt and min(opt)[0] < OPTIONAL_MIN_GAIN * other_us:
+        opt_us, label = min(opt)
+        return {**_entry_from_label(label), "us": round(opt_us, 2), "fallback": entry}
     return entry
 
 
@@ -325,9 +375,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-ms", action="store_true",
                         help="with --update: keep a measured shape's entries at the Ms not measured now "
                              "(to add Ms to a table, e.g. --m 160 320 640)")
-    parser.add_argument("--cutlass-only", action="store_true",
-                        help="time only the shipped entries against the built CUTLASS kernels (128x128 weights) "
-                             "and update the table in --out (the shipped one where --out has none) per (shape, M)")
+    parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS), default=None,
+                        help="time only the shipped entries against these optional kernels (CUTLASS: built, 128x128 "
+                             "weights; ws: the warp-specialized kernel, Hopper) and update the table in --out (the "
+                             "shipped one where --out has none) per (shape, M)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -357,40 +408,51 @@ def run(args: argparse.Namespace) -> int:
 
     base = None
     granularities = tuple(dict.fromkeys(args.granularity))
-    if args.cutlass_only:
-        from ..ops.cutlass_gemm import cutlass_available, library_path
+    challengers = tuple(dict.fromkeys(args.challengers or ()))
+    from ..ops.cutlass_gemm import cutlass_available, library_path
+    from ..ops.ws_gemm import ws_device_ok
 
-        if not cutlass_available(device):
-            print(f"fp8linear tune-routes: --cutlass-only needs the CUTLASS library ({library_path()}; "
-                  "`fp8linear build-cutlass`) and an sm_90 GPU", file=sys.stderr)
-            return 2
-        granularities = ("block",)
-    if args.cutlass_only and not routes_path(name, out).is_file():
+    if "cutlass" in challengers and not cutlass_available(device):
+        print(f"fp8linear tune-routes: --challengers cutlass needs the CUTLASS library ({library_path()}; "
+              "`fp8linear build-cutlass`) and an sm_90 GPU", file=sys.stderr)
+        return 2
+    if "ws" in challengers and not ws_device_ok(device):
+        print("fp8linear tune-routes: --challengers ws needs a Hopper GPU and a Triton whose Gluon has warp_specialize",
+              file=sys.stderr)
+        return 2
+    if challengers == ("cutlass",):
+        granularities = ("block",)  # CUTLASS's kernels take 128x128 weights
+    if challengers and not routes_path(name, out).is_file():
         import shutil
 
         shipped = routes_path(name)
         if shipped.is_file():
             out.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(shipped, routes_path(name, out))
-    if args.update or (args.cutlass_only and routes_path(name, out).is_file()):
+    if args.update or (challengers and routes_path(name, out).is_file()):
         from ..ops.route_table import ROUTE_SECTIONS, parse_routes
 
         path = routes_path(name, out)
         try:
             with open(path, encoding="utf-8") as f:
                 base = json.load(f)
-            for gran in ROUTE_SECTIONS:  # refused now, not after the sweep
-                parse_routes(base, str(path), gran)
+            sections = [parse_routes(base, str(path), gran) for gran in ROUTE_SECTIONS]  # refused now, not later
         except (OSError, ValueError) as e:
             print(f"fp8linear tune-routes: --update needs a valid table in {out}: {e}", file=sys.stderr)
             return 2
+        names_cutlass = any(e.kernel == "cutlass" for sec in sections for per_m in sec.values() for e in per_m.values())
+        if challengers and names_cutlass and not cutlass_available(device):
+            # its CUTLASS entries could not be re-timed, and the merge would replace them with their fallbacks
+            print(f"fp8linear tune-routes: the table in {out} names CUTLASS kernels: build them first "
+                  "(`fp8linear build-cutlass`)", file=sys.stderr)
+            return 2
     rows = sweep(shapes, ms, device, args.deadline_s, lambda s: print(s, file=sys.stderr, flush=True),
-                 granularities, args.cutlass_only)
+                 granularities, challengers)
 
     meta = {"tool": "fp8linear tune-routes", "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
-    if args.cutlass_only:
-        meta["cutlass_only"] = True  # the other kernels' entries are the base table's, re-timed
+    if challengers:
+        meta["challengers"] = list(challengers)  # the other kernels' entries are the base table's, re-timed
     if any(lab.startswith("cutlass:") for r in rows for lab in r["us"]):
         from ..ops.cutlass_gemm import library_path
 
@@ -398,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
     if base is not None and isinstance(base.get("meta"), dict):
         meta["base"] = {k: v for k, v in base["meta"].items() if k != "base"}
     write_table({"gpu": name, "meta": meta, "rows": rows}, out / "route_sweep.json")
-    merge = args.cutlass_only or getattr(args, "merge_ms", False)
+    merge = bool(challengers) or getattr(args, "merge_ms", False)
     path = write_table(build_table(rows, name, meta, base, merge_ms=merge), routes_path(name, out))
     print(heuristic_report(rows))
     print(f"wrote {path} ({len(rows)} cases) and {out / 'route_sweep.json'}")

@@ -52,7 +52,7 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64}}}), "needs field 'fallback'"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 96, "fallback": {"kernel": "cublas"}}}}), "tile_m"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64,
-                             "fallback": {"kernel": "cutlass", "tile_m": 128}}}}), "fallback is an entry of another"),
+                             "fallback": {"kernel": "cutlass", "tile_m": 128}}}}), "fallback is an entry of a kernel not in"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 128, "stream_k": 1, "fallback": {"kernel": "cublas"}}}}),
      "stream_k must be true or false"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 128, "stream_k": True, "splits": "2",

@@ -113,6 +113,33 @@ def test_rule_replaces_the_persistent_kernel_but_not_split_k_or_cublas(monkeypat
         assert router._ws_in_place_of_tiled(kept, dev, 4096, 7168, 2048, "block", True) == kept
 
 
+def test_table_entries_run_it_where_it_can(monkeypatch):
+    """A routes-table entry naming the warp-specialized kernel runs it for graph / compiled / functional
+    callers with TMA-addressable contiguous operands on Hopper (whatever the rule says: here M=64);
+    eager plans, other operands and other GPUs get its fallback."""
+    from fp8linear.ops import router
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.route_table import RouteEntry
+
+    tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
+    entry = RouteEntry("ws", WsConfig(128, 3, persistent=True), RouteEntry("tiled", tiled))
+    monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
+    monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    ws = router.Route("ws", entry.config)
+    assert router.route_gemm(dev, 64, 24576, 1536, "block", FP8, BF16, None, True, True, True) == ws
+    assert router.route_linear(dev, 64, 24576, 1536, "block", FP8, BF16, None, True, True,
+                               weight_contiguous=True) == ws
+    fallback = router.Route("tiled", tiled)
+    assert router.route_gemm(dev, 64, 24576, 1536, "block", FP8, BF16, None, True, True, False) == fallback
+    eager = router.route_linear(dev, 64, 24576, 1536, "block", FP8, BF16, None, True, True, eager=True,
+                                weight_contiguous=True)
+    assert eager.kernel in ("tiled", "decode"), eager  # the fallback's tile, or it as the one-launch decode's split
+    monkeypatch.setattr(router, "ws_device_ok", lambda device: False)
+    assert router.route_gemm(dev, 64, 24576, 1536, "block", FP8, BF16, None, True, True, True) == fallback
+
+
 # ----------------------------------------------------------------------------- GPU
 HOPPER = HAS_CUDA and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
 needs_ws = pytest.mark.skipif(not (HOPPER and ws_gemm.HAS_GLUON_WS),

@@ -127,7 +127,7 @@ def test_cutlass_labels_round_trip(cfg):
 
 
 def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
-    """CUTLASS becomes the entry only where it beats the fastest other kernel by CUTLASS_MIN_GAIN; its
+    """CUTLASS becomes the entry only where it beats the fastest other kernel by OPTIONAL_MIN_GAIN; its
     entry then names that kernel as the fallback, with its time."""
     rows = [{"n": 576, "k": 7168, "m": 96, "heuristic": "cublas",
              "us": {"bf16": 12.0, "cublas": 10.0, "tiled:64x64x128w4s4g8": 11.0, "cutlass:64": 9.0, "cutlass:128": 9.5}},
@@ -149,13 +149,13 @@ def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
     assert table[192].fallback.kernel == "splitk" and table[192].fallback.config.split_k == 4
     assert table[256].config == cutlass_gemm.CutlassConfig(128, stream_k=True)
     assert table[256].fallback.config.workspace_mib == 32
-    with pytest.raises(ValueError, match="needs a fallback"):  # CUTLASS alone timed: no entry can be made
+    with pytest.raises(ValueError, match="need a fallback"):  # CUTLASS alone timed: no entry can be made
         route_tune.build_table([{"n": 576, "k": 7168, "m": 1, "heuristic": "x",
                                  "us": {"bf16": 9.0, "cutlass:64": 5.0}}], "X", {})
 
 
-def test_cutlass_only_merges_per_m():
-    """--cutlass-only re-times some Ms of a shape: its entries at the other Ms stay (merge_ms)."""
+def test_challengers_merge_per_m():
+    """--challengers re-times some Ms of a shape: its entries at the other Ms stay (merge_ms)."""
     base = route_tune.build_table([{"n": 576, "k": 7168, "m": mm, "heuristic": "cublas",
                                     "us": {"bf16": 9.0, "cublas": 8.0}} for mm in (1, 96, 4096)], "X", {})
     rows = [{"n": 576, "k": 7168, "m": 96, "heuristic": "cublas", "us": {"bf16": 9.0, "cublas": 8.0, "cutlass:64": 6.0}}]
@@ -165,8 +165,8 @@ def test_cutlass_only_merges_per_m():
     assert list(replaced) == ["96"]
 
 
-def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
-    """--cutlass-only times the shipped entry (a CUTLASS entry's fallback too) against the CUTLASS
+def test_cutlass_challengers_are_the_shipped_entry_and_cutlass(monkeypatch):
+    """--challengers cutlass times the shipped entry (a CUTLASS entry's fallback too) against the CUTLASS
     kernels, nothing else."""
     from fp8linear.ops import cutlass_gemm
     from fp8linear.ops.configs import GemmConfig
@@ -175,9 +175,9 @@ def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
     entry = route_table.RouteEntry("cutlass", cutlass_gemm.CutlassConfig(64), route_table.RouteEntry("tiled", tiled))
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
     monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: True)
-    got = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
+    got = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", challengers=("cutlass",))
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: None)  # a shape in no table: the heuristic's route
-    alone = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", cutlass_only=True)
+    alone = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", challengers=("cutlass",))
     assert len(alone) == 7 and sum(not label.startswith("cutlass") for label in alone) == 1
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
     assert got == {"tiled:64x64x128w4s4g8": ("tiled", tiled), "cutlass:64": ("cutlass", cutlass_gemm.CutlassConfig(64)),
@@ -188,6 +188,60 @@ def test_cutlass_only_candidates_are_the_shipped_entry_and_cutlass(monkeypatch):
     monkeypatch.setattr(cutlass_gemm, "cutlass_available", lambda device: False)
     full = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block")
     assert "tiled:64x64x128w4s4g8" in full and not any(label.startswith("cutlass") for label in full)
+
+
+def test_ws_labels_round_trip_and_entries_need_a_margin():
+    """The warp-specialized kernel's label reads back as its config; like CUTLASS it becomes the entry
+    only by OPTIONAL_MIN_GAIN, with the fastest other kernel as its fallback, and the faster of two
+    optional kernels wins."""
+    from fp8linear.ops.router import WS_CONFIG
+    from fp8linear.ops.ws_gemm import WsConfig
+
+    for cfg in (WS_CONFIG, WsConfig(256, 3, 4)):
+        entry = route_tune._entry_from_label(route_tune._label("ws", cfg))
+        assert route_table._entry({**entry, "fallback": {"kernel": "cublas"}}, "test").config == cfg
+    ws = route_tune._label("ws", WS_CONFIG)
+    rows = [{"n": 7168, "k": 2048, "m": 2048, "heuristic": "cublas", "us": {"bf16": 80.0, "cublas": 60.0, ws: 55.0}},
+            {"n": 7168, "k": 2048, "m": 4096, "heuristic": "cublas", "us": {"bf16": 160.0, "cublas": 110.0, ws: 108.0}},
+            {"n": 7168, "k": 2048, "m": 8192, "heuristic": "cublas",
+             "us": {"bf16": 320.0, "cublas": 230.0, ws: 210.0, "cutlass:128": 200.0}}]
+    doc = route_tune.build_table(rows, "X", {"tool": "test"})
+    table = route_table.parse_routes(json.loads(json.dumps(doc)))[(7168, 2048)]
+    assert table[2048] == route_table.RouteEntry("ws", WS_CONFIG, route_table.RouteEntry("cublas"))
+    assert table[4096] == route_table.RouteEntry("cublas")  # 2% faster: noise
+    assert table[8192].kernel == "cutlass" and table[8192].fallback == route_table.RouteEntry("cublas")
+    with pytest.raises(ValueError, match="not in"):  # an optional kernel is no fallback
+        route_table._entry({"kernel": "ws", "stages": 4, "fallback": {"kernel": "cutlass", "tile_m": 64}}, "t")
+    with pytest.raises(ValueError, match="persistent must be true or false"):
+        route_table._entry({"kernel": "ws", "stages": 4, "persistent": 1, "fallback": {"kernel": "cublas"}}, "t")
+
+
+def test_ws_challengers_and_candidates(monkeypatch):
+    """--challengers ws times the shipped entry (a warp-specialized entry itself where it runs, and its
+    fallback) against the warp-specialized kernel; a full sweep times it too, where it runs."""
+    from fp8linear.ops import ws_gemm
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.router import WS_CONFIG
+
+    ws = route_tune._label("ws", WS_CONFIG)
+    tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled))
+    monkeypatch.setattr(ws_gemm, "ws_device_ok", lambda device: True)
+    dev = torch.device("cpu")
+    assert route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("ws",)) == {
+        "tiled:64x64x128w4s4g8": ("tiled", tiled), ws: ("ws", WS_CONFIG)}
+    assert ws in route_tune.candidates(2048, 7168, 2048, dev, "row")
+    assert ws not in route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("cutlass",))
+    entry = route_table.RouteEntry("ws", WS_CONFIG, route_table.RouteEntry("tiled", tiled))
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
+    assert set(route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("ws",))) == {
+        "tiled:64x64x128w4s4g8", ws}
+    monkeypatch.setattr(ws_gemm, "ws_device_ok", lambda device: False)
+    assert route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("ws",)) == {
+        "tiled:64x64x128w4s4g8": ("tiled", tiled)}
+    assert ws not in route_tune.candidates(2048, 7168, 2048, dev, "block")
+    with pytest.raises(ValueError, match="challengers are optional kernels"):
+        route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("cublas",))
 
 
 def test_row_rows_go_to_their_section_and_update_keeps_the_other():
@@ -229,7 +283,7 @@ def test_write_table_is_atomic(tmp_path, monkeypatch):
 def test_merge_ms_needs_update(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = argparse.Namespace(shapes=["576,7168"], m=[160], quick=False, deadline_s=1.0, out="x", update=False,
-                              merge_ms=True, cutlass_only=False, granularity=["block"])
+                              merge_ms=True, challengers=None, granularity=["block"])
     assert route_tune.run(args) == 2
     assert "give --update too" in capsys.readouterr().err
 
