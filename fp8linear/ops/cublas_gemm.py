@@ -45,7 +45,7 @@ import torch
 from ..formats import GROUP_SIZE
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, lt_operands_ok, shape_gemm
 
-__all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm",
+__all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm", "padded_rows_view",
            "config_row_scales", "cublas_row_scales", "cublas_weight_scale"]
 
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
@@ -157,7 +157,8 @@ def cublas_fp8_gemm(
     x_q (M, K); x_s (M, K/128) in any layout (M-major is used as is); w_s (N/128, K/128) for
     'block', (N, K/128) for 'row'. Shapes must pass cublas_accepts. An M that is not a multiple of
     4 runs on a padded copy of x_q and its scales (:func:`fp8linear.ops.quant.act_quant`
-    writes that layout directly, so the linear layer never copies); the padding rows are dropped.
+    writes that layout directly, so the linear layer never copies), or on no copy where x_q and
+    x_s are the first M rows of that layout (:func:`padded_rows_view`); the padding rows are dropped.
     `config`: the route's cuBLASLt workspace limit and weight-scale form (:class:`CublasConfig`;
     None: the defaults); the scale is put in that form per call. Operands cuBLASLt is not called on
     here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an unaligned or strided x_q) run
@@ -165,7 +166,7 @@ def cublas_fp8_gemm(
     """
     m = x_q.shape[0]
     if m % CUBLAS_ROW_ALIGN:
-        x_q, x_s = _pad_rows(x_q, x_s)
+        x_q, x_s = padded_rows_view(x_q, x_s) or _pad_rows(x_q, x_s)
     elif x_s.stride(0) != 1 or x_s.stride(1) != x_s.shape[0]:
         x_s = x_s.t().contiguous().t()  # M-major
     rows, (n, k) = x_q.shape[0], w_q.shape
@@ -183,6 +184,23 @@ def cublas_fp8_gemm(
         scale_b = cublas_weight_scale(w_q, w_s, granularity, cublas_row_scales(w_q, granularity, config, direct=False))
         y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
     return y if y.shape[0] == m else y[:m]  # a contiguous view
+
+
+def padded_rows_view(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x_q (M, K) and x_s (M, G) as views of M rounded up to CUBLAS_ROW_ALIGN rows where they are the
+    first M rows of act_quant's cuBLAS layout (``act_quant(x, cublas_layout=True)`` sliced to M rows):
+    x_q row-major with the padding rows in its storage, x_s M-major with that row count as its
+    leading dimension, its storage holding every group's padding rows. Else None (copy them). The
+    padding rows' values only reach output rows that are dropped."""
+    m, k = x_q.shape
+    rows = -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
+    groups = x_s.shape[1]
+    if x_q.stride() != (k, 1) or x_s.stride() != (1, rows) or groups == 0 or k == 0:
+        return None
+    if (x_q.untyped_storage().nbytes() < (x_q.storage_offset() + rows * k) * x_q.element_size()
+            or x_s.untyped_storage().nbytes() < (x_s.storage_offset() + groups * rows) * x_s.element_size()):
+        return None
+    return x_q.as_strided((rows, k), (k, 1)), x_s.as_strided((rows, groups), (1, rows))
 
 
 def _pad_rows(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -259,16 +259,23 @@ def _method_setup(
         granularity = "row" if method == "ours_row" else "block"
         w_q, w_s = ops.quant[granularity]
         backend = "triton" if method == "triton_block" and cfg.backend != "reference" else cfg.backend
-        # The activation scales in the layout Fp8BlockLinear's forward writes for the path this GEMM
-        # takes: M-major where it goes to cuBLAS (as cuBLAS-blk gets them), row-major for our kernels.
+        # The activations in the layout Fp8BlockLinear's forward writes for the path this GEMM takes:
+        # where it goes to cuBLAS, act_quant's cuBLAS layout (M-major scales, M rounded up to a
+        # multiple of 4 rows; as cuBLAS-blk gets them) cut to M rows, row-major for our kernels.
         on_cublas = x.device.type == "cuda" and _routed_to_cublas(x_q, w_q, granularity, cublas_allowed(backend))
+        xa_q, xa_s = x_q, x_s
+        if on_cublas:
+            from ..ops.quant import act_quant
+
+            xp_q, xp_s = act_quant(x, x_q.dtype, cublas_layout=True)
+            xa_q, xa_s = xp_q[:m], xp_s[:m]
 
         counters = _ours_counters(n, x.device)
 
         def ours(a, sa, b, sb):
             return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend, counters=counters)
 
-        args = (x_q, scale_a if on_cublas else x_s, w_q, w_s)
+        args = (xa_q, xa_s, w_q, w_s)
         return ours, args, n * k + w_s.numel() * 4 + act_bytes + out_bytes, out_bytes
     if method == "ours_forward":
         w_q, w_s = ops.quant["block"]

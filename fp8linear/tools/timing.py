@@ -148,10 +148,14 @@ def rotation_sets(args: tuple, bytes_per_set: int, device: torch.device) -> list
 
 def clone_set(args: tuple) -> tuple:
     """A copy of one operand set at new addresses; tensors below _CLONE_MIN_BYTES (scales, decode
-    activations: L2-resident in serving too) are shared, and strides are kept as cuBLAS checks them."""
+    activations: L2-resident in serving too) are shared, strides are kept as cuBLAS checks them, and a
+    view is copied with the tensor it views (so padding rows past a view's end stay in its storage)."""
     out = []
     for a in args:
-        if isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= _CLONE_MIN_BYTES:
+        if isinstance(a, torch.Tensor) and a._base is not None and a.numel() * a.element_size() >= _CLONE_MIN_BYTES:
+            # a view (the first M rows of a padded buffer): copy the buffer, keep the view of it
+            out.append(a._base.clone().as_strided(a.size(), a.stride(), a.storage_offset()))
+        elif isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= _CLONE_MIN_BYTES:
             c = a.clone()  # preserve_format: dense tensors keep their strides
             out.append(c if c.stride() == a.stride() else a)
         else:

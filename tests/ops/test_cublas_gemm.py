@@ -63,6 +63,28 @@ def test_pad_rows_for_cublas(m, k, scale_layout):
     assert (x_p[m:].float() == 0).all() and (s_p[m:] == 1).all()
 
 
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (77, 1000), (333, 256)])
+def test_padded_rows_view_of_the_cublas_layout(m, k):
+    """The first M rows of act_quant's cuBLAS layout (M rounded up to 4) are read as the whole padded
+    layout, no copy; anything else (x_q without padding rows in its storage, row-major or other
+    leading-dimension scales) is refused, so it gets the padded copy."""
+    from fp8linear.ops.cublas_gemm import padded_rows_view
+
+    rows, groups = -(-m // 4) * 4, -(-k // 128)
+    buf_q = torch.zeros(rows, k, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    buf_s = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32)
+    x_q, x_s = buf_q[:m], buf_s[:m]
+    if m % 4:
+        v_q, v_s = padded_rows_view(x_q, x_s)
+        assert v_q.shape == (rows, k) and v_q.data_ptr() == buf_q.data_ptr() and v_q.stride() == (k, 1)
+        assert v_s.shape == (rows, groups) and v_s.data_ptr() == buf_s.data_ptr() and v_s.stride() == (1, rows)
+    assert padded_rows_view(x_q.clone(), x_s) is None or m % 4 == 0  # no padding rows in its storage
+    assert padded_rows_view(x_q, x_s.contiguous()) is None or groups == 1  # row-major scales
+    m_major = torch.empty_strided((m, groups), (1, m), dtype=torch.float32)  # leading dimension M
+    assert padded_rows_view(x_q, m_major) is None or m % 4 == 0
+    assert padded_rows_view(buf_q[1:m], buf_s[1:m]) is None  # scales start past the layout's
+
+
 def test_pad_rows_refuses_fewer_rows():
     from fp8linear.ops.cublas_pad import pad_rows
 
@@ -278,6 +300,29 @@ def test_gpu_cublas_scale_forms_match_reference_and_each_path(m, n, k, form, wit
         assert out.shape == (m, n) and rel_err(out, ref) < GEMM_TOL[torch.bfloat16]
     if layer.lt is not None:
         assert same_bits(y_layer, y)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("m,n,k", [(77, 2048, 1408), (333, 576, 2112), (5, 1536, 7168)])
+def test_gpu_cublas_reads_the_padded_layout_without_a_copy(m, n, k, monkeypatch):
+    """Activations quantized into cuBLAS's layout and cut to M rows (M % 4 != 0) go to cuBLAS as they
+    are: same bits as the padded copy of the same rows, and no copy made."""
+    from fp8linear.ops import cublas_gemm
+    from fp8linear.ops.quant import act_quant
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w_q, w_s = quantize_weight(torch.randn(n, k, device="cuda") / k**0.5, "block")
+    xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
+    copied = cublas_gemm.cublas_fp8_gemm(xp_q[:m].clone(), xp_s[:m].contiguous(), w_q, w_s, "block", None)
+
+    def no_copy(*a):
+        raise AssertionError("padded copy made")
+
+    monkeypatch.setattr(cublas_gemm, "_pad_rows", no_copy)
+    y = cublas_gemm.cublas_fp8_gemm(xp_q[:m], xp_s[:m], w_q, w_s, "block", None)
+    assert y.shape == (m, n) and same_bits(y, copied)
+    assert same_bits(block_fp8_matmul(xp_q[:m], xp_s[:m], w_q, w_s), copied)
 
 
 @pytest.mark.gpu

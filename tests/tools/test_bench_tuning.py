@@ -591,3 +591,18 @@ def test_summary_leaves_out_wrong_results_and_reports_triton_alone():
     assert s["prefill_ours_over_cublas_block"]["value"] == pytest.approx(1.0)
     assert s["prefill_triton_over_cublas_block"]["value"] == pytest.approx(1.4)
     assert "Triton kernel alone" in bench.format_summary(s)
+
+
+def test_operand_copies_keep_a_views_padding_rows():
+    """A rotated copy of the first M rows of a padded buffer is a view of a copy of the whole buffer
+    (cuBLAS reads the padding rows past the view, fp8linear.ops.cublas_gemm.padded_rows_view);
+    plain tensors are copied with their strides, small ones shared."""
+    from fp8linear.tools.timing import clone_set
+
+    buf = torch.randn(336, 2048)
+    view, plain, small = buf[:333], torch.randn(333, 2048).t(), torch.randn(4)
+    c_view, c_plain, c_small = clone_set((view, plain, small))
+    assert torch.equal(c_view, view) and c_view.data_ptr() != view.data_ptr()
+    assert c_view._base is not None and c_view._base.shape == (336, 2048) and c_view.stride() == view.stride()
+    assert torch.equal(c_plain, plain) and c_plain.stride() == plain.stride() and c_plain.data_ptr() != plain.data_ptr()
+    assert c_small is small
