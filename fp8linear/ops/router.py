@@ -42,8 +42,7 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
-- ``ws``: on Hopper, where the route would be our tiled or persistent kernel, on 128x128 or 1x128
-  weights, from WS_MIN_M rows filling at least WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K
+- ``ws``: on Hopper, where the route would be our tiled or persistent kernel, on 128x128 weights, from WS_MIN_M rows filling at least WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K
   and WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous TMA-addressable operands and no PDL,
   for callers other than eager plans (CUDA graphs, torch.compile, the functional ops); and where a
   routes table names it: the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`,
@@ -281,8 +280,10 @@ PERSISTENT_MIN_M = 2048
 PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 # A GEMM our tiled or persistent kernel would run goes to the persistent warp-specialized Gluon kernel
 # (fp8linear.ops.ws_gemm, 4 ring slots) on Hopper from WS_MIN_M rows that fill at least
-# WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K, 128x128 or 1x128 weights, where its 128x128
-# tiles number at least WS_MIN_TILES_PER_SM per SM. benchmarks/ws_gemm_ab.py (CUDA graphs, kernel
+# WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K, 128x128 weights, where its 128x128 tiles
+# number at least WS_MIN_TILES_PER_SM per SM. 1x128 weights only where a routes table names it: their
+# consumers spill a little (ptxas), and it took 1.43x the tiled route's time at 7168x2048 M=320 (37.0
+# vs 25.9 us, 64x128 tiles) and 1.52x at 2112x7168 M=320 (60.6 vs 39.8, 64x64; H200). benchmarks/ws_gemm_ab.py (CUDA graphs, kernel
 # alone, same bits as the tiled kernel on 128x128 tiles), H200, against the route it replaces:
 # - K 512-2048 (32768x512, 24576x1536, 7168x2048, 2048x1408 from 128 tiles, 1536x576 from 192):
 #   0.57-0.78x at M 256-8192 (32768x512 M=1024 46.7 vs 81.8 us, 24576x1536 M=4096 330 vs 483 on the
@@ -615,7 +616,7 @@ def _ours(device: torch.device, m: int, n: int, k: int, granularity: str, operan
 def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k: int, granularity: str,
                           operands_ok: bool) -> Route:
     """The warp-specialized kernel where `route` runs our tiled or persistent kernel and its rule holds
-    (WS_MIN_M, WS_MIN_ROW_FILL, WS_MIN_K, WS_MIN_TILES_PER_SM, 128x128 or 1x128 weights, no PDL);
+    (WS_MIN_M, WS_MIN_ROW_FILL, WS_MIN_K, WS_MIN_TILES_PER_SM, 128x128 weights, no PDL);
     `operands_ok`: the operands are contiguous and TMA-addressable."""
     if route.kernel not in ("tiled", "persistent") or route.pdl or not _ws_rule(device, m, n, k, granularity,
                                                                                  operands_ok):
@@ -625,7 +626,7 @@ def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k:
 
 def _ws_rule(device: torch.device, m: int, n: int, k: int, granularity: str, operands_ok: bool) -> bool:
     """Whether the warp-specialized kernel's rule holds for this GEMM (see WS_MIN_M)."""
-    return (operands_ok and granularity != "tensor" and m >= WS_MIN_M and k >= WS_MIN_K
+    return (operands_ok and granularity == "block" and m >= WS_MIN_M and k >= WS_MIN_K
             and m >= WS_MIN_ROW_FILL * 128 * _cdiv(m, 128) and ws_device_ok(device)
             and _tiles(m, n, 128, 128) >= WS_MIN_TILES_PER_SM * sm_count(device))
 

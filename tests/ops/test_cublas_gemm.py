@@ -322,7 +322,8 @@ def test_gpu_cublas_reads_the_padded_layout_without_a_copy(m, n, k, monkeypatch)
     monkeypatch.setattr(cublas_gemm, "_pad_rows", no_copy)
     y = cublas_gemm.cublas_fp8_gemm(xp_q[:m], xp_s[:m], w_q, w_s, "block", None)
     assert y.shape == (m, n) and same_bits(y, copied)
-    assert same_bits(block_fp8_matmul(xp_q[:m], xp_s[:m], w_q, w_s), copied)
+    ref = block_fp8_matmul(xp_q[:m], xp_s[:m], w_q, w_s, torch.float32, backend="reference").double()
+    assert rel_err(y, ref) < GEMM_TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
