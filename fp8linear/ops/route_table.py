@@ -25,7 +25,9 @@ per-tensor weights use the heuristic.
 ``group_m`` and ``persistent``, a :class:`~fp8linear.ops.ws_gemm.WsConfig`). The optional kernels'
 entries (OPTIONAL_KERNELS) carry ``fallback``: the entry of the fastest other kernel, which runs where
 the CUTLASS library is not built, where the warp-specialized kernel cannot run (no Gluon with warp
-specialization, eager calls, operands TMA cannot address). A GEMM with M rows uses the entry measured at
+specialization, eager calls, operands TMA cannot address). An entry whose kernel, or fallback, is
+cuBLAS also carries ``ours``: the fastest of our Triton kernels (tiled or split-K) in that case, which
+runs where cuBLAS may not (backend "triton", eager calls below the eager cuBLAS cut). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
 within that factor; otherwise there is no entry.
 """
@@ -33,7 +35,7 @@ within that factor; otherwise there is no entry.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ from .cublas_gemm import CublasConfig
 from .cutlass_gemm import CutlassConfig
 from .ws_gemm import WsConfig
 
-__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
+__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
            "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
 
 ROUTES_FORMAT = "fp8linear-routes"
@@ -56,6 +58,8 @@ MAX_M_RATIO = 1.5
 ROUTE_KERNELS = ("cublas", "tiled", "splitk", "cutlass", "ws")
 # Kernels that may be missing where a table is read: their entries name a fallback entry.
 OPTIONAL_KERNELS = ("cutlass", "ws")
+# The kernels an entry's ``ours`` may name: our Triton kernels that run wherever the table is read.
+OURS_KERNELS = ("tiled", "splitk")
 # The table section of each weight granularity that has one.
 ROUTE_SECTIONS = {"block": "routes", "row": "row_routes"}
 _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
@@ -64,11 +68,14 @@ _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
 @dataclass(frozen=True)
 class RouteEntry:
     """One measured choice: the kernel and its launch config; an optional kernel's entry (CUTLASS,
-    warp-specialized) also names the fastest other kernel (`fallback`, never an optional kernel's)."""
+    warp-specialized) also names the fastest other kernel (`fallback`, never an optional kernel's),
+    and an entry that runs cuBLAS (itself or as its fallback) the fastest of our tiled and split-K
+    kernels (`ours`)."""
 
     kernel: str
     config: GemmConfig | SplitKConfig | CublasConfig | CutlassConfig | WsConfig | None = None
     fallback: RouteEntry | None = None
+    ours: RouteEntry | None = None
 
 
 def routes_dir() -> Path:
@@ -81,6 +88,16 @@ def routes_path(device_name: str, directory: Path | None = None) -> Path:
 
 
 def _entry(raw: Any, where: str) -> RouteEntry:
+    entry = _kernel_entry(raw, where)
+    ours = raw.get("ours")
+    if ours is None:
+        return entry
+    if not isinstance(ours, dict) or ours.get("kernel") not in OURS_KERNELS:
+        raise ValueError(f"{where}: an entry's ours is an entry of a kernel in {OURS_KERNELS}, got {ours!r}")
+    return replace(entry, ours=_kernel_entry(ours, f"{where}.ours"))
+
+
+def _kernel_entry(raw: Any, where: str) -> RouteEntry:
     if not isinstance(raw, dict) or raw.get("kernel") not in ROUTE_KERNELS:
         raise ValueError(f"{where}: an entry is an object with kernel in {ROUTE_KERNELS}, got {raw!r}")
     kernel = raw["kernel"]
@@ -155,6 +172,8 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
             out.update(splits=c.splits)
     if entry.fallback is not None:
         out.update(fallback=entry_to_json(entry.fallback))
+    if entry.ours is not None:
+        out.update(ours=entry_to_json(entry.ours))
     return out
 
 

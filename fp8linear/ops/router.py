@@ -671,21 +671,25 @@ def _choose(device: torch.device, m: int, n: int, k: int, granularity: str, cubl
             pdl: bool, cutlass_ok: bool = False, ws_ok: bool = False) -> Route:
     """The measured choice where this GPU's table has one (:mod:`fp8linear.ops.route_table`), else the
     heuristic. A CUTLASS entry runs where `cutlass_ok`, a warp-specialized one where `ws_ok`, else
-    their fallback entry does."""
+    their fallback entry does; a cuBLAS entry (or fallback) where `cublas_ok`, else the entry's
+    ``ours`` (the fastest of our kernels measured there), else our kernels' heuristic."""
     entry = lookup_route(device, m, n, k, granularity)
-    if entry is not None and entry.kernel in OPTIONAL_KERNELS:
+    if entry is None:
+        return _heuristic(device, m, n, k, granularity, cublas_ok, operands_tma_ok, pdl)
+    ours = entry.ours
+    if entry.kernel in OPTIONAL_KERNELS:
         if (cutlass_ok if entry.kernel == "cutlass" else ws_ok and ws_device_ok(device)):
             return Route(entry.kernel, entry.config)
         entry = entry.fallback
-    if entry is None:
-        return _heuristic(device, m, n, k, granularity, cublas_ok, operands_tma_ok, pdl)
     if entry.kernel == "cublas" and cublas_ok:
         return Route("cublas", entry.config)
-    if entry.kernel == "splitk":
+    if entry.kernel == "cublas":  # measured fastest but not allowed here: the fastest of ours measured there
+        entry = ours
+    if entry is not None and entry.kernel == "splitk":
         return Route("splitk", entry.config, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
-    if entry.kernel == "tiled":
+    if entry is not None and entry.kernel == "tiled":
         return Route("tiled", entry.config, pdl=pdl, release_early=pdl)
-    return _ours(device, m, n, k, granularity, operands_tma_ok, pdl)  # cuBLAS measured fastest but not allowed here
+    return _ours(device, m, n, k, granularity, operands_tma_ok, pdl)  # a table without ``ours`` there
 
 
 def _decode_config(device: torch.device, m: int, n: int, k: int, granularity: str) -> SplitKConfig | None:

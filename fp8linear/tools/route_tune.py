@@ -135,12 +135,14 @@ def _optional_runs(kernel: str, n: int, k: int, device: torch.device, granularit
 
 
 def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
-    """The shipped table's entry for this GEMM and, for an optional kernel's entry, its fallback (the
-    optional kernel itself where it runs here)."""
+    """The shipped table's entry for this GEMM, its ``ours`` and, for an optional kernel's entry, its
+    fallback (the optional kernel itself where it runs here)."""
     from ..ops.route_table import OPTIONAL_KERNELS, lookup_route
 
     out: dict[str, tuple[str, Any]] = {}
     entry = lookup_route(device, m, n, k, granularity)
+    if entry is not None and entry.ours is not None:
+        out[_label(entry.ours.kernel, entry.ours.config)] = (entry.ours.kernel, entry.ours.config)
     while entry is not None:
         if entry.kernel not in OPTIONAL_KERNELS or _optional_runs(entry.kernel, n, k, device, granularity):
             out[_label(entry.kernel, entry.config)] = (entry.kernel, entry.config)
@@ -324,7 +326,8 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
 def _best_entry(us: dict[str, float]) -> dict[str, Any]:
     """The table entry of one case's times: the fastest kernel, an optional kernel (CUTLASS,
     warp-specialized) only where it beats the fastest other one by OPTIONAL_MIN_GAIN (then with that
-    one as its fallback)."""
+    one as its fallback); where that is cuBLAS, with the fastest of our tiled and split-K kernels
+    (``ours``) for callers cuBLAS is not allowed to serve."""
     def optional(label: str) -> bool:
         return label.startswith(tuple(CHALLENGERS.values()))
 
@@ -336,7 +339,11 @@ def _best_entry(us: dict[str, float]) -> dict[str, Any]:
     opt = [(v, lab) for lab, v in us.items() if optional(lab)]
     if opt and min(opt)[0] < OPTIONAL_MIN_GAIN * other_us:
         opt_us, label = min(opt)
-        return {**_entry_from_label(label), "us": round(opt_us, 2), "fallback": entry}
+        entry = {**_entry_from_label(label), "us": round(opt_us, 2), "fallback": entry}
+    ours = [(v, lab) for lab, v in us.items() if lab.startswith(("tiled:", "splitk:"))]
+    if entry.get("fallback", entry)["kernel"] == "cublas" and ours:
+        ours_us, label = min(ours)
+        entry["ours"] = {**_entry_from_label(label), "us": round(ours_us, 2)}
     return entry
 
 

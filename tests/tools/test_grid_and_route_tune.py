@@ -142,8 +142,10 @@ def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
     doc = route_tune.build_table(rows, "X", {"tool": "test"})
     raw = doc["routes"]["576,7168"]
     assert raw["96"] == {"kernel": "cutlass", "tile_m": 64, "us": 9.0, "bf16_us": 12.0,
-                         "fallback": {"kernel": "cublas", "us": 10.0}}
-    assert raw["128"]["kernel"] == "cublas" and "fallback" not in raw["128"]
+                         "fallback": {"kernel": "cublas", "us": 10.0},
+                         "ours": {"kernel": "tiled", "block_m": 64, "block_n": 64, "block_k": 128, "group_m": 8,
+                                  "num_warps": 4, "num_stages": 4, "us": 11.0}}
+    assert raw["128"]["kernel"] == "cublas" and "fallback" not in raw["128"] and "ours" not in raw["128"]
     table = route_table.parse_routes(json.loads(json.dumps(doc)))[(576, 7168)]
     assert table[192].kernel == "cutlass" and table[192].config.tile_m == 128
     assert table[192].fallback.kernel == "splitk" and table[192].fallback.config.split_k == 4
@@ -152,6 +154,33 @@ def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
     with pytest.raises(ValueError, match="need a fallback"):  # CUTLASS alone timed: no entry can be made
         route_tune.build_table([{"n": 576, "k": 7168, "m": 1, "heuristic": "x",
                                  "us": {"bf16": 9.0, "cutlass:64": 5.0}}], "X", {})
+
+
+def test_entries_on_cublas_name_the_fastest_of_ours(monkeypatch):
+    """An entry that runs cuBLAS, itself or as an optional kernel's fallback, names the fastest of our
+    tiled and split-K kernels (``ours``); the router runs it where cuBLAS may not run (backend
+    "triton"); entries on our kernels need none; challengers runs re-time and keep it."""
+    from fp8linear.ops import router
+
+    rows = [{"n": 7168, "k": 2048, "m": 512, "heuristic": "cublas",
+             "us": {"bf16": 22.0, "cublas": 16.0, "tiled:64x128x128w4s3g8": 24.0, "splitk:64x64x2w4s4": 26.0}},
+            {"n": 7168, "k": 2048, "m": 768, "heuristic": "cublas",
+             "us": {"bf16": 30.0, "cublas": 25.0, "tiled:64x128x128w4s3g8": 24.0, "splitk:64x64x2w4s4": 26.0}}]
+    doc = route_tune.build_table(rows, "X", {})
+    table = route_table.parse_routes(json.loads(json.dumps(doc)))[(7168, 2048)]
+    assert table[512].kernel == "cublas" and table[512].ours.kernel == "tiled"
+    assert table[512].ours.config.block_n == 128
+    assert table[768].kernel == "tiled" and table[768].ours is None
+    with pytest.raises(ValueError, match="ours is an entry of a kernel in"):
+        route_table._entry({"kernel": "cublas", "ours": {"kernel": "cublas"}}, "t")
+    dev = torch.device("cpu")
+    monkeypatch.setattr(router, "lookup_route", lambda *a: table[512])
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: table[512])
+    for allow, kernel in ((True, "cublas"), (False, "tiled")):
+        got = router._choose(dev, 512, 7168, 2048, "block", allow, True, False)
+        assert got.kernel == kernel, (allow, got)
+    assert router._choose(dev, 512, 7168, 2048, "block", False, True, False).config == table[512].ours.config
+    assert "tiled:64x128x128w4s3g8" in route_tune._shipped_candidates(512, 7168, 2048, dev, "block")
 
 
 def test_challengers_merge_per_m():
