@@ -26,8 +26,9 @@ per-tensor weights use the heuristic.
 entries (OPTIONAL_KERNELS) carry ``fallback``: the entry of the fastest other kernel, which runs where
 the CUTLASS library is not built, where the warp-specialized kernel cannot run (no Gluon with warp
 specialization, eager calls, operands TMA cannot address). An entry whose kernel, or fallback, is
-cuBLAS also carries ``ours``: the fastest of our Triton kernels (tiled or split-K) in that case, which
-runs where cuBLAS may not (backend "triton", eager calls below the eager cuBLAS cut). A GEMM with M rows uses the entry measured at
+cuBLAS also carries ``ours``: the fastest of our Triton kernels in that case (tiled or split-K, or
+the warp-specialized kernel with the faster of those as its fallback), which runs where cuBLAS may
+not (backend "triton", eager calls below the eager cuBLAS cut). A GEMM with M rows uses the entry measured at
 the smallest M at or above its own within a factor MAX_M_RATIO, else at the largest M below it
 within that factor; otherwise there is no entry.
 """
@@ -58,8 +59,9 @@ MAX_M_RATIO = 1.5
 ROUTE_KERNELS = ("cublas", "tiled", "splitk", "cutlass", "ws")
 # Kernels that may be missing where a table is read: their entries name a fallback entry.
 OPTIONAL_KERNELS = ("cutlass", "ws")
-# The kernels an entry's ``ours`` may name: our Triton kernels that run wherever the table is read.
-OURS_KERNELS = ("tiled", "splitk")
+# The kernels an entry's ``ours`` may name: our Triton kernels (the warp-specialized one with a tiled
+# or split-K fallback, as an optional kernel's entry).
+OURS_KERNELS = ("tiled", "splitk", "ws")
 # The table section of each weight granularity that has one.
 ROUTE_SECTIONS = {"block": "routes", "row": "row_routes"}
 _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
@@ -69,8 +71,7 @@ _DIR = Path(__file__).resolve().parent / "tuned_configs" / "routes"
 class RouteEntry:
     """One measured choice: the kernel and its launch config; an optional kernel's entry (CUTLASS,
     warp-specialized) also names the fastest other kernel (`fallback`, never an optional kernel's),
-    and an entry that runs cuBLAS (itself or as its fallback) the fastest of our tiled and split-K
-    kernels (`ours`)."""
+    and an entry that runs cuBLAS (itself or as its fallback) the fastest of our kernels (`ours`)."""
 
     kernel: str
     config: GemmConfig | SplitKConfig | CublasConfig | CutlassConfig | WsConfig | None = None
@@ -94,7 +95,10 @@ def _entry(raw: Any, where: str) -> RouteEntry:
         return entry
     if not isinstance(ours, dict) or ours.get("kernel") not in OURS_KERNELS:
         raise ValueError(f"{where}: an entry's ours is an entry of a kernel in {OURS_KERNELS}, got {ours!r}")
-    return replace(entry, ours=_kernel_entry(ours, f"{where}.ours"))
+    ours_entry = _kernel_entry(ours, f"{where}.ours")
+    if ours_entry.fallback is not None and ours_entry.fallback.kernel not in OURS_KERNELS:
+        raise ValueError(f"{where}.ours: its fallback is an entry of a kernel in {OURS_KERNELS}, got {ours!r}")
+    return replace(entry, ours=ours_entry)
 
 
 def _kernel_entry(raw: Any, where: str) -> RouteEntry:

@@ -685,6 +685,10 @@ def _choose(device: torch.device, m: int, n: int, k: int, granularity: str, cubl
         return Route("cublas", entry.config)
     if entry.kernel == "cublas":  # measured fastest but not allowed here: the fastest of ours measured there
         entry = ours
+        if entry is not None and entry.kernel == "ws":
+            if ws_ok and ws_device_ok(device):
+                return Route("ws", entry.config)
+            entry = entry.fallback
     if entry is not None and entry.kernel == "splitk":
         return Route("splitk", entry.config, pdl=pdl, release_early=pdl and k <= LONG_SPLITK_K)
     if entry is not None and entry.kernel == "tiled":

@@ -141,8 +141,11 @@ def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularit
 
     out: dict[str, tuple[str, Any]] = {}
     entry = lookup_route(device, m, n, k, granularity)
-    if entry is not None and entry.ours is not None:
-        out[_label(entry.ours.kernel, entry.ours.config)] = (entry.ours.kernel, entry.ours.config)
+    ours = entry.ours if entry is not None else None
+    while ours is not None:
+        if ours.kernel != "ws" or _optional_runs("ws", n, k, device, granularity):
+            out[_label(ours.kernel, ours.config)] = (ours.kernel, ours.config)
+        ours = ours.fallback
     while entry is not None:
         if entry.kernel not in OPTIONAL_KERNELS or _optional_runs(entry.kernel, n, k, device, granularity):
             out[_label(entry.kernel, entry.config)] = (entry.kernel, entry.config)
@@ -326,8 +329,9 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
 def _best_entry(us: dict[str, float]) -> dict[str, Any]:
     """The table entry of one case's times: the fastest kernel, an optional kernel (CUTLASS,
     warp-specialized) only where it beats the fastest other one by OPTIONAL_MIN_GAIN (then with that
-    one as its fallback); where that is cuBLAS, with the fastest of our tiled and split-K kernels
-    (``ours``) for callers cuBLAS is not allowed to serve."""
+    one as its fallback); where that is cuBLAS, with the fastest of our kernels (``ours``: tiled or
+    split-K, or the warp-specialized kernel by the same margin, with that one as its fallback) for
+    callers cuBLAS is not allowed to serve."""
     def optional(label: str) -> bool:
         return label.startswith(tuple(CHALLENGERS.values()))
 
@@ -344,6 +348,10 @@ def _best_entry(us: dict[str, float]) -> dict[str, Any]:
     if entry.get("fallback", entry)["kernel"] == "cublas" and ours:
         ours_us, label = min(ours)
         entry["ours"] = {**_entry_from_label(label), "us": round(ours_us, 2)}
+        ws = [(v, lab) for lab, v in us.items() if lab.startswith(CHALLENGERS["ws"])]
+        if ws and min(ws)[0] < OPTIONAL_MIN_GAIN * ours_us:
+            ws_us, label = min(ws)
+            entry["ours"] = {**_entry_from_label(label), "us": round(ws_us, 2), "fallback": entry["ours"]}
     return entry
 
 

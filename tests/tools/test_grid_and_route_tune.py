@@ -183,6 +183,33 @@ def test_entries_on_cublas_name_the_fastest_of_ours(monkeypatch):
     assert "tiled:64x128x128w4s3g8" in route_tune._shipped_candidates(512, 7168, 2048, dev, "block")
 
 
+def test_ours_may_be_the_warp_specialized_kernel_with_a_fallback(monkeypatch):
+    """Where the warp-specialized kernel beats our tiled and split-K kernels by the optional kernels'
+    margin, ``ours`` names it with the faster of those as its fallback: the router runs it for
+    backend "triton" where it can, else the fallback."""
+    from fp8linear.ops import router, ws_gemm
+    from fp8linear.ops.router import WS_CONFIG
+
+    ws = route_tune._label("ws", WS_CONFIG)
+    rows = [{"n": 8192, "k": 29568, "m": 384, "heuristic": "cublas",
+             "us": {"bf16": 263.0, "cublas": 250.0, "splitk:128x128x2w8s4": 354.0, "tiled:64x64x128w4s4g8": 380.0,
+                    ws: 312.0}}]
+    table = route_table.parse_routes(json.loads(json.dumps(route_tune.build_table(rows, "X", {}))))[(8192, 29568)]
+    entry = table[384]
+    assert entry.kernel == "cublas" and entry.ours.kernel == "ws" and entry.ours.fallback.kernel == "splitk"
+    with pytest.raises(ValueError, match="its fallback is an entry of a kernel in"):
+        route_table._entry({"kernel": "cublas", "ours": {"kernel": "ws", "stages": 4,
+                                                          "fallback": {"kernel": "cublas"}}}, "t")
+    monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
+    monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
+    dev = torch.device("cpu")
+    assert router._choose(dev, 384, 8192, 29568, "block", False, True, False, ws_ok=True) == router.Route("ws", WS_CONFIG)
+    assert router._choose(dev, 384, 8192, 29568, "block", False, True, False, ws_ok=False).kernel == "splitk"
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
+    monkeypatch.setattr(ws_gemm, "ws_device_ok", lambda device: True)
+    assert {ws, "splitk:128x128x2w8s4", "cublas"} <= set(route_tune._shipped_candidates(384, 8192, 29568, dev, "block"))
+
+
 def test_challengers_merge_per_m():
     """--challengers re-times some Ms of a shape: its entries at the other Ms stay (merge_ms)."""
     base = route_tune.build_table([{"n": 576, "k": 7168, "m": mm, "heuristic": "cublas",
