@@ -45,8 +45,9 @@ import torch
 from ..formats import GROUP_SIZE
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, lt_operands_ok, shape_gemm
 
-__all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts", "cublas_device_ok", "cublas_fp8_gemm", "padded_rows_view",
-           "config_row_scales", "cublas_row_scales", "cublas_weight_scale"]
+__all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts",
+           "cublas_device_ok", "cublas_fp8_gemm", "padded_rows_view", "config_row_scales", "cublas_row_scales",
+           "cublas_weight_scale"]
 
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
 _ALIGN_KN = 16

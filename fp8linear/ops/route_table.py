@@ -49,8 +49,8 @@ from .cublas_gemm import CublasConfig
 from .cutlass_gemm import CutlassConfig
 from .ws_gemm import WsConfig
 
-__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS", "ROUTE_SECTIONS", "RouteEntry", "routes_dir",
-           "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
+__all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS",
+           "ROUTE_SECTIONS", "RouteEntry", "routes_dir", "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
 
 ROUTES_FORMAT = "fp8linear-routes"
 ROUTES_VERSION = 1

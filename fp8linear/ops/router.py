@@ -42,8 +42,9 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   :func:`mid_splitk_config` above);
 - ``persistent``: short K (<= PERSISTENT_MAX_K), M >= PERSISTENT_MIN_M, uniform weight scales, TMA-addressable
   operands, NVIDIA Hopper or newer (the persistent TMA kernel of :mod:`fp8linear.ops.gemm`);
-- ``ws``: on Hopper, where the route would be our tiled or persistent kernel, on 128x128 weights, from WS_MIN_M rows filling at least WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K
-  and WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous TMA-addressable operands and no PDL,
+- ``ws``: on Hopper, where the route would be our tiled or persistent kernel, on 128x128 weights,
+  from WS_MIN_M rows filling at least WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K and
+  WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous TMA-addressable operands and no PDL,
   for callers other than eager plans (CUDA graphs, torch.compile, the functional ops); and where a
   routes table names it: the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`,
   WS_CONFIG: persistent), same bits;
@@ -283,8 +284,9 @@ PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=
 # WS_MIN_ROW_FILL of their 128-row tiles, K >= WS_MIN_K, 128x128 weights, where its 128x128 tiles
 # number at least WS_MIN_TILES_PER_SM per SM. 1x128 weights only where a routes table names it: their
 # consumers spill a little (ptxas), and it took 1.43x the tiled route's time at 7168x2048 M=320 (37.0
-# vs 25.9 us, 64x128 tiles) and 1.52x at 2112x7168 M=320 (60.6 vs 39.8, 64x64; H200). benchmarks/ws_gemm_ab.py (CUDA graphs, kernel
-# alone, same bits as the tiled kernel on 128x128 tiles), H200, against the route it replaces:
+# vs 25.9 us, 64x128 tiles) and 1.52x at 2112x7168 M=320 (60.6 vs 39.8, 64x64; H200).
+# benchmarks/ws_gemm_ab.py (CUDA graphs, kernel alone, same bits as the tiled kernel on 128x128
+# tiles), H200, against the route it replaces:
 # - K 512-2048 (32768x512, 24576x1536, 7168x2048, 2048x1408 from 128 tiles, 1536x576 from 192):
 #   0.57-0.78x at M 256-8192 (32768x512 M=1024 46.7 vs 81.8 us, 24576x1536 M=4096 330 vs 483 on the
 #   persistent kernel); long K (4096x4096 to 7168x18432, >= 68 tiles): 0.86-0.98x;

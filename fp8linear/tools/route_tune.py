@@ -128,7 +128,8 @@ def _optional_runs(kernel: str, n: int, k: int, device: torch.device, granularit
     if kernel == "cutlass":
         from ..ops.cutlass_gemm import cutlass_accepts, cutlass_available
 
-        return cutlass_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cutlass_available(device)
+        return (cutlass_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None)
+                and cutlass_available(device))
     from ..ops.ws_gemm import ws_device_ok
 
     return granularity != "tensor" and k % 16 == 0 and ws_device_ok(device)
