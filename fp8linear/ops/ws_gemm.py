@@ -2,14 +2,17 @@
 
 y = dequant(x) @ dequant(w).T (+ bias), the tiled kernel's numerics (each 128-wide K group's
 tensor-core product promoted into an fp32 accumulator with :func:`~fp8linear.ops.gemm_common.promote`'s
-arithmetic), scheduled as DeepGEMM does on Hopper. A program computes one output tile of 128 rows
-and 128 (or 256: slower, see the router's WS_MIN_M comment) columns with three partitions of warps:
+arithmetic), scheduled as DeepGEMM does on Hopper. A program computes output tiles of 128 rows
+and 128 (or 256: slower, see the router's WS_MIN_M comment) columns, one per program or, persistent,
+one program per SM walking the tiles in grouped order, with three partitions of warps:
 
-- a producer warp streams the K groups of x (two 64-row boxes) and w through a ring of STAGES
-  shared-memory slots with TMA (zero-filled past M, N and K), each slot guarded by a ``ready``
-  barrier (the loads landed) and an ``empty`` barrier (both consumers are done with it);
-- two consumer warpgroups each own 64 rows of the tile: they wait for a slot, multiply on the
-  tensor cores (WGMMA), release the slot, and promote the product into their accumulator.
+- a producer warp streams the K groups of x (two 64-row boxes) and w of the program's tiles through
+  a ring of STAGES shared-memory slots with TMA (zero-filled past M, N and K), each slot guarded by
+  a ``ready`` barrier (the loads landed) and an ``empty`` barrier (both consumers are done with
+  it); the ring runs on across tiles, so a tile's first groups load while the last one is stored;
+- two consumer warpgroups each own 64 rows of a tile: they wait for a slot, multiply on the
+  tensor cores (WGMMA), release the slot, and promote the product into their accumulator; then
+  store their rows through shared memory, 16 contiguous bytes a thread.
 
 The two consumers run independently, so one's promotion on the CUDA cores overlaps the other's
 tensor-core work, which the `tl` kernel (one instruction stream, ``wgmma.wait_group 0`` before
