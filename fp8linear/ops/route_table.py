@@ -50,7 +50,8 @@ from .cutlass_gemm import CutlassConfig
 from .ws_gemm import WsConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS",
-           "ROUTE_SECTIONS", "RouteEntry", "routes_dir", "routes_path", "parse_routes", "lookup_route", "entry_to_json"]
+           "ROUTE_SECTIONS", "RouteEntry", "routes_dir", "routes_path", "parse_entry", "parse_routes", "lookup_route",
+           "entry_to_json"]
 
 ROUTES_FORMAT = "fp8linear-routes"
 ROUTES_VERSION = 1
@@ -99,6 +100,11 @@ def _entry(raw: Any, where: str) -> RouteEntry:
     if ours_entry.fallback is not None and ours_entry.fallback.kernel not in OURS_KERNELS:
         raise ValueError(f"{where}.ours: its fallback is an entry of a kernel in {OURS_KERNELS}, got {ours!r}")
     return replace(entry, ours=ours_entry)
+
+
+def parse_entry(raw: Any, where: str = "routes table entry") -> RouteEntry:
+    """One entry of a table's JSON (its kernel, config, fallback and ours); ValueError naming what is wrong."""
+    return _entry(raw, where)
 
 
 def _kernel_entry(raw: Any, where: str) -> RouteEntry:

@@ -305,7 +305,8 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
     """The routes table document: per granularity and (N, K, M) the fastest candidate, with its and
     BF16's µs. `base`: a table whose shapes these rows did not measure are kept (per granularity
     and shape: a measured shape's entries are all replaced, unless `merge_ms`, which keeps its
-    entries at the Ms not measured now)."""
+    entries at the Ms not measured now); where it has an entry at a measured (N, K, M), that entry's
+    kernels stay unless beaten by the margin (:func:`_best_entry`)."""
     from ..ops.route_table import ROUTE_SECTIONS, ROUTES_FORMAT, ROUTES_VERSION, parse_routes
 
     doc = {"format": ROUTES_FORMAT, "version": ROUTES_VERSION, "device": device_name, "meta": meta, "routes": {}}
@@ -318,21 +319,37 @@ def build_table(rows: Sequence[dict[str, Any]], device_name: str, meta: dict[str
             if kept:
                 doc.setdefault(section, {}).update(kept)
     for r in rows:
-        entry = _best_entry(r["us"])
+        section_name = ROUTE_SECTIONS[r.get("granularity", "block")]
+        held = (base or {}).get(section_name, {}).get(f"{r['n']},{r['k']}", {}).get(str(r["m"]))
+        entry = _best_entry(r["us"], held)
         entry.update(bf16_us=round(r["us"]["bf16"], 2))
-        section = doc.setdefault(ROUTE_SECTIONS[r.get("granularity", "block")], {})
+        section = doc.setdefault(section_name, {})
         section.setdefault(f"{r['n']},{r['k']}", {})[str(r["m"])] = entry
     for gran in ROUTE_SECTIONS:
         parse_routes(doc, "new routes table", gran)  # what we write must read back
     return doc
 
 
-def _best_entry(us: dict[str, float]) -> dict[str, Any]:
+def _held_labels(held: dict[str, Any] | None) -> tuple[str | None, str | None]:
+    """(label of the mandatory kernel, label of the optional kernel or None) of a table entry."""
+    if held is None:
+        return None, None
+    from ..ops.route_table import OPTIONAL_KERNELS, parse_entry
+
+    entry = parse_entry(held, "base table entry")
+    if entry.kernel in OPTIONAL_KERNELS:
+        return _label(entry.fallback.kernel, entry.fallback.config), _label(entry.kernel, entry.config)
+    return _label(entry.kernel, entry.config), None
+
+
+def _best_entry(us: dict[str, float], held: dict[str, Any] | None = None) -> dict[str, Any]:
     """The table entry of one case's times: the fastest kernel, an optional kernel (CUTLASS,
     warp-specialized) only where it beats the fastest other one by OPTIONAL_MIN_GAIN (then with that
     one as its fallback); where that is cuBLAS, with the fastest of our kernels (``ours``: tiled or
     split-K, or the warp-specialized kernel by the same margin, with that one as its fallback) for
-    callers cuBLAS is not allowed to serve."""
+    callers cuBLAS is not allowed to serve. `held`: the table's entry for this case, whose kernels
+    stay where the fastest other candidate is within OPTIONAL_MIN_GAIN of them (re-timing moves
+    times by the timer's spread; an entry should change only for a measured gain)."""
     def optional(label: str) -> bool:
         return label.startswith(tuple(CHALLENGERS.values()))
 
@@ -340,9 +357,15 @@ def _best_entry(us: dict[str, float]) -> dict[str, Any]:
     if not others:
         raise ValueError(f"no kernel but optional ones was timed ({sorted(us)}): their entries need a fallback")
     other_us, other = min(others)
+    held_other, held_opt = _held_labels(held)
+    if held_other in us and OPTIONAL_MIN_GAIN * us[held_other] <= other_us:
+        other_us, other = us[held_other], held_other  # the fastest is within the timer's spread of it
     entry = {**_entry_from_label(other), "us": round(other_us, 2)}
     opt = [(v, lab) for lab, v in us.items() if optional(lab)]
-    if opt and min(opt)[0] < OPTIONAL_MIN_GAIN * other_us:
+    if held_opt in us and us[held_opt] < other_us and OPTIONAL_MIN_GAIN * us[held_opt] <= min(opt)[0]:
+        # the table's optional kernel stays while faster than the fallback and within the spread of the fastest
+        entry = {**_entry_from_label(held_opt), "us": round(us[held_opt], 2), "fallback": entry}
+    elif opt and min(opt)[0] < OPTIONAL_MIN_GAIN * other_us:
         opt_us, label = min(opt)
         entry = {**_entry_from_label(label), "us": round(opt_us, 2), "fallback": entry}
     ours = [(v, lab) for lab, v in us.items() if lab.startswith(("tiled:", "splitk:"))]

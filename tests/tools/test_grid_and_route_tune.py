@@ -210,6 +210,30 @@ def test_ours_may_be_the_warp_specialized_kernel_with_a_fallback(monkeypatch):
     assert {ws, "splitk:128x128x2w8s4", "cublas"} <= set(route_tune._shipped_candidates(384, 8192, 29568, dev, "block"))
 
 
+def test_a_table_entry_stays_unless_beaten_by_the_margin():
+    """Re-timing a case the base table has: its kernels stay where the fastest other candidate is
+    within OPTIONAL_MIN_GAIN of them (timer spread), and change for a larger gain."""
+    held = {"kernel": "cutlass", "tile_m": 64, "fallback": {"kernel": "cublas"}}
+    base = route_tune.build_table([{"n": 576, "k": 7168, "m": mm, "heuristic": "cublas",
+                                    "us": {"bf16": 12.0, "cublas": 10.0, "cutlass:64": 9.0}} for mm in (96, 128)],
+                                  "X", {})
+    assert base["routes"]["576,7168"]["96"]["kernel"] == "cutlass"
+    rows = [  # CUTLASS now 2.5% faster than cuBLAS only, split-K 1% faster than cuBLAS: both kept
+        {"n": 576, "k": 7168, "m": 96, "heuristic": "cublas",
+         "us": {"bf16": 12.0, "cublas": 10.0, "splitk:64x64x2w4s4": 9.9, "cutlass:64": 9.75, "cutlass:128": 9.7}},
+        # the fallback lost by 5%, and another CUTLASS kernel is 5% faster: both replaced
+        {"n": 576, "k": 7168, "m": 128, "heuristic": "cublas",
+         "us": {"bf16": 12.0, "cublas": 10.0, "splitk:64x64x2w4s4": 9.5, "cutlass:64": 9.0, "cutlass:128": 8.5}}]
+    doc = route_tune.build_table(rows, "X", {}, base=base, merge_ms=True)
+    table = route_table.parse_routes(doc)[(576, 7168)]
+    kept = route_table.parse_entry(held)
+    assert (table[96].kernel, table[96].config, table[96].fallback) == (kept.kernel, kept.config, kept.fallback)
+    assert table[96].ours.kernel == "splitk"  # ours is the fastest of ours, measured now
+    assert table[128].config.tile_m == 128 and table[128].fallback.kernel == "splitk"
+    fresh = route_tune.build_table(rows, "X", {})["routes"]["576,7168"]["96"]  # without the base: the fastest
+    assert fresh["kernel"] == "splitk"  # CUTLASS 2% faster than split-K: no entry; the table's stays above
+
+
 def test_challengers_merge_per_m():
     """--challengers re-times some Ms of a shape: its entries at the other Ms stay (merge_ms)."""
     base = route_tune.build_table([{"n": 576, "k": 7168, "m": mm, "heuristic": "cublas",
