@@ -32,6 +32,7 @@ import torch
 
 from ..backend import interpreting
 from ..formats import GROUP_SIZE
+from .configs import sm_count
 
 try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
     import triton.language as tl
@@ -322,7 +323,6 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
                 out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: WsConfig | None = None) -> torch.Tensor:
     """y (M, N) in `out_dtype` for validated operands that :func:`ws_accepts`: x_q (M, K), w_q (N, K)
     FP8, x_s (M, K/128) row-major, w_s in `granularity`'s layout (0-d for "tensor")."""
-    from .configs import sm_count
     from .gemm_common import weight_scale_layout  # imports Triton; the router imports this module without it
 
     cfg = cfg or WsConfig()

@@ -152,10 +152,10 @@ def clone_set(args: tuple) -> tuple:
     view is copied with the tensor it views (so padding rows past a view's end stay in its storage)."""
     out = []
     for a in args:
-        if isinstance(a, torch.Tensor) and a._base is not None and a.numel() * a.element_size() >= _CLONE_MIN_BYTES:
-            # a view (the first M rows of a padded buffer): copy the buffer, keep the view of it
-            out.append(a._base.clone().as_strided(a.size(), a.stride(), a.storage_offset()))
-        elif isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= _CLONE_MIN_BYTES:
+        if isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= _CLONE_MIN_BYTES:
+            if a._base is not None:  # a view (the first M rows of a padded buffer): copy the buffer, view it again
+                out.append(a._base.clone().as_strided(a.size(), a.stride(), a.storage_offset()))
+                continue
             c = a.clone()  # preserve_format: dense tensors keep their strides
             out.append(c if c.stride() == a.stride() else a)
         else:
