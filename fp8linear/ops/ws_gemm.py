@@ -45,7 +45,7 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
 except ImportError:  # no Triton or no Gluon: the router never picks this kernel
     HAS_GLUON_WS = False
 
-__all__ = ["HAS_GLUON_WS", "WsConfig", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+__all__ = ["HAS_GLUON_WS", "TAIL_MIN_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -61,13 +61,16 @@ _MAXNREG = 168
 
 class WsConfig:
     """Launch options of the warp-specialized kernel: tile width (128 or 256 columns), ring depth
-    (shared memory per slot: 32 KB at 128 columns, 48 KB at 256), tile order, and whether it runs
+    (shared memory per slot: 32 KB at 128 columns, 48 KB at 256), tile order, whether it runs
     persistent (one program per SM looping over the tiles, so the loads of a program's next tile
-    overlap the store of its last one and no program starts cold) or one program per tile."""
+    overlap the store of its last one and no program starts cold) or one program per tile, and
+    `tail_split`: the most K splits of a tile of the last, partly filled wave (1: none; see
+    :func:`tail_plan`; 128-column tiles only)."""
 
-    __slots__ = ("block_n", "stages", "group_m", "persistent")
+    __slots__ = ("block_n", "stages", "group_m", "persistent", "tail_split")
 
-    def __init__(self, block_n: int = 128, stages: int = 3, group_m: int = 8, persistent: bool = False) -> None:
+    def __init__(self, block_n: int = 128, stages: int = 3, group_m: int = 8, persistent: bool = False,
+                 tail_split: int = 1) -> None:
         if block_n not in (128, 256):
             raise ValueError(f"WsConfig.block_n must be 128 or 256, got {block_n}")
         if stages < 2:
@@ -76,23 +79,49 @@ class WsConfig:
             raise ValueError(f"WsConfig.group_m must be >= 1, got {group_m}")
         if not isinstance(persistent, bool):
             raise TypeError(f"WsConfig.persistent must be a bool, got {type(persistent).__name__}")
+        if type(tail_split) is not int or tail_split < 1:
+            raise ValueError(f"WsConfig.tail_split must be an int >= 1, got {tail_split!r}")
+        if tail_split > 1 and block_n != _PRODUCT_COLS:
+            raise ValueError(f"WsConfig.tail_split > 1 needs block_n={_PRODUCT_COLS}, got block_n={block_n}")
         self.block_n = block_n
         self.stages = stages
         self.group_m = group_m
         self.persistent = persistent
+        self.tail_split = tail_split
 
-    def _key(self) -> tuple[int, int, int, bool]:
-        return self.block_n, self.stages, self.group_m, self.persistent
+    def _key(self) -> tuple[int, int, int, bool, int]:
+        return self.block_n, self.stages, self.group_m, self.persistent, self.tail_split
 
     def __repr__(self) -> str:
         return (f"WsConfig(block_n={self.block_n}, stages={self.stages}, group_m={self.group_m}, "
-                f"persistent={self.persistent})")
+                f"persistent={self.persistent}, tail_split={self.tail_split})")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, WsConfig) and self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+
+# A tail tile's K split keeps at least this many 128-wide K groups per program.
+TAIL_MIN_GROUPS = 2
+
+
+def tail_plan(tiles: int, programs: int, k_groups: int, max_split: int) -> tuple[int, int, int]:
+    """(whole tiles, splits per tail tile, K groups per split) of a launch of `tiles` output tiles
+    over `programs` concurrent programs (the SMs).
+
+    ``tiles % programs`` tiles are left for a last wave that would keep the rest of the SMs idle;
+    each of those is cut along K into up to ``programs // tail tiles`` pieces (at most `max_split`,
+    each at least TAIL_MIN_GROUPS groups long), run by as many programs at once, whose fp32
+    partial tiles the last of them to finish sums in split order (deterministic). Whole tiles come
+    first: the plan is (tiles, 1, k_groups) where nothing is split."""
+    tail = tiles % programs
+    split = min(programs // tail, k_groups // TAIL_MIN_GROUPS, max_split) if tail else 1
+    if split < 2:
+        return tiles, 1, k_groups
+    per_split = -(-k_groups // split)
+    return tiles - tail, -(-k_groups // per_split), per_split
 
 
 def ws_accepts(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -129,13 +158,27 @@ if HAS_GLUON_WS:
         return (first_m + (tile % per_group) % group_m) * BLOCK_M, ((tile % per_group) // group_m) * BLOCK_N
 
     @gluon.jit
-    def _produce(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+    def _unit(u, whole_tiles, tail_split, groups_per_split, k_groups):
+        """(tile, first K group, end K group) of work unit `u`: whole tiles first, then each tail tile
+        as `tail_split` consecutive units of `groups_per_split` K groups (see tail_plan)."""
+        tile = u
+        first = u * 0
+        end = first + k_groups
+        if u >= whole_tiles:
+            v = u - whole_tiles
+            tile = whole_tiles + v // tail_split
+            first = (v % tail_split) * groups_per_split
+            end = gl.minimum(first + groups_per_split, k_groups)
+        return tile, first, end
+
+    @gluon.jit
+    def _produce(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                 M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr):
-        """The producer warp: fill the ring's slots with the K groups of the program's tiles, in order,
-        each slot once both consumers released it (so the next tile's first groups load while the
-        consumers store the last one)."""
+                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+        """The producer warp: fill the ring's slots with the K groups of the program's work units, in
+        order, each slot once both consumers released it (so the next unit's first groups load while
+        the consumers store the last one)."""
         stages: gl.constexpr = b_bufs.type.shape[0]
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
@@ -143,10 +186,12 @@ if HAS_GLUON_WS:
         nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
         k_groups = gl.cdiv(K, block_k)
         num_tiles = gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n)
+        num_units = whole_tiles + (num_tiles - whole_tiles) * tail_split
         it = 0  # K groups loaded by this program so far: slot it % stages, round it // stages
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        for u in range(gl.program_id(0), num_units, gl.num_programs(0)):
+            tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
             off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
-            for k in range(k_groups):
+            for k in range(first, end):
                 s = it % stages
                 # empty barriers start with phase 1 complete, so the first round does not wait
                 mbarrier.wait(empty.index(s), ((it // stages) & 1) ^ 1)
@@ -198,10 +243,33 @@ if HAS_GLUON_WS:
         gl.store(y_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
     @gluon.jit
-    def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+    def _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows: gl.constexpr, cols: gl.constexpr,
+                    HALF: gl.constexpr):
+        """A consumer's rows of a tail unit: store its fp32 partial, count it in, and, for the last of the
+        tile's `tail_split` units to arrive, return (sum of the partials in split order, True);
+        else (acc, False). Each consumer half counts on its own counter, left at zero."""
+        v = u - whole_tiles
+        counter = count_ptr + (v // tail_split) * 2 + HALF
+        offs = gl.arange(0, acc.shape[0], layout=rows)[:, None] * acc.shape[1] + gl.arange(0, acc.shape[1],
+                                                                                             layout=cols)[None, :]
+        size: gl.constexpr = acc.shape[0] * acc.shape[1]
+        gl.store(part_ptr + (v * 2 + HALF).to(gl.int64) * size + offs, acc)
+        gl.thread_barrier()  # every thread's partial is written before the counter says so
+        arrived = gl.atomic_add(counter, 1, sem="acq_rel")
+        last = arrived == tail_split - 1
+        if last:
+            gl.atomic_xchg(counter, 0)
+            first = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size + offs
+            acc = gl.load(first, cache_modifier=".cg")
+            for s in range(1, tail_split):
+                acc += gl.load(first + s * 2 * size, cache_modifier=".cg")
+        return acc, last
+
+    @gluon.jit
+    def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                 M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, HALF: gl.constexpr):
+                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, HALF: gl.constexpr):
         """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's tiles, every K group,
         then the tile's store. A tile 256 columns wide is two 128-column products per K group, one
         after the other into the same registers (64x256 fp32 accumulators plus one 64x128 product
@@ -217,8 +285,10 @@ if HAS_GLUON_WS:
         cols: gl.constexpr = gl.SliceLayout(0, mma)
         k_groups = gl.cdiv(K, block_k)
         num_tiles = gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n)
+        num_units = whole_tiles + (num_tiles - whole_tiles) * tail_split
         it = 0  # K groups consumed by this program so far, as the producer counts them
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        for u in range(gl.program_id(0), num_units, gl.num_programs(0)):
+            tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
             off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
             offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
             # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
@@ -230,7 +300,7 @@ if HAS_GLUON_WS:
                 ws_ptrs_hi = _scale_ptrs(ws_ptr, off_n + _PRODUCT_N, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N,
                                          W_SCALE_UNIFORM)
                 acc_hi = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
-            for k in range(k_groups):
+            for k in range(first, end):
                 s = it % stages
                 mbarrier.wait(ready.index(s), (it // stages) & 1)
                 a = a_bufs.index(2 * s + HALF)
@@ -258,40 +328,48 @@ if HAS_GLUON_WS:
                     acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
                 it += 1
             row0 = off_m + HALF * half
-            _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+            if SPLIT_TAIL:  # 128-column tiles (WsConfig)
+                store = True
+                if u >= whole_tiles:
+                    acc, store = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows, cols, HALF)
+                if store:
+                    _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+            else:
+                _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
             if WIDE:
                 _store(y_ptr, bias_ptr, acc_hi, row0, off_n + _PRODUCT_N, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
 
     # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
     # are _consume with HALF 0 and 1.
     @gluon.jit
-    def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                       M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                       WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       GROUP_M: gl.constexpr):
-        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, 0)
+    def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                       M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
+                       stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                 M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 0)
 
     @gluon.jit
-    def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                        M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                        WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        GROUP_M: gl.constexpr):
-        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                 M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, 1)
+    def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                        M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
+                        stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                 M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 1)
 
     @gluon.jit
     def _ws_fp8_gemm_kernel(
-        x_desc, w_desc, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-        M, N, K,
+        x_desc, w_desc, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+        M, N, K, whole_tiles, tail_split, groups_per_split,
         stride_xsm, stride_wsn, stride_wsk, stride_ym,
         WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_TAIL: gl.constexpr,
     ):
-        """Program p computes output tiles p, p + P, p + 2P, ... (P programs; grouped tile order):
-        one tile each when P is the tile count, a persistent loop over tiles when P is smaller."""
+        """Program p runs work units p, p + P, p + 2P, ... (P programs): the first `whole_tiles` units
+        are output tiles in grouped order, the rest K splits of the remaining tiles (tail_plan; only
+        with SPLIT_TAIL). One unit each when P is the unit count, a persistent loop when smaller."""
         a_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -304,14 +382,17 @@ if HAS_GLUON_WS:
         # first would turn its constexprs into runtime values.
         gl.warp_specialize([
             (_consume_first, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                              M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M)),
+                              part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
+                              stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL)),
             (_produce, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                        M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M)),
+                        part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
+                        stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL)),
             (_consume_second, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
-                               M, N, K, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M)),
+                               part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
+                               stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL)),
         ], [1, 4], [24, 240])  # warps and registers of the producer and the second consumer
 
 
@@ -320,9 +401,13 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: WsConfig | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: WsConfig | None = None,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) in `out_dtype` for validated operands that :func:`ws_accepts`: x_q (M, K), w_q (N, K)
-    FP8, x_s (M, K/128) row-major, w_s in `granularity`'s layout (0-d for "tensor")."""
+    FP8, x_s (M, K/128) row-major, w_s in `granularity`'s layout (0-d for "tensor").
+
+    `counters`: int32 zeros (left zeroed) the split tail tiles count in, where it holds two per tail
+    tile (a :func:`fp8linear.ops.splitk_gemm.splitk_counters` does); else fresh zeros per call."""
     from .gemm_common import weight_scale_layout  # imports Triton; the router imports this module without it
 
     cfg = cfg or WsConfig()
@@ -340,13 +425,22 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
     w_desc = GluonTensorDescriptor.from_tensor(w_q, w_block, gl.NVMMASharedLayout.get_default_for(w_block, fp8))
     x_s = x_s.contiguous()
     tiles = -(-m // (2 * _HALF_M)) * -(-n // cfg.block_n)
-    grid = (min(tiles, sm_count(x_q.device)) if cfg.persistent else tiles,)  # one program per SM fits (shared memory)
+    sms = sm_count(x_q.device)
+    whole, split, per_split = tail_plan(tiles, sms, -(-k // GROUP_SIZE), cfg.tail_split)
+    units = whole + (tiles - whole) * split
+    part = count = y  # unused without a split
+    if split > 1:
+        tail = tiles - whole
+        part = torch.empty((tail * split * 2 * _HALF_M * _PRODUCT_COLS,), dtype=torch.float32, device=y.device)
+        count = counters if counters is not None and counters.numel() >= 2 * tail else torch.zeros(
+            2 * tail, dtype=torch.int32, device=y.device)
+    grid = (min(units, sms) if cfg.persistent else units,)  # one program per SM fits (shared memory)
     _ws_fp8_gemm_kernel[grid](
-        x_desc, w_desc, x_s, w_s, y, bias if bias is not None else y,
-        m, n, k,
+        x_desc, w_desc, x_s, w_s, y, bias if bias is not None else y, part, count,
+        m, n, k, whole, split, per_split,
         x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=granularity != "row",
-        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages,
+        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, SPLIT_TAIL=split > 1,
         num_warps=4, maxnreg=_MAXNREG,
     )
     return y

@@ -27,6 +27,38 @@ def test_config_validation():
     assert WsConfig(persistent=True) != WsConfig() and "persistent=True" in repr(WsConfig(persistent=True))
     with pytest.raises(TypeError, match="persistent must be a bool"):
         WsConfig(128, 3, 8, 1)
+    assert WsConfig(tail_split=4) != WsConfig() and "tail_split=4" in repr(WsConfig(tail_split=4))
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="tail_split must be an int >= 1"):
+            WsConfig(tail_split=bad)
+    with pytest.raises(ValueError, match="tail_split > 1 needs block_n=128"):
+        WsConfig(256, tail_split=2)
+
+
+@pytest.mark.parametrize("tiles,programs,k_groups,max_split", [
+    (160, 132, 56, 8), (272, 132, 56, 16), (132, 132, 56, 8), (80, 132, 56, 8), (160, 132, 5, 8),
+    (136, 132, 56, 64), (289, 132, 17, 8), (51, 132, 18, 8), (160, 132, 3, 8), (1, 1, 1, 8), (7, 4, 9, 3)])
+def test_tail_plan(tiles, programs, k_groups, max_split):
+    """Whole tiles fill whole waves; the tail's K splits cover every K group once, none shorter than
+    TAIL_MIN_GROUPS (but the last) nor empty, and run in one wave with the whole tiles' last."""
+    whole, split, per_split = ws_gemm.tail_plan(tiles, programs, k_groups, max_split)
+    tail = tiles - whole
+    if split == 1:
+        assert (whole, per_split) == (tiles, k_groups)
+        assert tiles % programs == 0 or min(programs // (tiles % programs), k_groups // ws_gemm.TAIL_MIN_GROUPS,
+                                            max_split) < 2
+        return
+    assert whole % programs == 0 and 0 < tail < programs and 2 <= split <= max_split
+    assert tail * split <= programs  # one tail unit per program at most
+    assert per_split >= ws_gemm.TAIL_MIN_GROUPS and (split - 1) * per_split < k_groups <= split * per_split
+
+
+def test_tail_plan_examples():
+    # 576x7168 at M=4096 on 132 SMs: 160 tiles, 28 left for a second wave, 4 splits of 14 groups
+    assert ws_gemm.tail_plan(160, 132, 56, 8) == (132, 4, 14)
+    assert ws_gemm.tail_plan(160, 132, 56, 1) == (160, 1, 56)  # no split asked for
+    assert ws_gemm.tail_plan(264, 132, 56, 8) == (264, 1, 56)  # whole waves
+    assert ws_gemm.tail_plan(100, 132, 56, 8) == (100, 1, 56)  # 100 tiles on 132 SMs: 1 split each
 
 
 def test_device_rule(monkeypatch):
@@ -173,14 +205,70 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
     x_q, x_s, w_q, w_s, w_s_ref, _ = _operands(m, n, k, gran, False, gen)
     # persistent programs loop over several tiles wherever the tiles outnumber the SMs (4099x1536: 396
     # tiles); with 2 ring slots and short K the producer laps the ring within a tile and across tiles
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64)
+    tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None,
+                           GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3))
     for cfg in (WsConfig(), WsConfig(128, 4), WsConfig(128, 2, 1), WsConfig(256, 3), WsConfig(persistent=True),
-                WsConfig(128, 2, 1, persistent=True), WsConfig(256, 4, persistent=True)):
+                WsConfig(128, 2, 1, persistent=True), WsConfig(256, 4, persistent=True),
+                WsConfig(128, 4, persistent=True, tail_split=8), WsConfig(128, 2, 1, persistent=True, tail_split=3),
+                WsConfig(128, 3, tail_split=8)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
-        ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
-        tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None,
-                               GemmConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3))
-        assert same_bits(y, tiled)
+        if _splits(m, n, k, cfg) == 1:
+            assert same_bits(y, tiled)
+        else:  # split tail tiles sum their partials in split order: the same bits every call
+            assert same_bits(y, ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg))
+
+
+def _splits(m, n, k, cfg):
+    from fp8linear.ops.configs import sm_count
+
+    tiles = -(-m // 128) * -(-n // cfg.block_n)
+    return ws_gemm.tail_plan(tiles, sm_count(torch.device("cuda")), -(-k // 128), cfg.tail_split)[1]
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("gran", ["block", "tensor"])
+@pytest.mark.parametrize("m,n,k", [(4096, 576, 7168), (2049, 2112, 7168), (333, 2112, 576), (1000, 2112, 2112),
+                                   (4093, 576, 2304)])
+def test_split_tail(gran, m, n, k):
+    """Shapes whose last wave is split along K (asserted on this GPU's SM count): against the
+    reference, deterministic, the whole tiles bit for bit the unsplit kernel's, and the counters
+    handed in left at zero."""
+    from fp8linear.reference import block_fp8_matmul_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x_q, x_s, w_q, w_s, w_s_ref, b = _operands(m, n, k, gran, True, gen)
+    cfg = WsConfig(128, 4, persistent=True, tail_split=8)
+    assert _splits(m, n, k, cfg) > 1
+    counters = torch.zeros(600, dtype=torch.int32, device="cuda")
+    y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, b, cfg, counters)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
+    assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
+    assert int(counters.abs().sum()) == 0
+    assert same_bits(y, ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, b, cfg, counters))
+    assert same_bits(y, ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, b, cfg))  # fresh counters
+    unsplit = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, b, WsConfig(128, 4, persistent=True))
+    tail = torch.zeros(m, n, dtype=torch.bool, device="cuda")
+    for row0, col0 in _tail_tiles(m, n, k, cfg):
+        tail[row0:row0 + 128, col0:col0 + 128] = True
+    assert tail.any()
+    assert same_bits(y[~tail], unsplit[~tail])  # whole tiles (none at 333 rows): the unsplit kernel's bits
+    assert not same_bits(y[tail], unsplit[tail])  # the split tiles summed in another order
+
+
+def _tail_tiles(m, n, k, cfg):
+    """(row, column) offsets of the tiles tail_plan splits, in the kernel's grouped tile order."""
+    from fp8linear.ops.configs import sm_count
+
+    num_m, num_n = -(-m // 128), -(-n // cfg.block_n)
+    whole = ws_gemm.tail_plan(num_m * num_n, sm_count(torch.device("cuda")), -(-k // 128), cfg.tail_split)[0]
+    for tile in range(whole, num_m * num_n):
+        per_group = cfg.group_m * num_n
+        first_m = tile // per_group * cfg.group_m
+        group_m = min(num_m - first_m, cfg.group_m)
+        yield (first_m + tile % per_group % group_m) * 128, tile % per_group // group_m * cfg.block_n
 
 
 @pytest.mark.gpu
@@ -193,7 +281,7 @@ def test_bias_and_output_dtypes(out, gran):
     gen = torch.Generator(device="cuda").manual_seed(3)
     x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 2304, gran, True, gen)
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
-    for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True)):
+    for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True), WsConfig(persistent=True, tail_split=8)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
         assert y.dtype == out
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]
