@@ -192,7 +192,7 @@ def run_gemm_route(route: Route, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torc
     if route.kernel == "splitk":
         return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config, counters, route.pdl)
     if route.kernel == "ws":
-        return ws_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config)
+        return ws_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config, counters)
     m, n = x_q.shape[0], w_q.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:

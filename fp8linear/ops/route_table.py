@@ -22,7 +22,7 @@ per-tensor weights use the heuristic.
 :class:`~fp8linear.ops.configs.GemmConfig`), ``splitk`` (a
 :class:`~fp8linear.ops.configs.SplitKConfig`), ``cutlass`` (``tile_m`` and optional ``stream_k`` and ``splits``, a
 :class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`) or ``ws`` (``stages`` and optional ``block_n``,
-``group_m`` and ``persistent``, a :class:`~fp8linear.ops.ws_gemm.WsConfig`). The optional kernels'
+``group_m``, ``persistent`` and ``tail_split``, a :class:`~fp8linear.ops.ws_gemm.WsConfig`). The optional kernels'
 entries (OPTIONAL_KERNELS) carry ``fallback``: the entry of the fastest other kernel, which runs where
 the CUTLASS library is not built, where the warp-specialized kernel cannot run (no Gluon with warp
 specialization, eager calls, operands TMA cannot address). An entry whose kernel, or fallback, is
@@ -125,8 +125,12 @@ def _kernel_entry(raw: Any, where: str) -> RouteEntry:
             persistent = raw.get("persistent", False)
             if type(persistent) is not bool:
                 raise ValueError(f"persistent must be true or false, got {persistent!r}")
+            tail_split = raw.get("tail_split", 1)
+            if type(tail_split) is not int:
+                raise ValueError(f"tail_split must be an integer, got {tail_split!r}")
             return RouteEntry(kernel, WsConfig(block_n=int(raw.get("block_n", 128)), stages=int(raw["stages"]),
-                                               group_m=int(raw.get("group_m", 8)), persistent=persistent),
+                                               group_m=int(raw.get("group_m", 8)), persistent=persistent,
+                                               tail_split=tail_split),
                               _entry(raw["fallback"], f"{where}.fallback"))
         if kernel == "cutlass":
             fallback = raw["fallback"]
@@ -174,6 +178,8 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
         out.update(block_n=c.block_n, stages=c.stages, group_m=c.group_m)
         if c.persistent:
             out.update(persistent=True)
+        if c.tail_split > 1:
+            out.update(tail_split=c.tail_split)
     elif isinstance(c, CutlassConfig):
         out.update(tile_m=c.tile_m)
         if c.stream_k:

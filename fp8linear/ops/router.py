@@ -47,7 +47,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   WS_MIN_TILES_PER_SM 128x128 tiles per SM, with contiguous TMA-addressable operands and no PDL,
   for callers other than eager plans (CUDA graphs, torch.compile, the functional ops); and where a
   routes table names it: the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`,
-  WS_CONFIG: persistent), same bits;
+  WS_CONFIG: persistent; the tiled kernel's bits but where it splits a last wave of long-K tiles
+  along K, whose tiles it sums in split order);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
   MID_M_CONFIG where 128x128 tiles leave SMs idle).
@@ -298,7 +299,9 @@ PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=
 # Over the 73 cases of those runs the rule selects: 0.57-0.995x the replaced route (geomean 0.80).
 # Its persistent programs (one per SM) load a tile's first K groups while they store the last one;
 # one program per tile (WsConfig(persistent=False)) took 0.98-1.68x the time (geomean 1.16), 3 slots
-# 1.06x and 6 slots 1.05x of 4. 256-column tiles spill (ptxas) and took 1.7-2x the time.
+# 1.06x and 6 slots 1.05x of 4. 256-column tiles spill (ptxas) and took 1.7-2x the time. A last,
+# partly filled wave of long-K tiles is split along K into up to 4 pieces (ws_gemm.tail_plan: 8 and 16
+# were slower at 2112x7168 M=1024-2048, where the last program sums every piece).
 # Eager callers keep the tiled kernel: its plan launches it prepared (raw addresses, 26-28 us of host
 # time a call), while the warp-specialized kernel goes through Gluon's launcher with two TMA
 # descriptors made per call: H100, benchmarks/eager_ws_ab.py (CUTLASS off), eager wall 4.00x at
@@ -307,7 +310,7 @@ WS_MIN_M = 96
 WS_MIN_ROW_FILL = 0.75
 WS_MIN_K = 512  # the shortest K measured (32768x512)
 WS_MIN_TILES_PER_SM = 0.5
-WS_CONFIG = WsConfig(block_n=128, stages=4, persistent=True)
+WS_CONFIG = WsConfig(block_n=128, stages=4, persistent=True, tail_split=4)
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
 LONG_SPLITK_K = 8192

@@ -27,10 +27,12 @@ from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale
 from .pdl import pdl_launch, wait_for_producer
 from .router import decode_tile_counters, splitk_config
 
-__all__ = ["splitk_args", "splitk_buffers", "splitk_fp8_gemm", "splitk_counters"]
+__all__ = ["WS_TAIL_COUNTERS", "splitk_args", "splitk_buffers", "splitk_fp8_gemm", "splitk_counters"]
 
 # Counters at the end of a splitk_counters tensor for the one-launch decode kernel (fused_decode.SYNC_COUNTERS).
 _SYNC_COUNTERS = 2
+# Two per tail tile of ws_gemm.tail_plan (fewer than one per SM) on GPUs of up to 256 SMs.
+WS_TAIL_COUNTERS = 512
 
 
 @triton.jit
@@ -116,14 +118,16 @@ def _splitk_fp8_gemm_kernel(
 
 def splitk_counters(n: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed counters for the decode GEMMs of an N-column weight at M <= SMALL_M_MAX
-    (:mod:`fp8linear.ops.router`): the split-K tile counters, then the two counters
+    (:mod:`fp8linear.ops.router`): the split-K tile counters (at least WS_TAIL_COUNTERS, which the
+    warp-specialized kernel's split tail tiles count in), then the two counters
     :mod:`fp8linear.ops.fused_decode` synchronises on.
 
     Every launch leaves its counters at zero again, so one counters tensor serves every call in turn
     and spares each call a memset launch (H100, CUDA graphs: 1.2-1.4 us of a 6.5-55 us GEMM).
     Calls running at the same time on different streams must not share one.
     """
-    return torch.zeros(decode_tile_counters(n) + _SYNC_COUNTERS, dtype=torch.int32, device=device)
+    return torch.zeros(max(decode_tile_counters(n), WS_TAIL_COUNTERS) + _SYNC_COUNTERS, dtype=torch.int32,
+                       device=device)
 
 
 def splitk_buffers(m: int, n: int, cfg: SplitKConfig, k: int, device: torch.device,

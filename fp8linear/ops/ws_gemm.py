@@ -45,7 +45,7 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
 except ImportError:  # no Triton or no Gluon: the router never picks this kernel
     HAS_GLUON_WS = False
 
-__all__ = ["HAS_GLUON_WS", "TAIL_MIN_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+__all__ = ["HAS_GLUON_WS", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -103,6 +103,18 @@ class WsConfig:
         return hash(self._key())
 
 
+# Where the last wave's tiles are split along K (tail_plan). The split path costs a fixed few
+# microseconds (partials through L2, a GPU-scope fence and a second pass for the last program) and
+# its whole tiles ran 3-5% slower at short K. H100 and H200, benchmarks/ws_gemm_ab.py
+# (wsp128s4 against wsp128s4t4/t8/t16) and a probe with the counters handed in, CUDA graphs:
+# - K = 7168 with at most 8 whole waves: 0.84-0.97x (576x7168 M=4096 50.8 against 57.6 us, 1536x7168
+#   M=3000 78.7 against 88.9, 2112x7168 M=2048 77.3 against 85.8 with 4 splits, 81.4 with 8, 92.0
+#   with 16: the last program sums every split's partial);
+# - K = 7168 at 17-27 waves (18432x7168 M=2048, 3000): 1.00-1.01x; K <= 2048: 1.04-2.0x
+#   (576x576 M=1024 12.2 against 6.1 us; 7168x2048 M=1024 39.5 against 35.1; 24576x1536 M=8192 709
+#   against 674).
+TAIL_MIN_K_GROUPS = 32
+TAIL_MAX_WAVES = 8
 # A tail tile's K split keeps at least this many 128-wide K groups per program.
 TAIL_MIN_GROUPS = 2
 
@@ -112,12 +124,15 @@ def tail_plan(tiles: int, programs: int, k_groups: int, max_split: int) -> tuple
     over `programs` concurrent programs (the SMs).
 
     ``tiles % programs`` tiles are left for a last wave that would keep the rest of the SMs idle;
-    each of those is cut along K into up to ``programs // tail tiles`` pieces (at most `max_split`,
-    each at least TAIL_MIN_GROUPS groups long), run by as many programs at once, whose fp32
-    partial tiles the last of them to finish sums in split order (deterministic). Whole tiles come
-    first: the plan is (tiles, 1, k_groups) where nothing is split."""
+    where K has at least TAIL_MIN_K_GROUPS groups and the whole tiles take at most TAIL_MAX_WAVES
+    waves, each of those is cut along K into up to ``programs // tail tiles`` pieces (at most
+    `max_split`, each at least TAIL_MIN_GROUPS groups long), run by as many programs at once,
+    whose fp32 partial tiles the last of them to finish sums in split order (deterministic). Whole
+    tiles come first: the plan is (tiles, 1, k_groups) where nothing is split."""
     tail = tiles % programs
-    split = min(programs // tail, k_groups // TAIL_MIN_GROUPS, max_split) if tail else 1
+    if not tail or k_groups < TAIL_MIN_K_GROUPS or tiles // programs > TAIL_MAX_WAVES:
+        return tiles, 1, k_groups
+    split = min(programs // tail, k_groups // TAIL_MIN_GROUPS, max_split)
     if split < 2:
         return tiles, 1, k_groups
     per_split = -(-k_groups // split)
@@ -266,15 +281,50 @@ if HAS_GLUON_WS:
         return acc, last
 
     @gluon.jit
+    def _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, ws_ptrs_hi, acc, acc_hi, first, end, it, stride_wsk,
+                mma: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, WIDE: gl.constexpr, HALF: gl.constexpr):
+        """K groups first .. end-1 of a consumer's tile into (acc, acc_hi: columns 128-255 of a WIDE
+        tile, else passed through), the ring's slots taken from counter `it` on; -> (acc, acc_hi, it)."""
+        stages: gl.constexpr = b_bufs.type.shape[0]
+        half: gl.constexpr = acc.shape[0]
+        for k in range(first, end):
+            s = it % stages
+            mbarrier.wait(ready.index(s), (it // stages) & 1)
+            a = a_bufs.index(2 * s + HALF)
+            b = b_bufs.index(s)
+            if WIDE:
+                b = b.slice(0, _PRODUCT_N)
+            # a fresh product (zeros as the C operand, not added): holding the previous product's
+            # registers as C instead left the 1x128-weight consumer short of registers (ptxas spills)
+            product = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma),
+                                    use_acc=False, is_async=True)
+            x_s = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
+            w_s = gl.load(ws_ptrs + k * stride_wsk)
+            product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+            if WIDE:
+                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
+                product = warpgroup_mma(a, b_bufs.index(s).slice(_PRODUCT_N, _PRODUCT_N).permute((1, 0)),
+                                        gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False,
+                                        is_async=True)
+                w_s = gl.load(ws_ptrs_hi + k * stride_wsk)
+                product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_hi = _promote(acc_hi, product, x_s, w_s, W_SCALE_UNIFORM)
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
+            it += 1
+        return acc, acc_hi, it
+
+    @gluon.jit
     def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                  GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, HALF: gl.constexpr):
-        """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's tiles, every K group,
-        then the tile's store. A tile 256 columns wide is two 128-column products per K group, one
-        after the other into the same registers (64x256 fp32 accumulators plus one 64x128 product
-        fit; two products would not)."""
-        stages: gl.constexpr = b_bufs.type.shape[0]
+        """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's whole tiles, every K
+        group, then the tile's store; then, with SPLIT_TAIL, its tail units (_sum_splits). A tile 256
+        columns wide is two 128-column products per K group, one after the other into the same
+        registers (64x256 fp32 accumulators plus one 64x128 product fit; two products would not)."""
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
         block_n: gl.constexpr = w_desc.block_type.shape[0]
@@ -284,60 +334,42 @@ if HAS_GLUON_WS:
         rows: gl.constexpr = gl.SliceLayout(1, mma)
         cols: gl.constexpr = gl.SliceLayout(0, mma)
         k_groups = gl.cdiv(K, block_k)
-        num_tiles = gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n)
-        num_units = whole_tiles + (num_tiles - whole_tiles) * tail_split
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
         it = 0  # K groups consumed by this program so far, as the producer counts them
-        for u in range(gl.program_id(0), num_units, gl.num_programs(0)):
-            tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
+        for tile in range(pid, whole_tiles, programs):
             off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
             offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
             # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
             # the store masks them
             xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
             ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
-            acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+            ws_ptrs_hi = ws_ptrs
             if WIDE:
                 ws_ptrs_hi = _scale_ptrs(ws_ptr, off_n + _PRODUCT_N, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N,
                                          W_SCALE_UNIFORM)
-                acc_hi = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
-            for k in range(first, end):
-                s = it % stages
-                mbarrier.wait(ready.index(s), (it // stages) & 1)
-                a = a_bufs.index(2 * s + HALF)
-                b = b_bufs.index(s)
-                if WIDE:
-                    b = b.slice(0, _PRODUCT_N)
-                # a fresh product (zeros as the C operand, not added): holding the previous product's
-                # registers as C instead left the 1x128-weight consumer short of registers (ptxas spills)
-                product = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma),
-                                        use_acc=False, is_async=True)
-                x_s = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
-                w_s = gl.load(ws_ptrs + k * stride_wsk)
-                product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-                if WIDE:
-                    acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
-                    product = warpgroup_mma(a, b_bufs.index(s).slice(_PRODUCT_N, _PRODUCT_N).permute((1, 0)),
-                                            gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False,
-                                            is_async=True)
-                    w_s = gl.load(ws_ptrs_hi + k * stride_wsk)
-                    product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc_hi = _promote(acc_hi, product, x_s, w_s, W_SCALE_UNIFORM)
-                else:
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
-                it += 1
+            acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+            acc, acc_hi, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, ws_ptrs_hi, acc, acc, 0, k_groups,
+                                      it, stride_wsk, mma, W_SCALE_UNIFORM, WIDE, HALF)
             row0 = off_m + HALF * half
-            if SPLIT_TAIL:  # 128-column tiles (WsConfig)
-                store = True
-                if u >= whole_tiles:
-                    acc, store = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows, cols, HALF)
-                if store:
-                    _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
-            else:
-                _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+            _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
             if WIDE:
                 _store(y_ptr, bias_ptr, acc_hi, row0, off_n + _PRODUCT_N, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+        if SPLIT_TAIL:  # 128-column tiles (WsConfig); this program's units past the whole tiles
+            num_units = whole_tiles + (gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n) - whole_tiles) * tail_split
+            for u in range(pid + gl.cdiv(gl.maximum(whole_tiles - pid, 0), programs) * programs, num_units, programs):
+                tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
+                off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
+                offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
+                xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
+                ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
+                acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+                acc, acc_hi, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, ws_ptrs, acc, acc, first, end,
+                                          it, stride_wsk, mma, W_SCALE_UNIFORM, False, HALF)
+                acc, last = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows, cols, HALF)
+                if last:
+                    _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N,
+                           HAS_BIAS)
 
     # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
     # are _consume with HALF 0 and 1.

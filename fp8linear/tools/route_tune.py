@@ -102,7 +102,8 @@ def _label(kernel: str, cfg: Any) -> str:
     if kernel == "cutlass":
         return f"cutlass:{cfg.tile_m}" + (f"k{cfg.splits}" if cfg.splits > 1 else "sk" if cfg.stream_k else "")
     if kernel == "ws":
-        return f"ws:{cfg.block_n}s{cfg.stages}g{cfg.group_m}" + ("p" if cfg.persistent else "")
+        return (f"ws:{cfg.block_n}s{cfg.stages}g{cfg.group_m}" + ("p" if cfg.persistent else "")
+                + (f"t{cfg.tail_split}" if cfg.tail_split > 1 else ""))
     return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
 
 
@@ -276,13 +277,13 @@ def _entry_from_label(label: str) -> dict[str, Any]:
             return {"kernel": "cutlass", "tile_m": int(spec[:-2]), "stream_k": True}
         tile, _, splits = spec.partition("k")
         return {"kernel": "cutlass", "tile_m": int(tile), **({"stream_k": True, "splits": int(splits)} if splits else {})}
-    if label.startswith("ws:"):  # ws:BLOCK_NsSTAGESgGROUP_M, p: persistent
-        spec = label[len("ws:"):]
+    if label.startswith("ws:"):  # ws:BLOCK_NsSTAGESgGROUP_M, p: persistent, tSPLIT: tail_split
+        spec, _, tail_split = label[len("ws:"):].partition("t")
         persistent = spec.endswith("p")
         block_n, rest = spec.rstrip("p").split("s")
         stages, group_m = rest.split("g")
         return {"kernel": "ws", "block_n": int(block_n), "stages": int(stages), "group_m": int(group_m),
-                **({"persistent": True} if persistent else {})}
+                **({"persistent": True} if persistent else {}), **({"tail_split": int(tail_split)} if tail_split else {})}
     if label.startswith("cublas:ws"):
         mib, _, form = label[len("cublas:ws"):].partition(":")
         if form not in ("", "row"):

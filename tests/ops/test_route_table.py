@@ -12,6 +12,7 @@ from fp8linear.ops.configs import GemmConfig
 from fp8linear.ops.cublas_gemm import CublasConfig
 from fp8linear.ops.configs import SplitKConfig
 from fp8linear.ops.cutlass_gemm import CutlassConfig
+from fp8linear.ops.ws_gemm import WsConfig
 
 
 def _doc(routes):
@@ -61,6 +62,12 @@ def test_shipped_tables_parse_and_cover_every_bucket():
      "stream_k must be True"),
     (_doc({"128,256": {"4": {"kernel": "cutlass", "tile_m": 64, "fallback": {"kernel": "tiled"}}}}),
      r"\.fallback: a tiled entry needs field"),
+    (_doc({"128,256": {"4": {"kernel": "ws", "stages": 4, "tail_split": "4", "fallback": {"kernel": "cublas"}}}}),
+     "tail_split must be an integer"),
+    (_doc({"128,256": {"4": {"kernel": "ws", "stages": 4, "tail_split": 0, "fallback": {"kernel": "cublas"}}}}),
+     "tail_split must be an int >= 1"),
+    (_doc({"128,256": {"4": {"kernel": "ws", "block_n": 256, "stages": 4, "tail_split": 2,
+                             "fallback": {"kernel": "cublas"}}}}), "tail_split > 1 needs block_n=128"),
 ])
 def test_bad_tables_are_refused_with_a_reason(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -81,7 +88,10 @@ def test_entries_round_trip():
                route_table.RouteEntry("cutlass", CutlassConfig(128, stream_k=True),
                                       route_table.RouteEntry("cublas", CublasConfig(workspace_mib=32))),
                route_table.RouteEntry("cutlass", CutlassConfig(128, stream_k=True, splits=3),
-                                      route_table.RouteEntry("cublas"))]
+                                      route_table.RouteEntry("cublas")),
+               route_table.RouteEntry("ws", WsConfig(128, 4, persistent=True, tail_split=4),
+                                      route_table.RouteEntry("cublas")),
+               route_table.RouteEntry("ws", WsConfig(256, 3), route_table.RouteEntry("cublas"))]
     doc = _doc({"576,7168": {str(i + 1): route_table.entry_to_json(e) for i, e in enumerate(entries)}})
     parsed = route_table.parse_routes(json.loads(json.dumps(doc)))
     assert [parsed[(576, 7168)][i + 1] for i in range(len(entries))] == entries

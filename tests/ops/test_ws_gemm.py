@@ -37,7 +37,8 @@ def test_config_validation():
 
 @pytest.mark.parametrize("tiles,programs,k_groups,max_split", [
     (160, 132, 56, 8), (272, 132, 56, 16), (132, 132, 56, 8), (80, 132, 56, 8), (160, 132, 5, 8),
-    (136, 132, 56, 64), (289, 132, 17, 8), (51, 132, 18, 8), (160, 132, 3, 8), (1, 1, 1, 8), (7, 4, 9, 3)])
+    (136, 132, 56, 64), (289, 132, 33, 8), (51, 132, 32, 8), (160, 132, 31, 8), (1, 1, 32, 8), (7, 4, 90, 3),
+    (2304, 132, 56, 8), (1188, 132, 56, 8), (1189, 132, 56, 8), (6, 132, 56, 8)])
 def test_tail_plan(tiles, programs, k_groups, max_split):
     """Whole tiles fill whole waves; the tail's K splits cover every K group once, none shorter than
     TAIL_MIN_GROUPS (but the last) nor empty, and run in one wave with the whole tiles' last."""
@@ -45,10 +46,12 @@ def test_tail_plan(tiles, programs, k_groups, max_split):
     tail = tiles - whole
     if split == 1:
         assert (whole, per_split) == (tiles, k_groups)
-        assert tiles % programs == 0 or min(programs // (tiles % programs), k_groups // ws_gemm.TAIL_MIN_GROUPS,
-                                            max_split) < 2
+        assert (tiles % programs == 0 or k_groups < ws_gemm.TAIL_MIN_K_GROUPS
+                or tiles // programs > ws_gemm.TAIL_MAX_WAVES
+                or min(programs // (tiles % programs), k_groups // ws_gemm.TAIL_MIN_GROUPS, max_split) < 2)
         return
     assert whole % programs == 0 and 0 < tail < programs and 2 <= split <= max_split
+    assert k_groups >= ws_gemm.TAIL_MIN_K_GROUPS and whole // programs <= ws_gemm.TAIL_MAX_WAVES
     assert tail * split <= programs  # one tail unit per program at most
     assert per_split >= ws_gemm.TAIL_MIN_GROUPS and (split - 1) * per_split < k_groups <= split * per_split
 
@@ -59,6 +62,9 @@ def test_tail_plan_examples():
     assert ws_gemm.tail_plan(160, 132, 56, 1) == (160, 1, 56)  # no split asked for
     assert ws_gemm.tail_plan(264, 132, 56, 8) == (264, 1, 56)  # whole waves
     assert ws_gemm.tail_plan(100, 132, 56, 8) == (100, 1, 56)  # 100 tiles on 132 SMs: 1 split each
+    assert ws_gemm.tail_plan(160, 132, 18, 8) == (160, 1, 18)  # K = 2304: the split costs more than it saves
+    assert ws_gemm.tail_plan(2304, 132, 56, 8) == (2304, 1, 56)  # 17 whole waves
+    assert ws_gemm.tail_plan(40, 132, 56, 4) == (0, 3, 19)  # one partial wave: every tile split
 
 
 def test_device_rule(monkeypatch):
@@ -230,8 +236,8 @@ def _splits(m, n, k, cfg):
 @pytest.mark.gpu
 @needs_ws
 @pytest.mark.parametrize("gran", ["block", "tensor"])
-@pytest.mark.parametrize("m,n,k", [(4096, 576, 7168), (2049, 2112, 7168), (333, 2112, 576), (1000, 2112, 2112),
-                                   (4093, 576, 2304)])
+@pytest.mark.parametrize("m,n,k", [(4096, 576, 7168), (2049, 2112, 7168), (333, 2112, 4096), (1000, 2112, 4160),
+                                   (4093, 576, 4224)])
 def test_split_tail(gran, m, n, k):
     """Shapes whose last wave is split along K (asserted on this GPU's SM count): against the
     reference, deterministic, the whole tiles bit for bit the unsplit kernel's, and the counters
@@ -279,7 +285,7 @@ def test_bias_and_output_dtypes(out, gran):
     from fp8linear.reference import block_fp8_matmul_ref
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 2304, gran, True, gen)
+    x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 4096, gran, True, gen)  # 51 tiles, 2 splits each
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
     for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True), WsConfig(persistent=True, tail_split=8)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
