@@ -45,7 +45,8 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
 except ImportError:  # no Triton or no Gluon: the router never picks this kernel
     HAS_GLUON_WS = False
 
-__all__ = ["HAS_GLUON_WS", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+__all__ = ["HAS_GLUON_WS", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan",
+           "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -374,7 +375,8 @@ if HAS_GLUON_WS:
     # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
     # are _consume with HALF 0 and 1.
     @gluon.jit
-    def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                       part_ptr, count_ptr,
                        M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                        stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                        GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
@@ -383,7 +385,8 @@ if HAS_GLUON_WS:
                  WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 0)
 
     @gluon.jit
-    def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                        part_ptr, count_ptr,
                         M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                         stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                         GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
