@@ -355,3 +355,37 @@ def test_routed_forward_runs_it():
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(captured, functional)
+
+
+@pytest.mark.gpu
+@needs_ws
+def test_routed_split_tail_in_a_captured_layer():
+    """A layer whose routed WS launch splits its last wave (1000x2112x4160: 136 tiles, 33 K groups):
+    captured in a CUDA graph it counts in the layer's own counters (no memset in the graph), leaves
+    them at zero, and gives the functional path's bits; its eager plans (the tiled kernel) agree with
+    the float64 reference."""
+    import fp8linear
+    from fp8linear.reference import block_fp8_matmul_ref
+    from fp8linear.ops import router
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    m, n, k = 1000, 2112, 4160
+    assert _splits(m, n, k, router.WS_CONFIG) > 1
+    layer = fp8linear.Fp8BlockLinear.from_linear(torch.nn.Linear(k, n, bias=True, dtype=BF16, device="cuda"),
+                                                 backend="triton")
+    route = router.route_linear(torch.device("cuda"), m, n, k, "block", FP8, BF16, layer.bias, False, True,
+                                weight_contiguous=True)
+    assert route == router.Route("ws", router.WS_CONFIG)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+    functional = fp8linear.fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="triton")
+    graph, captured = capture_graph(layer, x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(captured, functional)
+    assert int(layer._split_k_counters.abs().sum()) == 0
+    x_q, x_s = fp8linear.quantize_activation(x, fp8_dtype=FP8, backend="triton")
+    ref = block_fp8_matmul_ref(x_q, x_s, layer.weight, layer.weight_scale_inv, torch.float64, layer.bias)
+    assert rel_err(functional, ref) < KERNEL_GEMM_TOL[BF16]
+    eager = [layer(x) for _ in range(3)]  # unplanned, planning, planned: the tiled kernel
+    assert all(rel_err(y, ref) < KERNEL_GEMM_TOL[BF16] for y in eager)
+
