@@ -107,6 +107,14 @@ def parse_entry(raw: Any, where: str = "routes table entry") -> RouteEntry:
     return _entry(raw, where)
 
 
+def _typed_field(raw: dict, name: str, default: Any, kind: type) -> Any:
+    """raw[name] (else `default`), which must be a JSON bool or integer (`kind`), exactly."""
+    value = raw.get(name, default)
+    if type(value) is not kind:
+        raise ValueError(f"{name} must be {'true or false' if kind is bool else 'an integer'}, got {value!r}")
+    return value
+
+
 def _kernel_entry(raw: Any, where: str) -> RouteEntry:
     if not isinstance(raw, dict) or raw.get("kernel") not in ROUTE_KERNELS:
         raise ValueError(f"{where}: an entry is an object with kernel in {ROUTE_KERNELS}, got {raw!r}")
@@ -122,38 +130,23 @@ def _kernel_entry(raw: Any, where: str) -> RouteEntry:
                 raise ValueError(f"a {kernel} entry's fallback is an entry of a kernel not in {OPTIONAL_KERNELS}, "
                                  f"got {fallback!r}")
         if kernel == "ws":
-            persistent = raw.get("persistent", False)
-            if type(persistent) is not bool:
-                raise ValueError(f"persistent must be true or false, got {persistent!r}")
-            tail_split = raw.get("tail_split", 1)
-            if type(tail_split) is not int:
-                raise ValueError(f"tail_split must be an integer, got {tail_split!r}")
             return RouteEntry(kernel, WsConfig(block_n=int(raw.get("block_n", 128)), stages=int(raw["stages"]),
-                                               group_m=int(raw.get("group_m", 8)), persistent=persistent,
-                                               tail_split=tail_split),
+                                               group_m=int(raw.get("group_m", 8)),
+                                               persistent=_typed_field(raw, "persistent", False, bool),
+                                               tail_split=_typed_field(raw, "tail_split", 1, int)),
                               _entry(raw["fallback"], f"{where}.fallback"))
         if kernel == "cutlass":
-            fallback = raw["fallback"]
-            stream_k = raw.get("stream_k", False)
-            if type(stream_k) is not bool:
-                raise ValueError(f"stream_k must be true or false, got {stream_k!r}")
-            splits = raw.get("splits", 1)
-            if type(splits) is not int:
-                raise ValueError(f"splits must be an integer, got {splits!r}")
-            return RouteEntry(kernel, CutlassConfig(tile_m=int(raw["tile_m"]), stream_k=stream_k, splits=splits),
-                              _entry(fallback, f"{where}.fallback"))
+            config = CutlassConfig(tile_m=int(raw["tile_m"]), stream_k=_typed_field(raw, "stream_k", False, bool),
+                                   splits=_typed_field(raw, "splits", 1, int))
+            return RouteEntry(kernel, config, _entry(raw["fallback"], f"{where}.fallback"))
         if kernel == "splitk":
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                    split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
                                                    num_stages=int(raw["num_stages"])))
         if "workspace_mib" in raw or "row_scales" in raw:
-            mib = raw.get("workspace_mib", CublasConfig.workspace_mib)
-            if type(mib) is not int:
-                raise ValueError(f"workspace_mib must be an integer, got {mib!r}")
-            rows = raw.get("row_scales", False)
-            if type(rows) is not bool:
-                raise ValueError(f"row_scales must be true or false, got {rows!r}")
-            return RouteEntry(kernel, CublasConfig(workspace_mib=mib, row_scales=rows))
+            config = CublasConfig(workspace_mib=_typed_field(raw, "workspace_mib", CublasConfig.workspace_mib, int),
+                                  row_scales=_typed_field(raw, "row_scales", False, bool))
+            return RouteEntry(kernel, config)
     except KeyError as e:
         raise ValueError(f"{where}: a {kernel} entry needs field {e.args[0]!r}, got {raw!r}") from None
     except (TypeError, ValueError) as e:
