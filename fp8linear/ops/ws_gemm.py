@@ -108,7 +108,7 @@ class WsConfig:
 # microseconds (partials through L2, a GPU-scope fence and a second pass for the last program) and
 # its whole tiles ran 3-5% slower at short K. H100 and H200, benchmarks/ws_gemm_ab.py
 # (wsp128s4 against wsp128s4t4/t8/t16) and a probe with the counters handed in, CUDA graphs:
-# - K = 7168 with at most 8 whole waves: 0.84-0.97x (576x7168 M=4096 50.8 against 57.6 us, 1536x7168
+# - K = 7168 with at most 8 whole waves: 0.83-0.97x (576x7168 M=4096 50.8 against 57.6 us, 1536x7168
 #   M=3000 78.7 against 88.9, 2112x7168 M=2048 77.3 against 85.8 with 4 splits, 81.4 with 8, 92.0
 #   with 16: the last program sums every split's partial);
 # - K = 7168 at 17-27 waves (18432x7168 M=2048, 3000): 1.00-1.01x; K <= 2048: 1.04-2.0x
