@@ -48,7 +48,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   for callers other than eager plans (CUDA graphs, torch.compile, the functional ops); and where a
   routes table names it: the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`,
   WS_CONFIG: persistent; the tiled kernel's bits but where it splits a last wave of long-K tiles
-  along K, whose tiles it sums in split order);
+  along K, whose tiles it sums in split order; :func:`ws_config`: 128x256 tiles at long K where they
+  fill their waves);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
   MID_M_CONFIG where 128x128 tiles leave SMs idle).
@@ -124,6 +125,9 @@ __all__ = [
     "WS_MIN_M",
     "WS_MIN_ROW_FILL",
     "WS_MIN_TILES_PER_SM",
+    "WS_WIDE_CONFIG",
+    "WS_WIDE_MIN_K",
+    "WS_WIDE_TILE_COST",
     "Route",
     "act_quant_launch",
     "align_on_kernel",
@@ -153,6 +157,7 @@ __all__ = [
     "use_fused_gemv",
     "use_pdl",
     "use_persistent",
+    "ws_config",
 ]
 
 
@@ -299,9 +304,9 @@ PERSISTENT_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=
 # Over the 73 cases of those runs the rule selects: 0.57-0.995x the replaced route (geomean 0.80).
 # Its persistent programs (one per SM) load a tile's first K groups while they store the last one;
 # one program per tile (WsConfig(persistent=False)) took 0.98-1.68x the time (geomean 1.16), 3 slots
-# 1.06x and 6 slots 1.05x of 4. 256-column tiles spill (ptxas) and took 1.7-2x the time. A last,
-# partly filled wave of long-K tiles is split along K into up to 4 pieces (ws_gemm.tail_plan: 8 and 16
-# were slower at 2112x7168 M=1024-2048, where the last program sums every piece).
+# 1.06x and 6 slots 1.05x of 4. A last, partly filled wave of long-K tiles is split along K into up to
+# 4 pieces (ws_gemm.tail_plan: 8 and 16 were slower at 2112x7168 M=1024-2048, where the last program
+# sums every piece).
 # Eager callers keep the tiled kernel: its plan launches it prepared (raw addresses, 26-28 us of host
 # time a call), while the warp-specialized kernel goes through Gluon's launcher with two TMA
 # descriptors made per call: H100, benchmarks/eager_ws_ab.py (CUTLASS off), eager wall 4.00x at
@@ -311,6 +316,19 @@ WS_MIN_ROW_FILL = 0.75
 WS_MIN_K = 512  # the shortest K measured (32768x512)
 WS_MIN_TILES_PER_SM = 0.5
 WS_CONFIG = WsConfig(block_n=128, stages=4, persistent=True, tail_split=4)
+# 128x256 tiles (WS_WIDE_CONFIG) move a quarter less through L2 per product, and so are faster where
+# that bounds the 128-column kernel: long K and enough tiles. H100, CUDA graphs, the kernels alone
+# (as benchmarks/ws_gemm_ab.py times them, wsp256s4 against wsp128s4t4), 11 shapes x M 256-8192:
+# 0.82-0.98x at K >= 4096 where the 256-column tiles fill their waves (18432x7168 M=8192 2039 against
+# 2477 us, 8192x28672 M=1024 434 against 522), 1.0-2.4x where they do not (576x7168: 3 column tiles
+# for 576 columns; 8192x28672 M=256: 64 tiles on 132 SMs) and 0.95-1.12x at K <= 2048. The rule: K >=
+# WS_WIDE_MIN_K, at least a wave of 256-column tiles, and their waves (each counted whole) times
+# WS_WIDE_TILE_COST fewer than the 128-column tiles' waves; over the 66 cases it selects 23 at 0.82-1.06x
+# (geomean 0.944; 7168x16384 M=1024 the worst, 246.5 against 231.7 us).
+WS_WIDE_CONFIG = WsConfig(block_n=256, stages=4, persistent=True)
+WS_WIDE_MIN_K = 4096
+# Time of a 128x256 tile in 128x128 tiles' time: 2 x 0.88, the per-tile gain at 8 or more waves.
+WS_WIDE_TILE_COST = 1.76
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
 LONG_SPLITK_K = 8192
@@ -626,7 +644,17 @@ def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k:
     if route.kernel not in ("tiled", "persistent") or route.pdl or not _ws_rule(device, m, n, k, granularity,
                                                                                  operands_ok):
         return route
-    return Route("ws", WS_CONFIG)
+    return Route("ws", ws_config(device, m, n, k))
+
+
+def ws_config(device: torch.device, m: int, n: int, k: int) -> WsConfig:
+    """The warp-specialized kernel's config for a GEMM of 128x128 weights without a table entry:
+    128x256 tiles where WS_WIDE_MIN_K and their waves say so (see WS_WIDE_CONFIG), else WS_CONFIG."""
+    sms = sm_count(device)
+    narrow, wide = _tiles(m, n, 128, 128), _tiles(m, n, 128, 256)
+    if k >= WS_WIDE_MIN_K and wide >= sms and _cdiv(wide, sms) * WS_WIDE_TILE_COST < _cdiv(narrow, sms):
+        return WS_WIDE_CONFIG
+    return WS_CONFIG
 
 
 def _ws_rule(device: torch.device, m: int, n: int, k: int, granularity: str, operands_ok: bool) -> bool:

@@ -3,8 +3,8 @@
 y = dequant(x) @ dequant(w).T (+ bias), the tiled kernel's numerics (each 128-wide K group's
 tensor-core product promoted into an fp32 accumulator with :func:`~fp8linear.ops.gemm_common.promote`'s
 arithmetic), scheduled as DeepGEMM does on Hopper. A program computes output tiles of 128 rows
-and 128 (or 256: slower, see the router's WS_MIN_M comment) columns, one per program or, persistent,
-one program per SM walking the tiles in grouped order, with three partitions of warps:
+and 128 or 256 columns, one per program or, persistent, one program per SM walking the tiles in grouped
+order, with three partitions of warps:
 
 - a producer warp streams the K groups of x (two 64-row boxes) and w of the program's tiles through
   a ring of STAGES shared-memory slots with TMA (zero-filled past M, N and K), each slot guarded by
@@ -12,7 +12,8 @@ one program per SM walking the tiles in grouped order, with three partitions of 
   it); the ring runs on across tiles, so a tile's first groups load while the last one is stored;
 - two consumer warpgroups each own 64 rows of a tile: they wait for a slot, multiply on the
   tensor cores (WGMMA), release the slot, and promote the product into their accumulator; then
-  store their rows through shared memory, 16 contiguous bytes a thread.
+  store their rows through shared memory, 16 contiguous bytes a thread. A 256-column tile is four
+  64-column products per K group, each started before the one before it is promoted.
 
 The two consumers run independently, so one's promotion on the CUDA cores overlaps the other's
 tensor-core work, which the `tl` kernel (one instruction stream, ``wgmma.wait_group 0`` before
@@ -58,6 +59,13 @@ _PRODUCT_COLS = 128
 # warpgroup keeps 24 a thread (the minimum; it only issues TMA), the two consumer warpgroups get
 # 240 each, what is left.
 _MAXNREG = 168
+# Columns of one tensor-core product of a 256-column tile: four 64x64 fp32 products (32 registers a
+# thread each, two in flight) into four 64x64 accumulators: 192 registers of the 240, no spills with
+# 128x128 or per-tensor weight scales (1x128 weights' per-column scales spill: the routes tables
+# name 256-column tiles for 128x128 weights only). Each K group then moves 48 KB through L2 for a
+# 128x256 tile against 64 KB for two 128x128 tiles, which is what bounds the 128-column kernel on
+# long K (H100, ncu, 18432x7168 M=4096: L2 throughput 86%, tensor pipe 53%).
+_CHUNK_COLS = 64
 
 
 class WsConfig:
@@ -163,6 +171,8 @@ def ws_device_ok(device: torch.device) -> bool:
 
 if HAS_GLUON_WS:
     _PRODUCT_N: tl.constexpr = tl.constexpr(_PRODUCT_COLS)
+    _CHUNK_N: tl.constexpr = tl.constexpr(_CHUNK_COLS)
+    _HALF_ROWS: tl.constexpr = tl.constexpr(_HALF_M)
 
     @gluon.jit
     def _tile_offsets(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
@@ -282,40 +292,88 @@ if HAS_GLUON_WS:
         return acc, last
 
     @gluon.jit
-    def _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, ws_ptrs_hi, acc, acc_hi, first, end, it, stride_wsk,
-                mma: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, WIDE: gl.constexpr, HALF: gl.constexpr):
-        """K groups first .. end-1 of a consumer's tile into (acc, acc_hi: columns 128-255 of a WIDE
-        tile, else passed through), the ring's slots taken from counter `it` on; -> (acc, acc_hi, it)."""
+    def _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk, mma: gl.constexpr,
+                W_SCALE_UNIFORM: gl.constexpr, HALF: gl.constexpr):
+        """K groups first .. end-1 of a consumer's rows of a 128-column tile into acc, the ring's slots
+        taken from counter `it` on; -> (acc, it)."""
         stages: gl.constexpr = b_bufs.type.shape[0]
         half: gl.constexpr = acc.shape[0]
         for k in range(first, end):
             s = it % stages
             mbarrier.wait(ready.index(s), (it // stages) & 1)
-            a = a_bufs.index(2 * s + HALF)
-            b = b_bufs.index(s)
-            if WIDE:
-                b = b.slice(0, _PRODUCT_N)
             # a fresh product (zeros as the C operand, not added): holding the previous product's
             # registers as C instead left the 1x128-weight consumer short of registers (ptxas spills)
-            product = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma),
-                                    use_acc=False, is_async=True)
+            product = warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)),
+                                    gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False, is_async=True)
             x_s = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
             w_s = gl.load(ws_ptrs + k * stride_wsk)
             product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-            if WIDE:
-                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
-                product = warpgroup_mma(a, b_bufs.index(s).slice(_PRODUCT_N, _PRODUCT_N).permute((1, 0)),
-                                        gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False,
-                                        is_async=True)
-                w_s = gl.load(ws_ptrs_hi + k * stride_wsk)
-                product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc_hi = _promote(acc_hi, product, x_s, w_s, W_SCALE_UNIFORM)
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-                acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
             it += 1
-        return acc, acc_hi, it
+        return acc, it
+
+    @gluon.jit
+    def _chunk_product(a, b, s_chunk: gl.constexpr, zeros):
+        """Start the 64x64 product of consumer rows `a` with columns 64*s_chunk .. +63 of the ring slot's
+        weight tile `b` (asynchronous; warpgroup_mma_wait gives it)."""
+        return warpgroup_mma(a, b.slice(s_chunk * _CHUNK_N, _CHUNK_N).permute((1, 0)), zeros, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
+    def _wide_tile(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, off_m, off_n, M, N, k_groups, it,
+                   stride_xsm, stride_wsn, stride_wsk, stride_ym, WS_GROUP_N: gl.constexpr,
+                   W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr):
+        """Consumer HALF's rows of a 128x256 tile: per K group four 64-column products, each started
+        before the last one is promoted (two in flight), into four 64x64 accumulators; then the store.
+        -> the ring counter after the tile's groups."""
+        stages: gl.constexpr = b_bufs.type.shape[0]
+        half: gl.constexpr = _HALF_ROWS
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _CHUNK_N, 32])
+        rows: gl.constexpr = gl.SliceLayout(1, mma)
+        cols: gl.constexpr = gl.SliceLayout(0, mma)
+        offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
+        xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
+        ws0 = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
+        ws1 = _scale_ptrs(ws_ptr, off_n + _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
+        ws2 = _scale_ptrs(ws_ptr, off_n + 2 * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
+        ws3 = _scale_ptrs(ws_ptr, off_n + 3 * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
+        zeros = gl.zeros([half, _CHUNK_N], gl.float32, layout=mma)
+        acc0 = zeros
+        acc1 = zeros
+        acc2 = zeros
+        acc3 = zeros
+        for k in range(0, k_groups):
+            s = it % stages
+            mbarrier.wait(ready.index(s), (it // stages) & 1)
+            a = a_bufs.index(2 * s + HALF)
+            b = b_bufs.index(s)
+            p0 = _chunk_product(a, b, 0, zeros)
+            x_s = gl.load(xs_ptrs + k)
+            w0 = gl.load(ws0 + k * stride_wsk)
+            p1 = _chunk_product(a, b, 1, zeros)
+            p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+            acc0 = _promote(acc0, p0, x_s, w0, W_SCALE_UNIFORM)
+            p2 = _chunk_product(a, b, 2, zeros)
+            w1 = gl.load(ws1 + k * stride_wsk)
+            p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+            acc1 = _promote(acc1, p1, x_s, w1, W_SCALE_UNIFORM)
+            p3 = _chunk_product(a, b, 3, zeros)
+            w2 = gl.load(ws2 + k * stride_wsk)
+            p2 = warpgroup_mma_wait(num_outstanding=1, deps=(p2,))
+            acc2 = _promote(acc2, p2, x_s, w2, W_SCALE_UNIFORM)
+            w3 = gl.load(ws3 + k * stride_wsk)
+            p3 = warpgroup_mma_wait(num_outstanding=0, deps=(p3,))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc3 = _promote(acc3, p3, x_s, w3, W_SCALE_UNIFORM)
+            it += 1
+        row0 = off_m + HALF * half
+        _store(y_ptr, bias_ptr, acc0, row0, off_n, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+        _store(y_ptr, bias_ptr, acc1, row0, off_n + _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+        _store(y_ptr, bias_ptr, acc2, row0, off_n + 2 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+        _store(y_ptr, bias_ptr, acc3, row0, off_n + 3 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+        return it
 
     @gluon.jit
     def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
@@ -324,8 +382,7 @@ if HAS_GLUON_WS:
                  GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, HALF: gl.constexpr):
         """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's whole tiles, every K
         group, then the tile's store; then, with SPLIT_TAIL, its tail units (_sum_splits). A tile 256
-        columns wide is two 128-column products per K group, one after the other into the same
-        registers (64x256 fp32 accumulators plus one 64x128 product fit; two products would not)."""
+        columns wide runs :func:`_wide_tile`."""
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
         block_n: gl.constexpr = w_desc.block_type.shape[0]
@@ -340,22 +397,20 @@ if HAS_GLUON_WS:
         it = 0  # K groups consumed by this program so far, as the producer counts them
         for tile in range(pid, whole_tiles, programs):
             off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
-            offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
-            # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
-            # the store masks them
-            xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
-            ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
-            ws_ptrs_hi = ws_ptrs
             if WIDE:
-                ws_ptrs_hi = _scale_ptrs(ws_ptr, off_n + _PRODUCT_N, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N,
-                                         W_SCALE_UNIFORM)
-            acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
-            acc, acc_hi, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, ws_ptrs_hi, acc, acc, 0, k_groups,
-                                      it, stride_wsk, mma, W_SCALE_UNIFORM, WIDE, HALF)
-            row0 = off_m + HALF * half
-            _store(y_ptr, bias_ptr, acc, row0, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
-            if WIDE:
-                _store(y_ptr, bias_ptr, acc_hi, row0, off_n + _PRODUCT_N, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+                it = _wide_tile(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, off_m, off_n, M, N,
+                                k_groups, it, stride_xsm, stride_wsn, stride_wsk, stride_ym, WS_GROUP_N,
+                                W_SCALE_UNIFORM, HAS_BIAS, HALF)
+            else:
+                offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
+                # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
+                # the store masks them
+                xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
+                ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
+                acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+                acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, 0, k_groups, it, stride_wsk,
+                                  mma, W_SCALE_UNIFORM, HALF)
+                _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
         if SPLIT_TAIL:  # 128-column tiles (WsConfig); this program's units past the whole tiles
             num_units = whole_tiles + (gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n) - whole_tiles) * tail_split
             for u in range(pid + gl.cdiv(gl.maximum(whole_tiles - pid, 0), programs) * programs, num_units, programs):
@@ -365,8 +420,8 @@ if HAS_GLUON_WS:
                 xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
                 ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
                 acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
-                acc, acc_hi, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, ws_ptrs, acc, acc, first, end,
-                                          it, stride_wsk, mma, W_SCALE_UNIFORM, False, HALF)
+                acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk, mma,
+                                  W_SCALE_UNIFORM, HALF)
                 acc, last = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows, cols, HALF)
                 if last:
                     _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N,

@@ -128,13 +128,42 @@ def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
     for route in (gemm, whole):
         assert (route.kernel == "ws") is ws, route
         if ws:
-            assert route.config == router.WS_CONFIG
+            assert route.config == router.ws_config(dev, m, n, k)
     # eager plans keep the tiled kernel's prepared launch (router: WS_MIN_M's comment)
     eager = router.route_linear(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, eager=True,
                                 weight_contiguous=operands_ok)
     assert eager.kernel != "ws", eager
     monkeypatch.setattr(router, "ws_device_ok", lambda device: False)  # not a Hopper GPU
     assert router.route_gemm(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, operands_ok).kernel != "ws"
+
+
+@pytest.mark.parametrize("m,n,k,wide", [
+    (8192, 8192, 28672, True),  # 4096 tiles of 128x128: 32 waves against 16 of 128x256 tiles
+    (1024, 8192, 28672, True),  # 512 tiles: 4 waves against 2
+    (333, 18432, 7168, True),  # 432 tiles: 4 waves against 2
+    (8192, 1536, 7168, True),  # 768 tiles: 6 waves against 3
+    (4096, 7168, 7168, True),
+    (4096, 7168, 4096, True),  # K = WS_WIDE_MIN_K
+    (4096, 7168, 3968, False),  # below WS_WIDE_MIN_K
+    (4096, 24576, 1536, False),  # short K
+    (256, 8192, 28672, False),  # 64 tiles of 128x256: under a wave
+    (4096, 576, 7168, False),  # 96 tiles of 128x256, 576 columns in 768
+    (4096, 1536, 7168, False),  # 384 tiles: 3 waves against 2 of the wider tiles, 2 x 1.76 > 3
+    (2048, 7168, 16384, False),  # 896 tiles: 7 waves against 4, 4 x 1.76 > 7
+])
+def test_wide_tile_rule(monkeypatch, m, n, k, wide):
+    """Where the warp-specialized kernel runs without a table entry, 128x256 tiles at long K where
+    their waves (at WS_WIDE_TILE_COST each) beat the 128-column tiles' (router: WS_WIDE_CONFIG)."""
+    from fp8linear.ops import router
+
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    cfg = router.ws_config(torch.device("cpu"), m, n, k)
+    assert cfg == (router.WS_WIDE_CONFIG if wide else router.WS_CONFIG)
+    assert router.WS_WIDE_CONFIG.block_n == 256 and router.WS_WIDE_CONFIG.tail_split == 1
+    monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
+    monkeypatch.setattr(router, "lookup_route", lambda *a: None)
+    route = router.route_gemm(torch.device("cpu"), m, n, k, "block", FP8, BF16, None, False, True, True)
+    assert route.kernel != "ws" or route.config == cfg, route
 
 
 def test_rule_replaces_the_persistent_kernel_but_not_split_k_or_cublas(monkeypatch):
