@@ -352,34 +352,41 @@ def _best_entry(us: dict[str, float], held: dict[str, Any] | None = None) -> dic
     one as its fallback); where that is cuBLAS, with the fastest of our kernels (``ours``: tiled or
     split-K, or the warp-specialized kernel by the same margin, with that one as its fallback) for
     callers cuBLAS is not allowed to serve. `held`: the table's entry for this case, whose kernels
-    stay where the fastest other candidate is within OPTIONAL_MIN_GAIN of them (re-timing moves
-    times by the timer's spread; an entry should change only for a measured gain)."""
+    (and whose ``ours``' kernels) stay where the fastest other candidate is within OPTIONAL_MIN_GAIN
+    of them (re-timing moves times by the timer's spread; an entry should change only for a measured
+    gain)."""
     def optional(label: str) -> bool:
         return label.startswith(tuple(CHALLENGERS.values()))
 
     others = [(v, lab) for lab, v in us.items() if lab != "bf16" and not optional(lab)]
     if not others:
         raise ValueError(f"no kernel but optional ones was timed ({sorted(us)}): their entries need a fallback")
+    entry = _pick(others, [(v, lab) for lab, v in us.items() if optional(lab)], _held_labels(held))
+    ours = [(v, lab) for lab, v in us.items() if lab.startswith(("tiled:", "splitk:"))]
+    if entry.get("fallback", entry)["kernel"] == "cublas" and ours:
+        ws = [(v, lab) for lab, v in us.items() if lab.startswith(CHALLENGERS["ws"])]
+        entry["ours"] = _pick(ours, ws, _held_labels((held or {}).get("ours")))
+    return entry
+
+
+def _pick(others: list[tuple[float, str]], opt: list[tuple[float, str]],
+          held: tuple[str | None, str | None]) -> dict[str, Any]:
+    """An entry from (us, label) pairs: the fastest of `others`, or of `opt` (optional kernels) with
+    that one as its fallback where it is faster by OPTIONAL_MIN_GAIN; `held` (the table's (other,
+    optional) labels) stay while within OPTIONAL_MIN_GAIN of the fastest."""
+    us = dict((lab, v) for v, lab in others + opt)
     other_us, other = min(others)
-    held_other, held_opt = _held_labels(held)
-    if held_other in us and OPTIONAL_MIN_GAIN * us[held_other] <= other_us:
+    held_other, held_opt = held
+    if held_other in dict((lab, v) for v, lab in others) and OPTIONAL_MIN_GAIN * us[held_other] <= other_us:
         other_us, other = us[held_other], held_other  # the fastest is within the timer's spread of it
     entry = {**_entry_from_label(other), "us": round(other_us, 2)}
-    opt = [(v, lab) for lab, v in us.items() if optional(lab)]
-    if held_opt in us and us[held_opt] < other_us and OPTIONAL_MIN_GAIN * us[held_opt] <= min(opt)[0]:
+    if held_opt in dict((lab, v) for v, lab in opt) and us[held_opt] < other_us and (
+            OPTIONAL_MIN_GAIN * us[held_opt] <= min(opt)[0]):
         # the table's optional kernel stays while faster than the fallback and within the spread of the fastest
         entry = {**_entry_from_label(held_opt), "us": round(us[held_opt], 2), "fallback": entry}
     elif opt and min(opt)[0] < OPTIONAL_MIN_GAIN * other_us:
         opt_us, label = min(opt)
         entry = {**_entry_from_label(label), "us": round(opt_us, 2), "fallback": entry}
-    ours = [(v, lab) for lab, v in us.items() if lab.startswith(("tiled:", "splitk:"))]
-    if entry.get("fallback", entry)["kernel"] == "cublas" and ours:
-        ours_us, label = min(ours)
-        entry["ours"] = {**_entry_from_label(label), "us": round(ours_us, 2)}
-        ws = [(v, lab) for lab, v in us.items() if lab.startswith(CHALLENGERS["ws"])]
-        if ws and min(ws)[0] < OPTIONAL_MIN_GAIN * ours_us:
-            ws_us, label = min(ws)
-            entry["ours"] = {**_entry_from_label(label), "us": round(ws_us, 2), "fallback": entry["ours"]}
     return entry
 
 

@@ -234,6 +234,29 @@ def test_a_table_entry_stays_unless_beaten_by_the_margin():
     assert fresh["kernel"] == "splitk"  # CUTLASS 2% faster than split-K: no entry; the table's stays above
 
 
+def test_a_table_entrys_ours_stays_unless_beaten_by_the_margin():
+    """An entry on cuBLAS keeps its ``ours`` (the warp-specialized kernel and its fallback) where
+    re-timing puts another of our kernels within OPTIONAL_MIN_GAIN of it, and changes for a larger gain."""
+    ws128, ws256 = "ws:128s4g8pt4", "ws:256s4g8p"
+    base = route_tune.build_table([{"n": 7168, "k": 16384, "m": mm, "heuristic": "cublas",
+                                    "us": {"bf16": 90.0, "cublas": 50.0, "tiled:64x64x128w4s4g8": 80.0, ws128: 70.0}}
+                                   for mm in (160, 192)], "X", {})
+    assert base["routes"]["7168,16384"]["160"]["ours"]["kernel"] == "ws"
+    rows = [  # WS now 1.3% faster than tiled only, another WS config 0.6% faster than it: both kept
+        {"n": 7168, "k": 16384, "m": 160, "heuristic": "cublas",
+         "us": {"bf16": 90.0, "cublas": 50.0, "tiled:64x64x128w4s4g8": 79.0, ws128: 78.0, ws256: 77.5}},
+        # another WS config 5% faster, a split-K 4% faster than the tiled fallback: both replaced
+        {"n": 7168, "k": 16384, "m": 192, "heuristic": "cublas",
+         "us": {"bf16": 90.0, "cublas": 50.0, "tiled:64x64x128w4s4g8": 80.0, "splitk:64x64x2w4s4": 76.8,
+                ws128: 70.0, ws256: 66.5}}]
+    routes = route_tune.build_table(rows, "X", {}, base=base, merge_ms=True)["routes"]["7168,16384"]
+    assert routes["160"]["ours"] == {**route_tune._entry_from_label(ws128), "us": 78.0,
+                                     "fallback": {**route_tune._entry_from_label("tiled:64x64x128w4s4g8"), "us": 79.0}}
+    assert routes["192"]["ours"]["block_n"] == 256 and routes["192"]["ours"]["fallback"]["kernel"] == "splitk"
+    fresh = route_tune.build_table(rows, "X", {})["routes"]["7168,16384"]["160"]  # without the base
+    assert fresh["ours"]["kernel"] == "tiled"  # WS 1.9% faster than tiled: not by the margin
+
+
 def test_challengers_merge_per_m():
     """--challengers re-times some Ms of a shape: its entries at the other Ms stay (merge_ms)."""
     base = route_tune.build_table([{"n": 576, "k": 7168, "m": mm, "heuristic": "cublas",
