@@ -325,7 +325,11 @@ WS_CONFIG = WsConfig(block_n=128, stages=4, persistent=True, tail_split=4)
 # WS_WIDE_MIN_K, at least a wave of 256-column tiles, and their waves (each counted whole) times
 # WS_WIDE_TILE_COST fewer than the 128-column tiles' waves; over the 66 cases it selects 23 at 0.82-1.06x
 # (geomean 0.944; 7168x16384 M=1024 the worst, 246.5 against 231.7 us).
-WS_WIDE_CONFIG = WsConfig(block_n=256, stages=4, persistent=True)
+# Their last, partly filled wave is split along K too (tail_split): over 96 cases of 12 shapes at M
+# 256-8192 (H100, benchmarks/ws_gemm_ab.py, wsp256s4t4 and wsp256s4 against wsp128s4t4), in the 32
+# the rule selects, 0.946x the 128-column kernel's time split against 0.950x unsplit (geomean),
+# 7168x16384 M=3000 0.955x against 1.054x, 3584x18944 M=8192 0.837x against 0.862x.
+WS_WIDE_CONFIG = WsConfig(block_n=256, stages=4, persistent=True, tail_split=4)
 WS_WIDE_MIN_K = 4096
 # Time of a 128x256 tile in 128x128 tiles' time: 2 x 0.88, the per-tile gain at 8 or more waves.
 WS_WIDE_TILE_COST = 1.76

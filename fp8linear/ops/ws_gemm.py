@@ -74,7 +74,7 @@ class WsConfig:
     persistent (one program per SM looping over the tiles, so the loads of a program's next tile
     overlap the store of its last one and no program starts cold) or one program per tile, and
     `tail_split`: the most K splits of a tile of the last, partly filled wave (1: none; see
-    :func:`tail_plan`; 128-column tiles only)."""
+    :func:`tail_plan`)."""
 
     __slots__ = ("block_n", "stages", "group_m", "persistent", "tail_split")
 
@@ -90,8 +90,6 @@ class WsConfig:
             raise TypeError(f"WsConfig.persistent must be a bool, got {type(persistent).__name__}")
         if type(tail_split) is not int or tail_split < 1:
             raise ValueError(f"WsConfig.tail_split must be an int >= 1, got {tail_split!r}")
-        if tail_split > 1 and block_n != _PRODUCT_COLS:
-            raise ValueError(f"WsConfig.tail_split > 1 needs block_n={_PRODUCT_COLS}, got block_n={block_n}")
         self.block_n = block_n
         self.stages = stages
         self.group_m = group_m
@@ -321,12 +319,23 @@ if HAS_GLUON_WS:
                              is_async=True)
 
     @gluon.jit
-    def _wide_tile(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, off_m, off_n, M, N, k_groups, it,
-                   stride_xsm, stride_wsn, stride_wsk, stride_ym, WS_GROUP_N: gl.constexpr,
-                   W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr):
-        """Consumer HALF's rows of a 128x256 tile: per K group four 64-column products, each started
-        before the last one is promoted (two in flight), into four 64x64 accumulators; then the store.
-        -> the ring counter after the tile's groups."""
+    def _split_sum(first, unit_stride, tail_split):
+        """Sum of the `tail_split` fp32 partials at first, first + unit_stride, ... in that order."""
+        acc = gl.load(first, cache_modifier=".cg")
+        for s in range(1, tail_split):
+            acc += gl.load(first + s * unit_stride, cache_modifier=".cg")
+        return acc
+
+    @gluon.jit
+    def _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, off_m, off_n,
+                   M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
+                   WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   HALF: gl.constexpr, SPLIT: gl.constexpr):
+        """Consumer HALF's rows of a 128x256 tile over K groups first .. end-1: per K group four
+        64-column products, each started before the one before it is promoted (two in flight), into
+        four 64x64 accumulators; then the store, or (SPLIT: a tail unit, see _sum_splits) its fp32
+        partial, and for the last of the tile's units to arrive the sum of the partials in split order
+        and the store. -> the ring counter after the unit's groups."""
         stages: gl.constexpr = b_bufs.type.shape[0]
         half: gl.constexpr = _HALF_ROWS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -344,7 +353,7 @@ if HAS_GLUON_WS:
         acc1 = zeros
         acc2 = zeros
         acc3 = zeros
-        for k in range(0, k_groups):
+        for k in range(first, end):
             s = it % stages
             mbarrier.wait(ready.index(s), (it // stages) & 1)
             a = a_bufs.index(2 * s + HALF)
@@ -369,10 +378,30 @@ if HAS_GLUON_WS:
             acc3 = _promote(acc3, p3, x_s, w3, W_SCALE_UNIFORM)
             it += 1
         row0 = off_m + HALF * half
-        _store(y_ptr, bias_ptr, acc0, row0, off_n, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
-        _store(y_ptr, bias_ptr, acc1, row0, off_n + _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
-        _store(y_ptr, bias_ptr, acc2, row0, off_n + 2 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
-        _store(y_ptr, bias_ptr, acc3, row0, off_n + 3 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+        if SPLIT:
+            chunk: gl.constexpr = half * _CHUNK_N
+            size: gl.constexpr = 4 * chunk  # one consumer's 64x256 partial
+            v = u - whole_tiles
+            offs = gl.arange(0, half, layout=rows)[:, None] * _CHUNK_N + gl.arange(0, _CHUNK_N, layout=cols)[None, :]
+            mine = part_ptr + (v * 2 + HALF).to(gl.int64) * size + offs
+            gl.store(mine, acc0)
+            gl.store(mine + chunk, acc1)
+            gl.store(mine + 2 * chunk, acc2)
+            gl.store(mine + 3 * chunk, acc3)
+            gl.thread_barrier()  # every thread's partial is written before the counter says so
+            counter = count_ptr + (v // tail_split) * 2 + HALF
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == tail_split - 1:
+                gl.atomic_xchg(counter, 0)
+                first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size + offs
+                for c in gl.static_range(4):
+                    _store(y_ptr, bias_ptr, _split_sum(first_part + c * chunk, 2 * size, tail_split), row0,
+                           off_n + c * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+        else:
+            _store(y_ptr, bias_ptr, acc0, row0, off_n, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+            _store(y_ptr, bias_ptr, acc1, row0, off_n + _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+            _store(y_ptr, bias_ptr, acc2, row0, off_n + 2 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+            _store(y_ptr, bias_ptr, acc3, row0, off_n + 3 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
         return it
 
     @gluon.jit
@@ -398,9 +427,9 @@ if HAS_GLUON_WS:
         for tile in range(pid, whole_tiles, programs):
             off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
             if WIDE:
-                it = _wide_tile(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, off_m, off_n, M, N,
-                                k_groups, it, stride_xsm, stride_wsn, stride_wsk, stride_ym, WS_GROUP_N,
-                                W_SCALE_UNIFORM, HAS_BIAS, HALF)
+                it = _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                                off_m, off_n, M, N, 0, k_groups, it, tile, whole_tiles, tail_split, stride_xsm,
+                                stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF, False)
             else:
                 offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
                 # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
@@ -411,21 +440,27 @@ if HAS_GLUON_WS:
                 acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, 0, k_groups, it, stride_wsk,
                                   mma, W_SCALE_UNIFORM, HALF)
                 _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
-        if SPLIT_TAIL:  # 128-column tiles (WsConfig); this program's units past the whole tiles
+        if SPLIT_TAIL:  # this program's units past the whole tiles
             num_units = whole_tiles + (gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n) - whole_tiles) * tail_split
             for u in range(pid + gl.cdiv(gl.maximum(whole_tiles - pid, 0), programs) * programs, num_units, programs):
                 tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
                 off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
-                offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
-                xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
-                ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
-                acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
-                acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk, mma,
-                                  W_SCALE_UNIFORM, HALF)
-                acc, last = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows, cols, HALF)
-                if last:
-                    _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N,
-                           HAS_BIAS)
+                if WIDE:
+                    it = _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                                    off_m, off_n, M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm,
+                                    stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF,
+                                    True)
+                else:
+                    offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
+                    xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
+                    ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
+                    acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
+                    acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk,
+                                      mma, W_SCALE_UNIFORM, HALF)
+                    acc, last = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows, cols, HALF)
+                    if last:
+                        _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N,
+                               HAS_BIAS)
 
     # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
     # are _consume with HALF 0 and 1.
@@ -521,7 +556,7 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
     part = count = y  # unused without a split
     if split > 1:
         tail = tiles - whole
-        part = torch.empty((tail * split * 2 * _HALF_M * _PRODUCT_COLS,), dtype=torch.float32, device=y.device)
+        part = torch.empty((tail * split * 2 * _HALF_M * cfg.block_n,), dtype=torch.float32, device=y.device)
         count = counters if counters is not None and counters.numel() >= 2 * tail else torch.zeros(
             2 * tail, dtype=torch.int32, device=y.device)
     grid = (min(units, sms) if cfg.persistent else units,)  # one program per SM fits (shared memory)

@@ -66,8 +66,8 @@ def test_shipped_tables_parse_and_cover_every_bucket():
      "tail_split must be an integer"),
     (_doc({"128,256": {"4": {"kernel": "ws", "stages": 4, "tail_split": 0, "fallback": {"kernel": "cublas"}}}}),
      "tail_split must be an int >= 1"),
-    (_doc({"128,256": {"4": {"kernel": "ws", "block_n": 256, "stages": 4, "tail_split": 2,
-                             "fallback": {"kernel": "cublas"}}}}), "tail_split > 1 needs block_n=128"),
+    (_doc({"128,256": {"4": {"kernel": "ws", "block_n": 192, "stages": 4, "tail_split": 2,
+                             "fallback": {"kernel": "cublas"}}}}), "block_n must be 128 or 256"),
 ])
 def test_bad_tables_are_refused_with_a_reason(bad, match):
     with pytest.raises(ValueError, match=match):

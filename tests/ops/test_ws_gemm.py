@@ -31,8 +31,7 @@ def test_config_validation():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="tail_split must be an int >= 1"):
             WsConfig(tail_split=bad)
-    with pytest.raises(ValueError, match="tail_split > 1 needs block_n=128"):
-        WsConfig(256, tail_split=2)
+    assert WsConfig(256, tail_split=2).tail_split == 2  # 256-column tiles split too
 
 
 @pytest.mark.parametrize("tiles,programs,k_groups,max_split", [
@@ -159,7 +158,7 @@ def test_wide_tile_rule(monkeypatch, m, n, k, wide):
     monkeypatch.setattr(router, "sm_count", lambda device: 132)
     cfg = router.ws_config(torch.device("cpu"), m, n, k)
     assert cfg == (router.WS_WIDE_CONFIG if wide else router.WS_CONFIG)
-    assert router.WS_WIDE_CONFIG.block_n == 256 and router.WS_WIDE_CONFIG.tail_split == 1
+    assert router.WS_WIDE_CONFIG.block_n == 256 and router.WS_WIDE_CONFIG.persistent
     monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
     monkeypatch.setattr(router, "lookup_route", lambda *a: None)
     route = router.route_gemm(torch.device("cpu"), m, n, k, "block", FP8, BF16, None, False, True, True)
@@ -246,7 +245,7 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
     for cfg in (WsConfig(), WsConfig(128, 4), WsConfig(128, 2, 1), WsConfig(256, 3), WsConfig(persistent=True),
                 WsConfig(128, 2, 1, persistent=True), WsConfig(256, 4, persistent=True),
                 WsConfig(128, 4, persistent=True, tail_split=8), WsConfig(128, 2, 1, persistent=True, tail_split=3),
-                WsConfig(128, 3, tail_split=8)):
+                WsConfig(128, 3, tail_split=8), WsConfig(256, 3, 2, persistent=True, tail_split=4)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
         if _splits(m, n, k, cfg) == 1:
@@ -265,9 +264,10 @@ def _splits(m, n, k, cfg):
 @pytest.mark.gpu
 @needs_ws
 @pytest.mark.parametrize("gran", ["block", "tensor"])
-@pytest.mark.parametrize("m,n,k", [(4096, 576, 7168), (2049, 2112, 7168), (333, 2112, 4096), (1000, 2112, 4160),
-                                   (4093, 576, 4224)])
-def test_split_tail(gran, m, n, k):
+@pytest.mark.parametrize("m,n,k,block_n", [(4096, 576, 7168, 128), (2049, 2112, 7168, 128), (333, 2112, 4096, 128),
+                                           (1000, 2112, 4160, 128), (4093, 576, 4224, 128), (2049, 2112, 7168, 256),
+                                           (333, 2112, 4096, 256), (4096, 1536, 7168, 256), (3001, 1600, 4160, 256)])
+def test_split_tail(gran, m, n, k, block_n):
     """Shapes whose last wave is split along K (asserted on this GPU's SM count): against the
     reference, deterministic, the whole tiles bit for bit the unsplit kernel's, and the counters
     handed in left at zero."""
@@ -275,7 +275,7 @@ def test_split_tail(gran, m, n, k):
 
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     x_q, x_s, w_q, w_s, w_s_ref, b = _operands(m, n, k, gran, True, gen)
-    cfg = WsConfig(128, 4, persistent=True, tail_split=8)
+    cfg = WsConfig(block_n, 4, persistent=True, tail_split=8)
     assert _splits(m, n, k, cfg) > 1
     counters = torch.zeros(600, dtype=torch.int32, device="cuda")
     y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, b, cfg, counters)
@@ -286,10 +286,10 @@ def test_split_tail(gran, m, n, k):
     assert same_bits(y, ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, b, cfg))  # fresh counters
     # in fp32 output, where the split tiles' other order of summation shows (bf16 rounding mostly hides it)
     y32 = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.float32, b, cfg, counters)
-    unsplit = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.float32, b, WsConfig(128, 4, persistent=True))
+    unsplit = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.float32, b, WsConfig(block_n, 4, persistent=True))
     tail = torch.zeros(m, n, dtype=torch.bool, device="cuda")
     for row0, col0 in _tail_tiles(m, n, k, cfg):
-        tail[row0:row0 + 128, col0:col0 + 128] = True
+        tail[row0:row0 + 128, col0:col0 + block_n] = True
     assert tail.any()
     assert same_bits(y32[~tail], unsplit[~tail])  # whole tiles (none at 333 rows): the unsplit kernel's bits
     assert not same_bits(y32[tail], unsplit[tail])  # the split tiles, summed in another order
@@ -318,7 +318,8 @@ def test_bias_and_output_dtypes(out, gran):
     gen = torch.Generator(device="cuda").manual_seed(3)
     x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 4096, gran, True, gen)  # 51 tiles, 2 splits each
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
-    for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True), WsConfig(persistent=True, tail_split=8)):
+    for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True), WsConfig(persistent=True, tail_split=8),
+                WsConfig(256, persistent=True, tail_split=8)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
         assert y.dtype == out
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]

@@ -327,7 +327,7 @@ def test_ws_challengers_and_candidates(monkeypatch):
     from fp8linear.ops.router import WS_CONFIG, WS_WIDE_CONFIG
 
     ws, wide = route_tune._label("ws", WS_CONFIG), route_tune._label("ws", WS_WIDE_CONFIG)
-    assert wide == "ws:256s4g8p"
+    assert wide == "ws:256s4g8pt4"
     tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled))
     monkeypatch.setattr(ws_gemm, "ws_device_ok", lambda device: True)
