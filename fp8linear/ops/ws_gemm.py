@@ -267,6 +267,14 @@ if HAS_GLUON_WS:
         gl.store(y_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
     @gluon.jit
+    def _split_sum(first, unit_stride, tail_split):
+        """Sum of the `tail_split` fp32 partials at first, first + unit_stride, ... in that order."""
+        acc = gl.load(first, cache_modifier=".cg")
+        for s in range(1, tail_split):
+            acc += gl.load(first + s * unit_stride, cache_modifier=".cg")
+        return acc
+
+    @gluon.jit
     def _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows: gl.constexpr, cols: gl.constexpr,
                     HALF: gl.constexpr):
         """A consumer's rows of a tail unit: store its fp32 partial, count it in, and, for the last of the
@@ -284,9 +292,7 @@ if HAS_GLUON_WS:
         if last:
             gl.atomic_xchg(counter, 0)
             first = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size + offs
-            acc = gl.load(first, cache_modifier=".cg")
-            for s in range(1, tail_split):
-                acc += gl.load(first + s * 2 * size, cache_modifier=".cg")
+            acc = _split_sum(first, 2 * size, tail_split)
         return acc, last
 
     @gluon.jit
@@ -317,14 +323,6 @@ if HAS_GLUON_WS:
         weight tile `b` (asynchronous; warpgroup_mma_wait gives it)."""
         return warpgroup_mma(a, b.slice(s_chunk * _CHUNK_N, _CHUNK_N).permute((1, 0)), zeros, use_acc=False,
                              is_async=True)
-
-    @gluon.jit
-    def _split_sum(first, unit_stride, tail_split):
-        """Sum of the `tail_split` fp32 partials at first, first + unit_stride, ... in that order."""
-        acc = gl.load(first, cache_modifier=".cg")
-        for s in range(1, tail_split):
-            acc += gl.load(first + s * unit_stride, cache_modifier=".cg")
-        return acc
 
     @gluon.jit
     def _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, off_m, off_n,
@@ -411,7 +409,7 @@ if HAS_GLUON_WS:
                  GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, HALF: gl.constexpr):
         """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's whole tiles, every K
         group, then the tile's store; then, with SPLIT_TAIL, its tail units (_sum_splits). A tile 256
-        columns wide runs :func:`_wide_tile`."""
+        columns wide runs :func:`_wide_unit`."""
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
         block_n: gl.constexpr = w_desc.block_type.shape[0]
