@@ -275,22 +275,29 @@ if HAS_GLUON_WS:
         return acc
 
     @gluon.jit
+    def _count_in(count_ptr, v, tail_split, HALF: gl.constexpr):
+        """Once tail unit `v`'s partial is stored: count it in on its (tile, consumer) counter. True for
+        the last of the tile's `tail_split` units to arrive, which sets the counter back to zero."""
+        gl.thread_barrier()  # every thread's partial is written before the counter says so
+        counter = count_ptr + (v // tail_split) * 2 + HALF
+        last = gl.atomic_add(counter, 1, sem="acq_rel") == tail_split - 1
+        if last:
+            gl.atomic_xchg(counter, 0)
+        return last
+
+    @gluon.jit
     def _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows: gl.constexpr, cols: gl.constexpr,
                     HALF: gl.constexpr):
         """A consumer's rows of a tail unit: store its fp32 partial, count it in, and, for the last of the
         tile's `tail_split` units to arrive, return (sum of the partials in split order, True);
         else (acc, False). Each consumer half counts on its own counter, left at zero."""
         v = u - whole_tiles
-        counter = count_ptr + (v // tail_split) * 2 + HALF
         offs = gl.arange(0, acc.shape[0], layout=rows)[:, None] * acc.shape[1] + gl.arange(0, acc.shape[1],
                                                                                              layout=cols)[None, :]
         size: gl.constexpr = acc.shape[0] * acc.shape[1]
         gl.store(part_ptr + (v * 2 + HALF).to(gl.int64) * size + offs, acc)
-        gl.thread_barrier()  # every thread's partial is written before the counter says so
-        arrived = gl.atomic_add(counter, 1, sem="acq_rel")
-        last = arrived == tail_split - 1
+        last = _count_in(count_ptr, v, tail_split, HALF)
         if last:
-            gl.atomic_xchg(counter, 0)
             first = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size + offs
             acc = _split_sum(first, 2 * size, tail_split)
         return acc, last
@@ -386,11 +393,7 @@ if HAS_GLUON_WS:
             gl.store(mine + chunk, acc1)
             gl.store(mine + 2 * chunk, acc2)
             gl.store(mine + 3 * chunk, acc3)
-            gl.thread_barrier()  # every thread's partial is written before the counter says so
-            counter = count_ptr + (v // tail_split) * 2 + HALF
-            arrived = gl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == tail_split - 1:
-                gl.atomic_xchg(counter, 0)
+            if _count_in(count_ptr, v, tail_split, HALF):
                 first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size + offs
                 for c in gl.static_range(4):
                     _store(y_ptr, bias_ptr, _split_sum(first_part + c * chunk, 2 * size, tail_split), row0,

@@ -374,13 +374,13 @@ def _pick(others: list[tuple[float, str]], opt: list[tuple[float, str]],
     """An entry from (us, label) pairs: the fastest of `others`, or of `opt` (optional kernels) with
     that one as its fallback where it is faster by OPTIONAL_MIN_GAIN; `held` (the table's (other,
     optional) labels) stay while within OPTIONAL_MIN_GAIN of the fastest."""
-    us = dict((lab, v) for v, lab in others + opt)
+    us = {lab: v for v, lab in others + opt}
     other_us, other = min(others)
     held_other, held_opt = held
-    if held_other in dict((lab, v) for v, lab in others) and OPTIONAL_MIN_GAIN * us[held_other] <= other_us:
+    if held_other in {lab for _, lab in others} and OPTIONAL_MIN_GAIN * us[held_other] <= other_us:
         other_us, other = us[held_other], held_other  # the fastest is within the timer's spread of it
     entry = {**_entry_from_label(other), "us": round(other_us, 2)}
-    if held_opt in dict((lab, v) for v, lab in opt) and us[held_opt] < other_us and (
+    if held_opt in {lab for _, lab in opt} and us[held_opt] < other_us and (
             OPTIONAL_MIN_GAIN * us[held_opt] <= min(opt)[0]):
         # the table's optional kernel stays while faster than the fallback and within the spread of the fastest
         entry = {**_entry_from_label(held_opt), "us": round(us[held_opt], 2), "fallback": entry}
