@@ -351,7 +351,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         route = route_linear(*args, eager=eager, weight_contiguous=dense)
         if route.kernel == "cublas":  # the layer's cuBLAS route serves any M without a plan
             runner = self._cublas_runner(w_s, granularity)
-            return runner(x, *runner.form(route.config))  # the route's workspace limit and scale form
+            return runner(x, *runner.form(route.config))  # the route's workspace limit, scale form and algorithm
         k = x.shape[-1]
         y = run_linear_route(route, x.reshape(-1, k), self.weight, w_s, granularity, self.bias, counters)
         return y.reshape(*x.shape[:-1], self.out_features)

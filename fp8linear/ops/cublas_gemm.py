@@ -45,7 +45,7 @@ import torch
 from ..formats import GROUP_SIZE
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, lt_operands_ok, shape_gemm
 
-__all__ = ["CublasConfig", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts",
+__all__ = ["CublasConfig", "algo_rows", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts",
            "cublas_device_ok", "cublas_fp8_gemm", "padded_rows_view", "config_row_scales", "cublas_row_scales",
            "cublas_weight_scale"]
 
@@ -78,16 +78,26 @@ class CublasConfig:
     1536x7168 at M=128: 17.1 against 22.2 us) and lose on others (8192x29568 at M=128: 113.6
     against 103.3). `fp8linear tune-routes` times both and its table names 32 where that won (the
     H200 tables and the H100 row-wise section were measured with 32 MiB only, and name it wherever
-    cuBLAS won)."""
+    cuBLAS won).
+
+    `algo_m` (0: none): run the algorithm cuBLASLt's heuristic picks for `algo_m` rows instead of
+    the one it picks for the GEMM's own M, where cuBLASLt accepts it for that M
+    (``cublasLtMatmulAlgoCheck``; else the GEMM's own). The heuristic's choice is not monotonic in
+    M: H100, 1x128 weights, 4096x14336 at M=320 79.8 us against 56.8 at M=384 (BF16 63.4), 2048x7168
+    at M=640 42.1 against 30.5 at M=768. `tune-routes` times the algorithms of the next table Ms and
+    names one where it won. ``torch._scaled_mm`` (where cuBLASLt is not called directly) ignores it."""
 
     workspace_mib: int = LT_WORKSPACE_LIMIT >> 20
     row_scales: bool = False
+    algo_m: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.workspace_mib, int) or not 1 <= self.workspace_mib <= 1024:
             raise ValueError(f"CublasConfig.workspace_mib must be an int in [1, 1024], got {self.workspace_mib!r}")
         if not isinstance(self.row_scales, bool):
             raise TypeError(f"CublasConfig.row_scales must be a bool, got {self.row_scales!r}")
+        if type(self.algo_m) is not int or self.algo_m < 0:
+            raise ValueError(f"CublasConfig.algo_m must be an int >= 0 (0: the GEMM's own M), got {self.algo_m!r}")
 
     @property
     def workspace_limit(self) -> int:
@@ -97,6 +107,11 @@ class CublasConfig:
 def workspace_limit(config: CublasConfig | None) -> int:
     """The cuBLASLt workspace limit in bytes of a cuBLAS route's config (None: the default)."""
     return LT_WORKSPACE_LIMIT if config is None else config.workspace_limit
+
+
+def algo_rows(config: CublasConfig | None) -> int:
+    """The row count whose heuristic algorithm a cuBLAS route's config runs (0: the GEMM's own)."""
+    return 0 if config is None else config.algo_m
 
 
 def config_row_scales(config: CublasConfig | None) -> bool:
@@ -160,8 +175,8 @@ def cublas_fp8_gemm(
     4 runs on a padded copy of x_q and its scales (:func:`fp8linear.ops.quant.act_quant`
     writes that layout directly, so the linear layer never copies), or on no copy where x_q and
     x_s are the first M rows of that layout (:func:`padded_rows_view`); the padding rows are dropped.
-    `config`: the route's cuBLASLt workspace limit and weight-scale form (:class:`CublasConfig`;
-    None: the defaults); the scale is put in that form per call. Operands cuBLASLt is not called on
+    `config`: the route's cuBLASLt workspace limit, weight-scale form and algorithm rows
+    (:class:`CublasConfig`; None: the defaults); the scale is put in that form per call. Operands cuBLASLt is not called on
     here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an unaligned or strided x_q) run
     ``torch._scaled_mm``, at torch's own limit, with the scale form it reads.
     """
@@ -179,7 +194,8 @@ def cublas_fp8_gemm(
                         as_rows, bias is not None, workspace_limit(config))
     if lt is not None:  # the algorithm the module's cuBLAS route runs (fp8linear.ops.cublaslt)
         y = torch.empty((rows, n), dtype=torch.bfloat16, device=x_q.device)
-        if not lt.run_on(rows, w_q, cublas_weight_scale(w_q, w_s, granularity, as_rows), bias, x_q, x_s, y):
+        if not lt.run_on(rows, w_q, cublas_weight_scale(w_q, w_s, granularity, as_rows), bias, x_q, x_s, y,
+                         algo_rows(config)):
             lt = None
     if lt is None:
         scale_b = cublas_weight_scale(w_q, w_s, granularity, cublas_row_scales(w_q, granularity, config, direct=False))

@@ -204,7 +204,8 @@ class _PlanBook:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self.plans: dict[int, tuple | None] = {}  # M -> (B layout, D layout, algo, workspace bytes), None: no algo
+        # M, or (M, algo M) for a borrowed algorithm -> (B layout, D layout, algo, workspace bytes), None: no algo
+        self.plans: dict[int | tuple[int, int], tuple | None] = {}
         # reentrant: every GEMM of the kind shares it, so a holder may call another GEMM's methods
         self.lock = threading.RLock()
 
@@ -290,16 +291,24 @@ class LtBlockGemm:
             _set(self.lib, self.desc, _DESC_BIAS_POINTER, _P(bias.data_ptr()))
         return self
 
-    def plan(self, m: int) -> tuple | None:
+    def plan(self, m: int, algo_m: int = 0) -> tuple | None:
         """(B layout, D layout, algorithm, workspace bytes) for M rows, made on first use by any GEMM
         of this kind and kept in the shared book (_MAX_PLANS of them); None where cuBLASLt has no
-        algorithm for this M. The caller holds :attr:`lock` from here until its GEMM is enqueued. The
-        descriptor's scale addresses must be set (non-null) when an M is first planned."""
-        plan = self.plans.get(m, False)
+        algorithm for this M. `algo_m` (0: M): run the algorithm the heuristic picks for that many
+        rows where cuBLASLt accepts it for M, else M's own (:class:`~fp8linear.ops.cublas_gemm.CublasConfig`).
+        The caller holds :attr:`lock` from here until its GEMM is enqueued. The descriptor's scale
+        addresses must be set (non-null) when an M is first planned."""
+        key = m if not algo_m or algo_m == m else (m, algo_m)
+        plan = self.plans.get(key, False)
         if plan is False:
             if len(self.plans) >= _MAX_PLANS:
                 self.book.drop_oldest()
-            plan = self.plans[m] = self._make_plan(m)
+            # a borrowed plan is made here, under its own key, with its own layouts (each key's plan
+            # is destroyed once, when dropped)
+            made = self._make_plan(m) if key == m else (self._borrowed_plan(m, algo_m) or self._make_plan(m))
+            if len(self.plans) >= _MAX_PLANS:  # planning algo_m may have filled the book
+                self.book.drop_oldest()
+            plan = self.plans[key] = made
         return plan
 
     def borrowed_plan(self, m: int, algo_m: int) -> tuple | None:
@@ -312,7 +321,7 @@ class LtBlockGemm:
     def _borrowed_plan(self, m: int, algo_m: int) -> tuple | None:
         source = self.plan(algo_m)
         lib = self.lib
-        check = getattr(lib, "cublasLtMatmulAlgoCheck", None)  # a probe's need: not one the GEMMs depend on
+        check = getattr(lib, "cublasLtMatmulAlgoCheck", None)  # without it, routes run M's own algorithm
         if source is None or check is None:
             return None
         check.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)]
@@ -398,10 +407,10 @@ class LtBlockGemm:
         self._matmul(plan, self.w_ptr, x_q, y, workspace)
 
     def run_on(self, m: int, w_q: torch.Tensor, scale_b: torch.Tensor, bias: torch.Tensor | None,
-               x_q: torch.Tensor, x_s: torch.Tensor, y: torch.Tensor) -> bool:
+               x_q: torch.Tensor, x_s: torch.Tensor, y: torch.Tensor, algo_m: int = 0) -> bool:
         """Enqueue y = the GEMM of M rows on this weight (this object's shape), on the current stream;
         False (nothing enqueued) where cuBLASLt has no algorithm for M. Tensors as :meth:`run`'s
-        addresses; the workspace is allocated here."""
+        addresses; the workspace is allocated here. `algo_m`: as :meth:`plan`'s."""
         if (bias is not None) != self.has_bias:
             raise ValueError(f"this cuBLASLt GEMM was made {'with' if self.has_bias else 'without'} a bias, "
                              f"got bias={'a tensor' if bias is not None else 'None'}")
@@ -410,7 +419,7 @@ class LtBlockGemm:
             self._set_ptr(_DESC_B_SCALE_POINTER, x_s.data_ptr())
             if bias is not None:
                 self._set_ptr(_DESC_BIAS_POINTER, bias.data_ptr())
-            plan = self.plan(m)
+            plan = self.plan(m, algo_m)
             if plan is None:
                 return False
             ws = torch.empty(plan[3], dtype=torch.uint8, device=y.device) if plan[3] else None

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from ..formats import GROUP_SIZE
-from .cublas_gemm import config_row_scales, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
+from .cublas_gemm import algo_rows, config_row_scales, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_block_gemm
 from .cutlass_gemm import CutlassCall
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
@@ -136,9 +136,10 @@ class CublasLinear:
             scale = self.scales[as_rows] = cublas_weight_scale(self.w_q, self.w_s, self.granularity, as_rows)
         return scale
 
-    def form(self, config) -> tuple[int, bool]:
-        """(workspace limit, 1x128 form) of a cuBLAS route's config (:class:`~fp8linear.ops.cublas_gemm.CublasConfig`)."""
-        return workspace_limit(config), self.row_scales or config_row_scales(config)
+    def form(self, config) -> tuple[int, bool, int]:
+        """(workspace limit, 1x128 form, algorithm rows) of a cuBLAS route's config
+        (:class:`~fp8linear.ops.cublas_gemm.CublasConfig`): :meth:`__call__`'s last arguments."""
+        return workspace_limit(config), self.row_scales or config_row_scales(config), algo_rows(config)
 
     def lt_for(self, limit: int, as_rows: bool | None = None):
         """The held cuBLASLt GEMM with this workspace limit and scale form (made on first use), or None
@@ -150,10 +151,12 @@ class CublasLinear:
                              if self.direct else None)
         return self.lts[key]
 
-    def __call__(self, x: torch.Tensor, limit: int = LT_WORKSPACE_LIMIT, as_rows: bool | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, limit: int = LT_WORKSPACE_LIMIT, as_rows: bool | None = None,
+                 algo_m: int = 0) -> torch.Tensor:
         """y (..., N) for x (..., K); `limit`: the route's cuBLASLt workspace limit in bytes, `as_rows`:
-        128x128 weights as 1x128 weights (:meth:`form` of the route's
-        :class:`~fp8linear.ops.cublas_gemm.CublasConfig`; None: this weight's default form)."""
+        128x128 weights as 1x128 weights (None: this weight's default form), `algo_m`: the rows whose
+        heuristic algorithm runs (0: the call's own; :meth:`form` of the route's
+        :class:`~fp8linear.ops.cublas_gemm.CublasConfig` gives all three)."""
         k = self.k
         m = x.numel() // k
         rows = cublas_rows(m)
@@ -166,7 +169,7 @@ class CublasLinear:
             lt = self.lt_for(limit, as_rows)
         if lt is not None:
             with lt.lock:  # the plan stays live (not evicted by another thread) until its GEMM is enqueued
-                plan = lt.plan(rows)
+                plan = lt.plan(rows, algo_m)
                 if plan is not None:  # one scratch allocation, raw addresses, cuBLASLt called directly
                     scratch = self.scratch.get((rows, plan[3])) or self._scratch(rows, plan[3])
                     buf = scratch.allocate(x.device)
@@ -267,9 +270,8 @@ class LinearPlan:
         if route.kernel == "cublas":
             runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
-            limit, as_rows = runner.form(route.config)
-            run = runner if (limit, as_rows) == (LT_WORKSPACE_LIMIT, runner.row_scales) else (
-                lambda x: runner(x, limit, as_rows))
+            form = runner.form(route.config)
+            run = runner if form == (LT_WORKSPACE_LIMIT, runner.row_scales, 0) else (lambda x: runner(x, *form))
             return run, (runner.quant_call(x, x_q0, x_s0),)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         groups = triton.cdiv(k, GROUP_SIZE)

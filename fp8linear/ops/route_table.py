@@ -17,7 +17,7 @@ kernel as its fallback). Format::
 row-wise weights (measured apart: their scales cost our kernels and cuBLAS differently);
 per-tensor weights use the heuristic.
 
-``kernel`` is ``cublas`` (with an optional ``workspace_mib`` and ``row_scales``, a
+``kernel`` is ``cublas`` (with an optional ``workspace_mib``, ``row_scales`` and ``algo_m``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
 :class:`~fp8linear.ops.configs.GemmConfig`), ``splitk`` (a
 :class:`~fp8linear.ops.configs.SplitKConfig`), ``cutlass`` (``tile_m`` and optional ``stream_k`` and ``splits``, a
@@ -143,9 +143,10 @@ def _kernel_entry(raw: Any, where: str) -> RouteEntry:
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),
                                                    split_k=int(raw["split_k"]), num_warps=int(raw["num_warps"]),
                                                    num_stages=int(raw["num_stages"])))
-        if "workspace_mib" in raw or "row_scales" in raw:
+        if "workspace_mib" in raw or "row_scales" in raw or "algo_m" in raw:
             config = CublasConfig(workspace_mib=_typed_field(raw, "workspace_mib", CublasConfig.workspace_mib, int),
-                                  row_scales=_typed_field(raw, "row_scales", False, bool))
+                                  row_scales=_typed_field(raw, "row_scales", False, bool),
+                                  algo_m=_typed_field(raw, "algo_m", 0, int))
             return RouteEntry(kernel, config)
     except KeyError as e:
         raise ValueError(f"{where}: a {kernel} entry needs field {e.args[0]!r}, got {raw!r}") from None
@@ -167,6 +168,8 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
         out.update(workspace_mib=c.workspace_mib)
         if c.row_scales:
             out.update(row_scales=True)
+        if c.algo_m:
+            out.update(algo_m=c.algo_m)
     elif isinstance(c, WsConfig):
         out.update(block_n=c.block_n, stages=c.stages, group_m=c.group_m)
         if c.persistent:

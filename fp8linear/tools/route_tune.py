@@ -11,9 +11,11 @@ row-wise weights are measured apart (``--granularity``), each into its section o
 (with ``--merge-ms``, also a measured shape's entries at the Ms not measured now: how Ms are added).
 The optional kernels are candidates where they run: CUTLASS's where the library is built
 (``fp8linear build-cutlass``), the warp-specialized Gluon kernel on Hopper; an optional kernel's
-entry records the fastest other kernel as its fallback. ``--challengers cutlass ws`` times just the
-shipped table's entries against the named optional kernels, a few minutes instead of a full sweep,
-and merges per (shape, M). Writes the table (JSON, by a
+entry records the fastest other kernel as its fallback. cuBLAS is also timed on the algorithm
+cuBLASLt's heuristic picks for the next larger M (``CublasConfig.algo_m``: its choice is not
+monotonic in M). ``--challengers cutlass ws algo`` times just the shipped table's entries against
+the named optional kernels (algo: cuBLAS on the algorithms of the next two Ms), a few minutes
+instead of a full sweep, and merges per (shape, M). Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
 the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -55,6 +57,12 @@ _SPLIT_TILES = ((16, 32), (32, 32), (16, 64), (32, 64), (64, 64), (64, 128), (12
 OPTIONAL_MIN_GAIN = 0.97
 # The optional kernels --challengers may name, and the label prefix of their candidates.
 CHALLENGERS = {"cutlass": "cutlass:", "ws": "ws:"}
+# --challengers may also name "algo": cuBLAS running the algorithm cuBLASLt's heuristic picks for
+# one of the next ALGO_NEXT_MS larger Ms (CublasConfig.algo_m), from ALGO_MIN_M rows (below, our
+# kernels take most cases). A full sweep times the next M's.
+ALGO = "algo"
+ALGO_NEXT_MS = 2
+ALGO_MIN_M = 65
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
 _REPLAYS = 5
@@ -96,7 +104,8 @@ def _label(kernel: str, cfg: Any) -> str:
     if cfg is None:
         return kernel
     if kernel == "cublas":
-        return f"cublas:ws{cfg.workspace_mib}" + (":row" if cfg.row_scales else "")
+        return (f"cublas:ws{cfg.workspace_mib}" + (":row" if cfg.row_scales else "")
+                + (f":a{cfg.algo_m}" if cfg.algo_m else ""))
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     if kernel == "cutlass":
@@ -158,18 +167,42 @@ def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularit
     return out
 
 
+def _algo_candidates(out: dict[str, tuple[str, Any]], m: int, algo_ms: Sequence[int], granularity: str,
+                     count: int) -> dict[str, tuple[str, Any]]:
+    """cuBLAS on the algorithms the heuristic picks for the first `count` of `algo_ms` above M's
+    padded row count: in each cuBLAS form of `out`, else in the 32 MiB forms."""
+    from dataclasses import replace
+
+    from ..ops.cublas_gemm import CublasConfig
+    from ..ops.quant import cublas_rows
+
+    if m < ALGO_MIN_M:
+        return {}
+    forms = {c or CublasConfig() for kernel, c in out.values() if kernel == "cublas"}
+    forms = {replace(c, algo_m=0) for c in forms} or {CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)} | (
+        {CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB, row_scales=True)} if granularity == "block" else set())
+    found = {}
+    for config in forms:
+        for algo_m in [a for a in sorted(algo_ms) if a > cublas_rows(m)][:count]:
+            cfg = replace(config, algo_m=algo_m)
+            found[_label("cublas", cfg)] = ("cublas", cfg)
+    return found
+
+
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
-               challengers: Sequence[str] = ()) -> dict[str, tuple[str, Any]]:
+               challengers: Sequence[str] = (), algo_ms: Sequence[int] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
-    the optional kernels where they run); with `challengers` (optional kernels, CHALLENGERS): the
-    shipped table's entry and those kernels' candidates."""
+    also on the algorithm of the next of `algo_ms` (larger Ms), the optional kernels where they
+    run); with `challengers` (optional kernels, CHALLENGERS, or ALGO): the shipped table's entry
+    and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next ALGO_NEXT_MS of
+    `algo_ms`)."""
     from ..ops import router
     from ..ops.cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
     from ..ops.configs import sm_count
 
-    unknown = set(challengers) - set(CHALLENGERS)
+    unknown = set(challengers) - set(CHALLENGERS) - {ALGO}
     if unknown:
-        raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)}, got {sorted(unknown)}")
+        raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)} or {ALGO!r}, got {sorted(unknown)}")
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     optional = {"cutlass": _cutlass_candidates, "ws": _ws_candidates}
@@ -178,7 +211,11 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
         out = _shipped_candidates(m, n, k, device, granularity) or {
             _label(heur.kernel, heur.config): (heur.kernel, heur.config)}
         for kernel in challengers:
-            out.update(optional[kernel](n, k, device, granularity))
+            if kernel == ALGO:
+                if cublas_ok:
+                    out.update(_algo_candidates(out, m, algo_ms, granularity, ALGO_NEXT_MS))
+            else:
+                out.update(optional[kernel](n, k, device, granularity))
         return out
     out: dict[str, tuple[str, Any]] = {}
     if cublas_ok:
@@ -202,6 +239,9 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     for label, cand in _shipped_candidates(m, n, k, device, granularity).items():
         if cand[1] is not None:
             out.setdefault(label, cand)
+    if cublas_ok:
+        out.update(_algo_candidates({lab: c for lab, c in out.items() if c[0] == "cublas" and not
+                                     (c[1] is not None and c[1].algo_m)}, m, algo_ms, granularity, 1))
     for make in optional.values():
         out.update(make(n, k, device, granularity))
     return out
@@ -236,7 +276,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 x_q, x_s = act_quant(x, torch.float8_e4m3fn)
                 xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
                 fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
-                for label, (kernel, c) in candidates(m, n, k, device, gran, challengers).items():
+                algo_ms = sorted(set(ms) | set(TABLE_MS))
+                for label, (kernel, c) in candidates(m, n, k, device, gran, challengers, algo_ms).items():
                     if kernel == "cublas":
                         fns[label] = ((lambda g, c_: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None, c_))(
                             gran, c), (xp_q, xp_s, w_q, w_s))
@@ -287,11 +328,14 @@ def _entry_from_label(label: str) -> dict[str, Any]:
         stages, group_m = rest.split("g")
         return {"kernel": "ws", "block_n": int(block_n), "stages": int(stages), "group_m": int(group_m),
                 **({"persistent": True} if persistent else {}), **({"tail_split": int(tail_split)} if tail_split else {})}
-    if label.startswith("cublas:ws"):
-        mib, _, form = label[len("cublas:ws"):].partition(":")
-        if form not in ("", "row"):
-            raise ValueError(f"a cuBLAS label's form is 'row' or absent, got {label!r}")
-        return {"kernel": "cublas", "workspace_mib": int(mib), **({"row_scales": True} if form == "row" else {})}
+    if label.startswith("cublas:ws"):  # cublas:wsMIB, then :row (1x128 form) and :aM (algo_m), in that order
+        mib, *parts = label[len("cublas:ws"):].split(":")
+        row = parts[:1] == ["row"]
+        algo = parts[1:] if row else parts
+        if len(algo) > 1 or (algo and not (algo[0][:1] == "a" and algo[0][1:].isdigit())):
+            raise ValueError(f"a cuBLAS label is cublas:wsMIB[:row][:aM], got {label!r}")
+        return {"kernel": "cublas", "workspace_mib": int(mib), **({"row_scales": True} if row else {}),
+                **({"algo_m": int(algo[0][1:])} if algo else {})}
     kernel, spec = label.split(":")
     dims, rest = spec.split("w", 1)
     sizes = [int(v) for v in dims.split("x")]
@@ -425,10 +469,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-ms", action="store_true",
                         help="with --update: keep a measured shape's entries at the Ms not measured now "
                              "(to add Ms to a table, e.g. --m 160 320 640)")
-    parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS), default=None,
+    parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO,), default=None,
                         help="time only the shipped entries against these optional kernels (CUTLASS: built, 128x128 "
-                             "weights; ws: the warp-specialized kernel, Hopper) and update the table in --out (the "
-                             "shipped one where --out has none) per (shape, M)")
+                             "weights; ws: the warp-specialized kernel, Hopper) or cuBLAS on the algorithms of the "
+                             f"next {ALGO_NEXT_MS} table Ms (algo), and update the table in --out (the shipped one "
+                             "where --out has none) per (shape, M)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -128,6 +128,15 @@ def test_cublas_config_row_form():
         CublasConfig(row_scales="yes")
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "384"])
+def test_cublas_config_algo_rows(bad):
+    from fp8linear.ops.cublas_gemm import CublasConfig, algo_rows
+
+    assert algo_rows(None) == 0 and algo_rows(CublasConfig()) == 0 and algo_rows(CublasConfig(algo_m=384)) == 384
+    with pytest.raises(ValueError, match=f"algo_m must be an int >= 0 .*, got {bad!r}"):
+        CublasConfig(algo_m=bad)
+
+
 @pytest.mark.parametrize(
     "n,k,gran,fp8,out,bias,ok",
     [
@@ -275,16 +284,20 @@ ROW_FORM_CASES = [(77, 2048, 1408), (128, 512, 3584), (333, 576, 2112), (1030, 7
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("m,n,k", ROW_FORM_CASES)
-@pytest.mark.parametrize("form", ["block-1M", "row-1M", "row-32M"])
+@pytest.mark.parametrize("form", ["block-1M", "row-1M", "row-32M", "block-32M-algo", "row-32M-algo"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_cublas_scale_forms_match_reference_and_each_path(m, n, k, form, with_bias):
-    """128x128 weights on cuBLAS as the (padded) 128x128 grid or as 1x128 scales: functional path,
-    the layer's CublasLinear (cuBLASLt and torch._scaled_mm) against the float64 reference; the
-    functional path and the layer's cuBLASLt give the same bits."""
+    """128x128 weights on cuBLAS as the (padded) 128x128 grid or as 1x128 scales, with the heuristic's
+    algorithm for M or (-algo) the one it picks for more rows: functional path, the layer's
+    CublasLinear (cuBLASLt and torch._scaled_mm) against the float64 reference; the functional path
+    and the layer's cuBLASLt give the same bits."""
     from fp8linear.ops.cublas_gemm import CublasConfig, cublas_fp8_gemm
+    from fp8linear.ops.cublaslt import _destroy_plan
     from fp8linear.ops.linear import CublasLinear
+    from fp8linear.ops.quant import cublas_rows
 
-    config = CublasConfig(workspace_mib=1 if form.endswith("1M") else 32, row_scales=form.startswith("row"))
+    config = CublasConfig(workspace_mib=1 if "-1M" in form else 32, row_scales=form.startswith("row"),
+                          algo_m=cublas_rows(m) + 128 if form.endswith("algo") else 0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w_q, w_s = quantize_weight(torch.randn(n, k, device="cuda") / k**0.5, "block")
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
@@ -292,14 +305,24 @@ def test_gpu_cublas_scale_forms_match_reference_and_each_path(m, n, k, form, wit
     ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias, backend="reference").double()
     y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", bias, config)
     layer = CublasLinear(w_q, w_s, "block", bias)
-    limit, as_rows = layer.form(config)
-    assert as_rows is config.row_scales
-    y_layer = layer(x, limit, as_rows)
-    y_torch = CublasLinear(w_q, w_s, "block", bias, direct=False)(x, limit, as_rows)
+    limit, as_rows, algo_m = layer.form(config)
+    assert as_rows is config.row_scales and algo_m == config.algo_m
+    y_layer = layer(x, limit, as_rows, algo_m)
+    y_torch = CublasLinear(w_q, w_s, "block", bias, direct=False)(x, limit, as_rows, algo_m)
     for out in (y, y_layer, y_torch):
         assert out.shape == (m, n) and rel_err(out, ref) < GEMM_TOL[torch.bfloat16]
-    if layer.lt is not None:
+    lt = layer.lt_for(limit, as_rows)
+    if lt is not None:
         assert same_bits(y_layer, y)
+    if lt is not None and algo_m:  # the plan kept for (rows, algo_m) runs algo_m's algorithm where cuBLASLt takes it
+        rows = cublas_rows(m)
+        with lt.lock:
+            borrowed = lt.borrowed_plan(rows, algo_m)
+            kept, source, own = lt.plan(rows, algo_m), lt.plan(algo_m), lt.plan(rows)
+        expected = source if borrowed is not None else own
+        assert bytes(kept[2]) == bytes(expected[2])
+        if borrowed is not None:
+            _destroy_plan(lt.lib, borrowed)
 
 
 @pytest.mark.gpu

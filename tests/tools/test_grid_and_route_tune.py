@@ -351,6 +351,52 @@ def test_ws_challengers_and_candidates(monkeypatch):
         route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("cublas",))
 
 
+@pytest.mark.parametrize("label", ["cublas:ws32:a384", "cublas:ws1:row:a768", "cublas:ws32:row"])
+def test_cublas_algo_labels_round_trip(label):
+    from fp8linear.ops.cublas_gemm import CublasConfig
+
+    entry = route_table.parse_entry(route_tune._entry_from_label(label))
+    assert isinstance(entry.config, CublasConfig) and route_tune._label("cublas", entry.config) == label
+    for bad in ("cublas:ws32:b384", "cublas:ws32:a384:row", "cublas:ws32:row:a", "cublas:ws32:a3:a4"):
+        with pytest.raises(ValueError, match="a cuBLAS label is"):
+            route_tune._entry_from_label(bad)
+
+
+def test_algo_challengers_borrow_the_next_ms_algorithms(monkeypatch):
+    """--challengers algo times the shipped entry against cuBLAS on the algorithms of the next
+    ALGO_NEXT_MS larger Ms, in the entry's cuBLAS form (its fallback's too), else the 32 MiB forms; none
+    below ALGO_MIN_M or at a larger M that pads to the same rows; a full sweep takes the next M's;
+    the fastest becomes the entry like any cuBLAS config."""
+    from fp8linear.ops import cublas_gemm
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.cublas_gemm import CublasConfig
+
+    monkeypatch.setattr(cublas_gemm, "cublas_device_ok", lambda device: True)
+    dev = torch.device("cpu")
+    held = CublasConfig(workspace_mib=32, row_scales=True)
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("cublas", held))
+    got = route_tune.candidates(320, 7168, 2048, dev, "block", challengers=("algo",), algo_ms=[384, 512, 768])
+    assert got == {"cublas:ws32:row": ("cublas", held),
+                   "cublas:ws32:row:a384": ("cublas", CublasConfig(32, True, 384)),
+                   "cublas:ws32:row:a512": ("cublas", CublasConfig(32, True, 512))}
+    tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled))
+    got = route_tune.candidates(333, 7168, 2048, dev, "block", challengers=("algo",), algo_ms=[336, 384, 512])
+    assert set(got) == {"tiled:64x64x128w4s4g8", "cublas:ws32:a384", "cublas:ws32:row:a384",  # 333 runs 336 rows
+                        "cublas:ws32:a512", "cublas:ws32:row:a512"}
+    assert set(route_tune.candidates(320, 7168, 2048, dev, "row", challengers=("algo",), algo_ms=[384])) == {
+        "tiled:64x64x128w4s4g8", "cublas:ws32:a384"}
+    assert set(route_tune.candidates(64, 7168, 2048, dev, "block", challengers=("algo",), algo_ms=[96])) == {
+        "tiled:64x64x128w4s4g8"}
+    full = route_tune.candidates(320, 7168, 2048, dev, "block", algo_ms=[384, 512])
+    assert {lab for lab in full if ":a" in lab} == {"cublas:ws1:a384", "cublas:ws32:a384", "cublas:ws1:row:a384",
+                                                   "cublas:ws32:row:a384"}
+    rows = [{"n": 7168, "k": 2048, "m": 320, "heuristic": "cublas",
+             "us": {"bf16": 30.0, "cublas:ws32:row": 40.0, "cublas:ws32:row:a384": 30.0, "tiled:64x64x128w4s4g8": 45.0}}]
+    entry = route_table.parse_routes(json.loads(json.dumps(route_tune.build_table(rows, "X", {}))))[(7168, 2048)][320]
+    assert entry.kernel == "cublas" and entry.config == CublasConfig(32, True, 384) and entry.ours.kernel == "tiled"
+
+
 def test_row_rows_go_to_their_section_and_update_keeps_the_other():
     """Rows of row-wise weights fill the row section; a base table's shapes not measured now are kept
     (per granularity), those measured now are replaced; the heuristic report is per granularity."""
