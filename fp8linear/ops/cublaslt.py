@@ -195,9 +195,9 @@ def _layout(lib: ctypes.CDLL, dtype: int, rows: int, cols: int, ld: int) -> int:
 class _PlanBook:
     """The per-M plans of one GEMM kind (device, N, K, scale modes, bias, workspace limit), shared by
     every :class:`LtBlockGemm` of that kind: a plan (the activation and output layouts, the
-    algorithm and its workspace bytes) depends on nothing else, so the heuristic runs once per M for
-    all the layers of a shape and for the functional path alike (one algorithm per (shape, M,
-    limit): the same bits everywhere). Its `lock` is held from planning to enqueueing a GEMM, so
+    algorithm and its workspace bytes) depends on nothing else, so the heuristic runs once per M (and
+    per borrowed M, :meth:`LtBlockGemm.plan`) for all the layers of a shape and for the functional
+    path alike (one algorithm per (shape, M, limit, borrowed M): the same bits everywhere). Its `lock` is held from planning to enqueueing a GEMM, so
     that no plan is dropped (its layouts destroyed) by another thread in between."""
 
     __slots__ = ("lib", "plans", "lock")
