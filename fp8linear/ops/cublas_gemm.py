@@ -80,9 +80,9 @@ class CublasConfig:
     H200 tables and the H100 row-wise section were measured with 32 MiB only, and name it wherever
     cuBLAS won).
 
-    `algo_m` (0: none): run the algorithm cuBLASLt's heuristic picks for `algo_m` rows instead of
-    the one it picks for the GEMM's own M, where cuBLASLt accepts it for that M
-    (``cublasLtMatmulAlgoCheck``; else the GEMM's own). The heuristic's choice is not monotonic in
+    `algo_m` (0: none; else a row count cuBLAS takes, a multiple of 4): run the algorithm cuBLASLt's
+    heuristic picks for `algo_m` rows instead of the one it picks for the GEMM's own (padded) rows,
+    where cuBLASLt accepts it for those (``cublasLtMatmulAlgoCheck``; else their own). The heuristic's choice is not monotonic in
     M: H100, 1x128 weights, 4096x14336 at M=320 79.8 us against 56.8 at M=384 (BF16 63.4), 2048x7168
     at M=640 42.1 against 30.5 at M=768. `tune-routes` times the algorithms of the next table Ms and
     names one where it won. ``torch._scaled_mm`` (where cuBLASLt is not called directly) ignores it."""
@@ -96,8 +96,9 @@ class CublasConfig:
             raise ValueError(f"CublasConfig.workspace_mib must be an int in [1, 1024], got {self.workspace_mib!r}")
         if not isinstance(self.row_scales, bool):
             raise TypeError(f"CublasConfig.row_scales must be a bool, got {self.row_scales!r}")
-        if type(self.algo_m) is not int or self.algo_m < 0:
-            raise ValueError(f"CublasConfig.algo_m must be an int >= 0 (0: the GEMM's own M), got {self.algo_m!r}")
+        if type(self.algo_m) is not int or self.algo_m < 0 or self.algo_m % CUBLAS_ROW_ALIGN:
+            raise ValueError(f"CublasConfig.algo_m must be an int >= 0 and a multiple of {CUBLAS_ROW_ALIGN} "
+                             f"(0: the GEMM's own rows), got {self.algo_m!r}")
 
     @property
     def workspace_limit(self) -> int:

@@ -71,7 +71,7 @@ class CublasLinear:
     """One weight's cuBLAS blockwise route for inputs of any M: act_quant straight into cuBLAS's
     layout (M padded to a multiple of 4, M-major scales), then the GEMM on cuBLASLt called directly
     (:mod:`fp8linear.ops.cublaslt`: descriptors made once per (workspace limit, weight-scale form),
-    the algorithm once per (workspace limit, form, M), about a tenth of
+    the algorithm once per (workspace limit, form, M, the route's ``algo_m``), about a tenth of
     ``torch._scaled_mm``'s host time), or ``torch._scaled_mm`` where that is not available
     (`direct=False`, the environment variable ``FP8LINEAR_CUBLASLT=0`` when it is made, or a
     cuBLASLt that cannot be set up).

@@ -51,7 +51,7 @@ from .ws_gemm import WsConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS",
            "ROUTE_SECTIONS", "RouteEntry", "routes_dir", "routes_path", "parse_entry", "parse_routes", "lookup_route",
-           "entry_to_json"]
+           "entry_to_json", "table_ms"]
 
 ROUTES_FORMAT = "fp8linear-routes"
 ROUTES_VERSION = 1
@@ -232,6 +232,15 @@ def _table(device_name: str, granularity: str) -> dict[tuple[int, int], dict[int
 @lru_cache(maxsize=16)
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+def table_ms(device: torch.device, n: int, k: int, granularity: str) -> tuple[int, ...]:
+    """The Ms this GPU's table has entries at for the shape (N, K) and granularity, ascending (none:
+    no table, section or shape)."""
+    if device.type != "cuda" or granularity not in ROUTE_SECTIONS or torch.version.hip is not None:
+        return ()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(sorted(_table(_device_name(index), granularity).get((n, k), {})))
 
 
 def lookup_route(device: torch.device, m: int, n: int, k: int, granularity: str) -> RouteEntry | None:

@@ -12,10 +12,11 @@ row-wise weights are measured apart (``--granularity``), each into its section o
 The optional kernels are candidates where they run: CUTLASS's where the library is built
 (``fp8linear build-cutlass``), the warp-specialized Gluon kernel on Hopper; an optional kernel's
 entry records the fastest other kernel as its fallback. cuBLAS is also timed on the algorithm
-cuBLASLt's heuristic picks for the next larger M (``CublasConfig.algo_m``: its choice is not
-monotonic in M). ``--challengers cutlass ws algo`` times just the shipped table's entries against
-the named optional kernels (algo: cuBLAS on the algorithms of the next two Ms), a few minutes
-instead of a full sweep, and merges per (shape, M). Writes the table (JSON, by a
+cuBLASLt's heuristic picks for the next larger M, from ALGO_MIN_M rows (``CublasConfig.algo_m``:
+its choice is not monotonic in M; named only where it beats M's own by OPTIONAL_MIN_GAIN).
+``--challengers cutlass ws algo`` times just the shipped table's entries against the named optional
+kernels (algo: cuBLAS on M's own algorithm and on those of the next two Ms), a few minutes instead
+of a full sweep, and merges per (shape, M). Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
 the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -169,8 +170,9 @@ def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularit
 
 def _algo_candidates(out: dict[str, tuple[str, Any]], m: int, algo_ms: Sequence[int], granularity: str,
                      count: int) -> dict[str, tuple[str, Any]]:
-    """cuBLAS on the algorithms the heuristic picks for the first `count` of `algo_ms` above M's
-    padded row count: in each cuBLAS form of `out`, else in the 32 MiB forms."""
+    """cuBLAS on the algorithms the heuristic picks for the row counts of the first `count` of
+    `algo_ms` above M's (each padded as cuBLAS runs it): in each cuBLAS form of `out`, else in the
+    32 MiB forms; and each form on M's own algorithm, which they must beat (:func:`_drop_idle_algos`)."""
     from dataclasses import replace
 
     from ..ops.cublas_gemm import CublasConfig
@@ -181,12 +183,34 @@ def _algo_candidates(out: dict[str, tuple[str, Any]], m: int, algo_ms: Sequence[
     forms = {c or CublasConfig() for kernel, c in out.values() if kernel == "cublas"}
     forms = {replace(c, algo_m=0) for c in forms} or {CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)} | (
         {CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB, row_scales=True)} if granularity == "block" else set())
+    rows = sorted({cublas_rows(a) for a in algo_ms if cublas_rows(a) > cublas_rows(m)})[:count]
     found = {}
     for config in forms:
-        for algo_m in [a for a in sorted(algo_ms) if a > cublas_rows(m)][:count]:
-            cfg = replace(config, algo_m=algo_m)
+        for cfg in [config] + [replace(config, algo_m=a) for a in rows]:
             found[_label("cublas", cfg)] = ("cublas", cfg)
     return found
+
+
+def _plain_label(label: str) -> str:
+    """The label of a borrowed-algorithm cuBLAS candidate's form on its own M's algorithm."""
+    return label.rsplit(":a", 1)[0]
+
+
+def _drop_idle_algos(us: dict[str, float]) -> dict[str, float]:
+    """`us` without the borrowed-algorithm cuBLAS candidates that do not beat their form on M's own
+    algorithm by OPTIONAL_MIN_GAIN (timed beside them): the borrowed algorithm may be M's own, or
+    refused for M (then M's own runs), and an entry should name one only for a measured gain."""
+    from ..ops.cublas_gemm import CublasConfig
+
+    default = _label("cublas", CublasConfig())  # timed as "cublas" (config None) in a full sweep
+
+    def plain_us(label: str) -> float | None:
+        plain = _plain_label(label)
+        return us.get(plain, us.get("cublas") if plain == default else None)
+
+    return {lab: v for lab, v in us.items()
+            if not (lab.startswith("cublas:") and ":a" in lab and plain_us(lab) is not None
+                    and v >= OPTIONAL_MIN_GAIN * plain_us(lab))}
 
 
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
@@ -257,6 +281,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
     from ..ops.cutlass_gemm import cutlass_fp8_gemm
     from ..ops.gemm import block_fp8_gemm
     from ..ops.quant import act_quant
+    from ..ops.route_table import table_ms
     from ..ops.splitk_gemm import splitk_counters
     from ..ops.ws_gemm import ws_fp8_gemm
 
@@ -276,7 +301,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 x_q, x_s = act_quant(x, torch.float8_e4m3fn)
                 xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
                 fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
-                algo_ms = sorted(set(ms) | set(TABLE_MS))
+                algo_ms = sorted(set(ms) | set(TABLE_MS) | set(table_ms(device, n, k, gran)))
                 for label, (kernel, c) in candidates(m, n, k, device, gran, challengers, algo_ms).items():
                     if kernel == "cublas":
                         fns[label] = ((lambda g, c_: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None, c_))(
@@ -401,6 +426,8 @@ def _best_entry(us: dict[str, float], held: dict[str, Any] | None = None) -> dic
     gain)."""
     def optional(label: str) -> bool:
         return label.startswith(tuple(CHALLENGERS.values()))
+
+    us = _drop_idle_algos(us)
 
     others = [(v, lab) for lab, v in us.items() if lab != "bf16" and not optional(lab)]
     if not others:

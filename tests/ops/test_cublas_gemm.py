@@ -128,12 +128,12 @@ def test_cublas_config_row_form():
         CublasConfig(row_scales="yes")
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "384"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "384", 322])
 def test_cublas_config_algo_rows(bad):
     from fp8linear.ops.cublas_gemm import CublasConfig, algo_rows
 
     assert algo_rows(None) == 0 and algo_rows(CublasConfig()) == 0 and algo_rows(CublasConfig(algo_m=384)) == 384
-    with pytest.raises(ValueError, match=f"algo_m must be an int >= 0 .*, got {bad!r}"):
+    with pytest.raises(ValueError, match=f"algo_m must be an int >= 0 and a multiple of 4 .*, got {bad!r}"):
         CublasConfig(algo_m=bad)
 
 

@@ -32,6 +32,51 @@ def test_no_direct_gemm_off_nvidia_gpus():
     assert lt_block_gemm(w_q, w_s.t(), False, None) is None  # a CPU weight
 
 
+def test_borrowed_plans_share_the_bounded_book_and_are_destroyed_once(monkeypatch):
+    """Plans for (M, algo M) keys live in the same book as plain ones: the book stays within
+    _MAX_PLANS (also when planning the borrowed M's own plan fills it), each plan's layouts are
+    destroyed exactly once when dropped, a refused borrowing keeps a plan of M's own algorithm under
+    its key, and a key asked again is not planned again. No GPU: cuBLASLt is a stub."""
+    import itertools
+
+    from fp8linear.ops import cublaslt
+
+    destroyed, made = [], itertools.count(1)
+
+    class Lib:
+        def cublasLtMatrixLayoutDestroy(self, layout):
+            destroyed.append(layout)
+
+    lib = Lib()
+    gemm = cublaslt.LtBlockGemm.__new__(cublaslt.LtBlockGemm)
+    gemm.book = cublaslt._PlanBook(lib)
+    gemm.plans, gemm.lock, gemm.lib = gemm.book.plans, gemm.book.lock, lib
+
+    def own(self, m):
+        return (next(made), next(made), ("own", m), 0)
+
+    def borrowed(self, m, algo_m):
+        source = self.plan(algo_m)
+        return None if algo_m % 3 == 0 else (next(made), next(made), source[2], 0)
+
+    monkeypatch.setattr(cublaslt, "_MAX_PLANS", 3)
+    monkeypatch.setattr(cublaslt.LtBlockGemm, "_make_plan", own)
+    monkeypatch.setattr(cublaslt.LtBlockGemm, "_borrowed_plan", borrowed)
+    with gemm.lock:
+        assert gemm.plan(4)[2] == ("own", 4) and gemm.plan(4, 4) is gemm.plan(4)  # algo_m == M: the plain key
+        assert gemm.plan(8, 16)[2] == ("own", 16)  # 16's algorithm, on 8's own layouts
+        assert gemm.plan(8, 12)[2] == ("own", 8)  # refused: 8's own algorithm
+        again = gemm.plan(8, 12)
+        assert gemm.plan(8, 12) is again
+        for m in range(20, 60, 4):
+            gemm.plan(m, m + 8)
+            assert len(gemm.plans) <= 3
+    layouts = [lay for plan in gemm.plans.values() for lay in plan[:2]]
+    assert len(destroyed) == len(set(destroyed))  # none twice
+    assert not set(destroyed) & set(layouts)  # none still held
+    assert len(destroyed) + len(layouts) == next(made) - 1  # every layout made is held or destroyed
+
+
 def _pair(n: int, k: int, granularity: str, bias: bool, seed: int = 0):
     from fp8linear.ops.linear import CublasLinear
 
@@ -239,3 +284,26 @@ def test_direct_cublaslt_in_cuda_graphs_and_fallback(monkeypatch):
         assert direct.lt.plans[100] is None
     finally:
         direct.lt.plans.pop(100, None)  # later tests of this shape plan M=100 themselves
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_borrowed_algorithms_differ_where_the_tables_name_them():
+    """1x128 weights of 4096x14336 (the H100 table borrows larger Ms' algorithms there): cuBLASLt
+    accepts each larger M's algorithm for the smaller M, and for at least one pair it is another
+    algorithm than the smaller M's own, which the kept (M, algo M) plan then holds."""
+    from fp8linear.ops.cublaslt import _destroy_plan
+
+    w_q, w_s, _, direct, _ = _pair(4096, 14336, "row", False)
+    lt = direct.lt_for(32 << 20)
+    other = 0
+    with lt.lock:
+        for m, algo_m in ((160, 192), (192, 256), (320, 384), (640, 768), (1280, 1536)):
+            borrowed = lt.borrowed_plan(m, algo_m)
+            assert borrowed is not None, (m, algo_m)
+            assert bytes(borrowed[2]) == bytes(lt.plan(algo_m)[2])
+            _destroy_plan(lt.lib, borrowed)
+            kept = lt.plan(m, algo_m)
+            assert bytes(kept[2]) == bytes(lt.plan(algo_m)[2])
+            other += bytes(kept[2]) != bytes(lt.plan(m)[2])
+    assert other >= 1

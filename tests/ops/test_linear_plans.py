@@ -166,15 +166,16 @@ def test_plans_are_per_shape_and_dtype_and_bounded(monkeypatch):
     assert (x4.shape, x4.dtype, x4.device) in layer._plans
 
 
-@pytest.mark.parametrize("config", [None, (32, False), (1, True), (32, True)])
+@pytest.mark.parametrize("config", [None, (32, False, 0), (1, True, 0), (32, True, 0), (32, True, 384)])
 def test_routed_cublas_call_runs_the_routes_limit_and_scale_form(monkeypatch, config):
     """A shape's first (routed, unplanned) call runs the layer's CublasLinear with the route's
-    workspace limit and weight-scale form, as its plan and the functional route do."""
+    workspace limit, weight-scale form and algorithm rows, as its plan and the functional route do."""
     from fp8linear.ops import router
-    from fp8linear.ops.cublas_gemm import CublasConfig, config_row_scales, workspace_limit
+    from fp8linear.ops.cublas_gemm import CublasConfig, algo_rows, config_row_scales, workspace_limit
+    from fp8linear.ops.linear import CublasLinear
     from fp8linear.ops.router import Route
 
-    cfg = None if config is None else CublasConfig(workspace_mib=config[0], row_scales=config[1])
+    cfg = None if config is None else CublasConfig(workspace_mib=config[0], row_scales=config[1], algo_m=config[2])
     monkeypatch.setattr(router, "route_linear", lambda *a, **kw: Route("cublas", cfg))
     layer = _layer(256, 512, "block", False)
     calls = []
@@ -182,16 +183,15 @@ def test_routed_cublas_call_runs_the_routes_limit_and_scale_form(monkeypatch, co
     class Runner:
         row_scales = False
 
-        def form(self, c):
-            return workspace_limit(c), self.row_scales or config_row_scales(c)
+        form = CublasLinear.form
 
-        def __call__(self, x, limit, as_rows):
-            calls.append((limit, as_rows))
+        def __call__(self, x, limit, as_rows, algo_m):
+            calls.append((limit, as_rows, algo_m))
             return torch.zeros(*x.shape[:-1], 256, dtype=x.dtype, device=x.device)
 
     monkeypatch.setattr(layer, "_cublas_runner", lambda w_s, granularity: Runner())
     layer(torch.randn(3, 512, device=KERNEL_DEVICE, dtype=torch.bfloat16))
-    assert calls == [(workspace_limit(cfg), config_row_scales(cfg))]
+    assert calls == [(workspace_limit(cfg), config_row_scales(cfg), algo_rows(cfg))]
 
 
 def test_cublas_plans_of_a_layer_share_one_cublas_linear(monkeypatch):

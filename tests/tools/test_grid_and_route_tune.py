@@ -382,19 +382,32 @@ def test_algo_challengers_borrow_the_next_ms_algorithms(monkeypatch):
     tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled))
     got = route_tune.candidates(333, 7168, 2048, dev, "block", challengers=("algo",), algo_ms=[336, 384, 512])
-    assert set(got) == {"tiled:64x64x128w4s4g8", "cublas:ws32:a384", "cublas:ws32:row:a384",  # 333 runs 336 rows
-                        "cublas:ws32:a512", "cublas:ws32:row:a512"}
+    assert set(got) == {"tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:row",  # 333 runs 336 rows
+                        "cublas:ws32:a384", "cublas:ws32:row:a384", "cublas:ws32:a512", "cublas:ws32:row:a512"}
     assert set(route_tune.candidates(320, 7168, 2048, dev, "row", challengers=("algo",), algo_ms=[384])) == {
-        "tiled:64x64x128w4s4g8", "cublas:ws32:a384"}
+        "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a384"}
+    # row counts as cuBLAS runs them (a multiple of 4), each once
+    assert set(route_tune.candidates(96, 7168, 2048, dev, "row", challengers=("algo",), algo_ms=[97, 98, 150])) == {
+        "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a100", "cublas:ws32:a152"}
     assert set(route_tune.candidates(64, 7168, 2048, dev, "block", challengers=("algo",), algo_ms=[96])) == {
         "tiled:64x64x128w4s4g8"}
     full = route_tune.candidates(320, 7168, 2048, dev, "block", algo_ms=[384, 512])
     assert {lab for lab in full if ":a" in lab} == {"cublas:ws1:a384", "cublas:ws32:a384", "cublas:ws1:row:a384",
                                                    "cublas:ws32:row:a384"}
-    rows = [{"n": 7168, "k": 2048, "m": 320, "heuristic": "cublas",
-             "us": {"bf16": 30.0, "cublas:ws32:row": 40.0, "cublas:ws32:row:a384": 30.0, "tiled:64x64x128w4s4g8": 45.0}}]
-    entry = route_table.parse_routes(json.loads(json.dumps(route_tune.build_table(rows, "X", {}))))[(7168, 2048)][320]
+    def entries(times):
+        rows = [{"n": 7168, "k": 2048, "m": 320, "heuristic": "cublas", "us": {"bf16": 30.0, "tiled:64x64x128w4s4g8": 45.0,
+                                                                               **times}}]
+        return route_table.parse_routes(json.loads(json.dumps(route_tune.build_table(rows, "X", {}))))[(7168, 2048)][320]
+
+    entry = entries({"cublas:ws32:row": 40.0, "cublas:ws32:row:a384": 30.0})
     assert entry.kernel == "cublas" and entry.config == CublasConfig(32, True, 384) and entry.ours.kernel == "tiled"
+    # a borrowed algorithm within the margin of its form's own is not named (it may be the same one)
+    assert entries({"cublas:ws32:row": 40.0, "cublas:ws32:row:a384": 39.5}).config == CublasConfig(32, True)
+    assert entries({"cublas": 40.0, "cublas:ws1:a384": 39.5}).config is None  # the default form's label
+    assert entries({"cublas": 40.0, "cublas:ws1:a384": 30.0}).config == CublasConfig(algo_m=384)
+    # only the faster of two borrowed algorithms that beat their form counts
+    assert entries({"cublas:ws32": 40.0, "cublas:ws32:a384": 38.5, "cublas:ws32:a512": 35.0}).config == CublasConfig(
+        32, algo_m=512)
 
 
 def test_row_rows_go_to_their_section_and_update_keeps_the_other():
