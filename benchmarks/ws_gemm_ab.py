@@ -63,10 +63,10 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
     if not ws_accepts(x_q, w_q, torch.bfloat16):
         return None
     tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, TILED)
-    tiles = -(-m // 128) * -(-n // 128)
     same, split_err = True, 0.0
     for cfg in configs.values():
         y = ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg)
+        tiles = -(-m // 128) * -(-n // cfg.block_n)  # this config's output tiles, as ws_fp8_gemm plans them
         if tail_plan(tiles, sm_count(dev), -(-k // 128), cfg.tail_split)[1] == 1:
             same = same and torch.equal(y.view(torch.int16), tiled.view(torch.int16))
         else:
