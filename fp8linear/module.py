@@ -221,14 +221,16 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def __getstate__(self):
         # Plans hold closures and compiled kernels: neither pickles nor deep-copies; a copy makes its own.
         state = super().__getstate__()
-        return {**state, "_plans": {}, "_seen": set(), "_cublas_linear": None}
+        return {**state, "_plans": {}, "_seen": set(), "_cublas_linear": None, "_row_scale_n_major": None}
 
     def clear_plans(self) -> None:
         """Forget the launch plans (done on replacement, loading and moves; call it after changing
-        ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout)."""
+        ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout, and
+        1x128 scales are also held N-major)."""
         self._plans.clear()
         self.__dict__.setdefault("_seen", set()).clear()
         self.__dict__["_cublas_linear"] = None  # holds the weight scale in cuBLAS's layout
+        self.__dict__["_row_scale_n_major"] = None
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -353,6 +355,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             runner = self._cublas_runner(w_s, granularity)
             return runner(x, *runner.form(route.config))  # the route's workspace limit, scale form and algorithm
         k = x.shape[-1]
+        w_s = self._gemm_scale(w_s, granularity, x.numel() // k, k, route)
         y = run_linear_route(route, x.reshape(-1, k), self.weight, w_s, granularity, self.bias, counters)
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -362,9 +365,33 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
 
         args, w_s, granularity, dense = self._route_args(x)
         # eager calls may take the one-launch decode kernel; CUDA-graph capture takes the GPU-faster route
-        return LinearPlan(route_linear(*args, eager=True, weight_contiguous=dense), x, self.weight, w_s, granularity,
-                          self.bias, counters, capture_route=route_linear(*args, weight_contiguous=dense),
+        route, capture = route_linear(*args, eager=True, weight_contiguous=dense), route_linear(*args,
+                                                                                               weight_contiguous=dense)
+        m, k = args[1], args[3]
+        return LinearPlan(route, x, self.weight, self._gemm_scale(w_s, granularity, m, k, route, capture), granularity,
+                          self.bias, counters, capture_route=capture,
                           cublas_linear=lambda: self._cublas_runner(w_s, granularity))
+
+    def _gemm_scale(self, w_s: torch.Tensor, granularity: str, m: int, k: int, *routes) -> torch.Tensor:
+        """The weight scale our kernels on `routes` read: for 1x128 weights the N-major copy (see
+        :meth:`row_scale_n_major`) where the router says every one of them reads it faster
+        (:func:`fp8linear.ops.router.use_n_major_scales`), else `w_s`; cuBLAS routes hold their own."""
+        from .ops.router import use_n_major_scales
+
+        ours = [r for r in routes if r.kernel != "cublas"]
+        if granularity == "row" and ours and all(use_n_major_scales(r, m, k, granularity) for r in ours):
+            return self.row_scale_n_major()
+        return w_s
+
+    def row_scale_n_major(self) -> torch.Tensor:
+        """``weight_scale_inv`` of 1x128 weights, (N, K/128) with stride (1, N): a K group's scales
+        for consecutive output columns side by side. Made once (N*K/128 floats, 1/32 of the FP8
+        weight) and dropped with the plans; the layer's cuBLAS route reads the same storage as its
+        (K/128, N) scale, so with both in use the layer holds one copy."""
+        scale = self.__dict__.get("_row_scale_n_major")
+        if scale is None:
+            scale = self.__dict__["_row_scale_n_major"] = self.weight_scale_inv.detach().t().contiguous().t()
+        return scale
 
     def _cublas_runner(self, w_s: torch.Tensor, granularity: str):
         """This layer's :class:`fp8linear.ops.linear.CublasLinear`, made once: every cuBLAS-routed
@@ -375,6 +402,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         if runner is None:
             from .ops.linear import CublasLinear
 
+            if granularity == "row":  # cuBLAS reads 1x128 scales as (K/128, N): the N-major copy's storage
+                w_s = self.row_scale_n_major()
             runner = self.__dict__["_cublas_linear"] = CublasLinear(self.weight, w_s, granularity, self.bias)
         return runner
 

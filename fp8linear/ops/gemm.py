@@ -37,7 +37,7 @@ from .cutlass_gemm import cutlass_fp8_gemm
 from .gemm_common import (prefetch_scales, promote, store_tile, uniform_weight_scale, weight_scale_layout,
                           weight_scale_ptrs)
 from .pdl import pdl_launch, wait_for_producer
-from .router import TensorDescriptor, Route, route_gemm, tma_ok
+from .router import TensorDescriptor, Route, dense_scale, route_gemm, tma_ok
 from .splitk_gemm import splitk_fp8_gemm
 from .ws_gemm import ws_fp8_gemm
 
@@ -230,7 +230,7 @@ def block_fp8_gemm(
     if config is None:
         route = route_gemm(x_q.device, m, n, k, granularity, w_q.dtype, out_dtype, bias, allow_cublas,
                            tma_ok(x_q) and tma_ok(w_q),
-                           x_q.is_contiguous() and w_q.is_contiguous() and w_s.is_contiguous())
+                           x_q.is_contiguous() and w_q.is_contiguous() and dense_scale(w_s, granularity))
     else:
         route = Route("splitk" if isinstance(config, SplitKConfig) else "tiled", config)
     return run_gemm_route(route, x_q, x_s, w_q, w_s, granularity, out_dtype, bias, counters)

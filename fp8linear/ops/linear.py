@@ -30,7 +30,7 @@ from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, Scratch, aligned
 from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outputs, cublas_rows
-from .router import Route, act_quant_launch, route_linear, tma_ok
+from .router import Route, act_quant_launch, dense_scale, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
 __all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]
@@ -63,7 +63,7 @@ def fp8_linear_tokens(
     """y (M, N) in x.dtype for a validated, K-contiguous x (M, K) and weight w_q (N, K), routed here;
     `counters`: split-K counters (:func:`fp8linear.ops.splitk_gemm.splitk_counters`) or None."""
     route = route_linear(x.device, x.shape[0], w_q.shape[0], x.shape[1], granularity, w_q.dtype, x.dtype, bias,
-                         allow_cublas, tma_ok(w_q), weight_contiguous=w_q.is_contiguous() and w_s.is_contiguous())
+                         allow_cublas, tma_ok(w_q), weight_contiguous=w_q.is_contiguous() and dense_scale(w_s, granularity))
     return run_linear_route(route, x, w_q, w_s, granularity, bias, counters)
 
 

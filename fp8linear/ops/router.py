@@ -110,6 +110,8 @@ __all__ = [
     "FUSED_GEMV_MAX_WEIGHT",
     "GROUPED_WIDE_TILE_MAX_ROWS",
     "KERNELS",
+    "N_MAJOR_SCALE_MIN_M",
+    "N_MAJOR_SCALE_WS_MIN_K",
     "LONG_SPLITK_K",
     "MID_M_CONFIG",
     "MID_SPLIT_TILE",
@@ -139,6 +141,7 @@ __all__ = [
     "cpu_row_parts",
     "cublas_allowed",
     "decode_tile_counters",
+    "dense_scale",
     "eager_cutlass_config",
     "gemv_config",
     "grouped_config",
@@ -155,6 +158,7 @@ __all__ = [
     "use_cpu_half_gemv",
     "use_cpu_native",
     "use_fused_gemv",
+    "use_n_major_scales",
     "use_pdl",
     "use_persistent",
     "ws_config",
@@ -603,6 +607,37 @@ class Route:
     config: GemmConfig | SplitKConfig | GemvConfig | CublasConfig | CutlassConfig | WsConfig | None = None
     pdl: bool = False
     release_early: bool = False
+
+
+# 1x128 weight scales read N-major (stride (1, N); a copy `Fp8BlockLinear` keeps) by our kernels from
+# this many rows: a K group's scales for a tile's columns sit in a few cache lines, where the
+# checkpoint's K-major (row-major) layout puts each column's in its own line. H100, CUDA graphs, our
+# kernels as routed for 7 shapes x M 1-2048 (benchmarks/scale_layout_ab.py): tiled 0.75-0.99x the
+# time from M=256 (4096x14336 M=2048 530 -> 399 us, 18432x7168 M=2048 1114 -> 939), split-K and the
+# one-launch decode kernel 0.89-0.96x at M 128-512; below 128 rows 1.05-1.19x (16x32 tiles) and
+# 1.02-1.15x (split-K): a line per K step on a short step's critical path. Measured on NVIDIA only.
+N_MAJOR_SCALE_MIN_M = 128
+# The warp-specialized kernel gains on long K only: 18432x7168 M 128-256 0.89-0.90x, 24576x1536
+# M 128-2048 1.27-1.41x (same run).
+N_MAJOR_SCALE_WS_MIN_K = 4096
+
+
+def dense_scale(w_s: torch.Tensor, granularity: str) -> bool:
+    """Whether a weight scale is laid out as the kernels that want a dense one read it: contiguous,
+    or for 1x128 weights also N-major, stride (1, N) (only the 128x128-weight CUTLASS kernels need
+    it contiguous; the rest read any strides)."""
+    return w_s.is_contiguous() or (granularity == "row" and w_s.dim() == 2 and w_s.stride(0) == 1
+                                   and w_s.stride(1) == w_s.shape[0])
+
+
+def use_n_major_scales(route: Route, m: int, k: int, granularity: str) -> bool:
+    """Whether our kernel on `route` reads 1x128 weight scales faster N-major (N_MAJOR_SCALE_MIN_M,
+    N_MAJOR_SCALE_WS_MIN_K); every kernel reads either layout, with the same bits."""
+    if granularity != "row" or m < N_MAJOR_SCALE_MIN_M or torch.version.hip is not None:
+        return False
+    if route.kernel == "ws":
+        return k >= N_MAJOR_SCALE_WS_MIN_K
+    return route.kernel in ("tiled", "splitk", "decode")
 
 
 def tma_ok(t: torch.Tensor) -> bool:

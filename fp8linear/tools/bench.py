@@ -212,14 +212,31 @@ def _ours_counters(n: int, device: torch.device) -> torch.Tensor | None:
     return splitk_counters(n, device)
 
 
-def _routed_to_cublas(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, allow_cublas: bool) -> bool:
-    """Whether the router sends this prequantized GEMM to cuBLAS (which reads M-major activation scales)."""
+def _gemm_route(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, allow_cublas: bool):
+    """The router's route for this prequantized GEMM."""
     from ..ops.router import route_gemm, tma_ok
 
     m, k = x_q.shape
-    route = route_gemm(x_q.device, m, w_q.shape[0], k, granularity, w_q.dtype, torch.bfloat16, None, allow_cublas,
-                       tma_ok(x_q) and tma_ok(w_q), x_q.is_contiguous() and w_q.is_contiguous())
-    return route.kernel == "cublas"
+    return route_gemm(x_q.device, m, w_q.shape[0], k, granularity, w_q.dtype, torch.bfloat16, None, allow_cublas,
+                      tma_ok(x_q) and tma_ok(w_q), x_q.is_contiguous() and w_q.is_contiguous())
+
+
+def _routed_to_cublas(x_q: torch.Tensor, w_q: torch.Tensor, granularity: str, allow_cublas: bool) -> bool:
+    """Whether the router sends this prequantized GEMM to cuBLAS (which reads M-major activation scales)."""
+    return _gemm_route(x_q, w_q, granularity, allow_cublas).kernel == "cublas"
+
+
+def _layer_row_scale(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, allow_cublas: bool) -> torch.Tensor:
+    """1x128 weight scales in the layout Fp8BlockLinear hands this GEMM's route: its N-major copy where
+    the router says our kernel reads that faster (router.use_n_major_scales), and on cuBLAS (the
+    layer's cuBLAS route holds that storage as its (K/128, N) scale, so no copy per call); else the
+    checkpoint's K-major (row-major) layout."""
+    from ..ops.router import use_n_major_scales
+
+    route = _gemm_route(x_q, w_q, "row", allow_cublas)
+    if route.kernel == "cublas" or use_n_major_scales(route, x_q.shape[0], x_q.shape[1], "row"):
+        return w_s.t().contiguous().t()
+    return w_s
 
 
 def _method_setup(
@@ -270,6 +287,8 @@ def _method_setup(
             xp_q, xp_s = act_quant(x, x_q.dtype, cublas_layout=True)
             xa_q, xa_s = xp_q[:m], xp_s[:m]
 
+        if granularity == "row" and x.device.type == "cuda":
+            w_s = _layer_row_scale(xa_q, w_q, w_s, cublas_allowed(backend))
         counters = _ours_counters(n, x.device)
 
         def ours(a, sa, b, sb):

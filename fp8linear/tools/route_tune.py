@@ -296,6 +296,9 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
         counters = splitk_counters(n, device)
         for gran in granularities:
             w_q, w_s = quantize_weight(w, gran, torch.float8_e4m3fn)
+            # 1x128 scales as Fp8BlockLinear hands them over: N-major to cuBLAS (the layer's cuBLAS route
+            # holds that storage as its (K/128, N) scale) and to our kernels where the router says so
+            w_sn = w_s.t().contiguous().t() if gran == "row" else w_s
             for m in ms:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
                 x_q, x_s = act_quant(x, torch.float8_e4m3fn)
@@ -303,19 +306,21 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
                 algo_ms = sorted(set(ms) | set(TABLE_MS) | set(table_ms(device, n, k, gran)))
                 for label, (kernel, c) in candidates(m, n, k, device, gran, challengers, algo_ms).items():
+                    scale = w_sn if kernel == "cublas" or router.use_n_major_scales(
+                        router.Route(kernel, c), m, k, gran) else w_s
                     if kernel == "cublas":
                         fns[label] = ((lambda g, c_: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None, c_))(
-                            gran, c), (xp_q, xp_s, w_q, w_s))
+                            gran, c), (xp_q, xp_s, w_q, scale))
                     elif kernel == "cutlass":
                         fns[label] = ((lambda c_: lambda a, sa, b, sb: cutlass_fp8_gemm(a, sa, b, sb, None, c_))(c),
                                       (x_q, x_s, w_q, w_s))
                     elif kernel == "ws":
                         fns[label] = ((lambda c_, g: lambda a, sa, b, sb: ws_fp8_gemm(
-                            a, sa, b, sb, g, torch.bfloat16, None, c_))(c, gran), (x_q, x_s, w_q, w_s))
+                            a, sa, b, sb, g, torch.bfloat16, None, c_))(c, gran), (x_q, x_s, w_q, scale))
                     else:
                         fns[label] = ((lambda c_, g: lambda a, sa, b, sb: block_fp8_gemm(
                             a, sa, b, sb, g, torch.bfloat16, None, config=c_, counters=counters))(c, gran),
-                            (x_q, x_s, w_q, w_s))
+                            (x_q, x_s, w_q, scale))
                 rounds = {}
                 for label, (fn, args) in fns.items():
                     try:
@@ -331,7 +336,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 best = min((v, lab) for lab, v in us.items() if lab != "bf16")
                 log(f"[{time.monotonic() - t0:5.0f}s] {gran} {n}x{k} M={m}: BF16 {us['bf16']:.1f} "
                     f"best {best[1]} {best[0]:.1f}")
-            del w_q, w_s
+            del w_q, w_s, w_sn
         del w
         torch.cuda.empty_cache()
     return rows

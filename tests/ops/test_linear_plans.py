@@ -287,6 +287,30 @@ def test_plans_dropped_when_weights_bias_backend_or_device_change():
     assert not layer._plans and not layer._seen
 
 
+@pytest.mark.parametrize("m,n,k", [(130, 136, 4224), (200, 130, 300), (129, 64, 576)])
+def test_row_plans_from_128_rows_read_the_n_major_scale_copy(m, n, k):
+    """From N_MAJOR_SCALE_MIN_M rows a 1x128 layer's plans hand our kernels its N-major scale copy
+    (same bits as the checkpoint layout), made once; it goes with the plans when the scales change."""
+    from fp8linear.ops.router import N_MAJOR_SCALE_MIN_M
+
+    layer = _layer(n, k, "row", True)
+    gen = torch.Generator(device=KERNEL_DEVICE).manual_seed(m + n + k)
+    x = torch.randn(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16, generator=gen)
+    small = x[: N_MAJOR_SCALE_MIN_M - 1].clone()
+    _planned(layer, small)
+    assert layer.__dict__["_row_scale_n_major"] is None  # fewer rows: the checkpoint's layout
+    y = _planned(layer, x)
+    copy_ = layer.__dict__["_row_scale_n_major"]
+    assert copy_ is not None and copy_.stride() == (1, n) and torch.equal(copy_, layer.weight_scale_inv)
+    assert same_bits(y, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="triton"))
+    assert layer(x) is not y and layer.__dict__["_row_scale_n_major"] is copy_  # made once
+    layer.weight_scale_inv = nn.Parameter(layer.weight_scale_inv * 2, requires_grad=False)
+    assert layer.__dict__["_row_scale_n_major"] is None
+    y2 = _planned(layer, x)
+    assert same_bits(y2, fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend="triton"))
+    assert not same_bits(y2, y)
+
+
 def test_a_planned_layer_copies_and_pickles_without_its_plans():
     import copy
     import io
@@ -500,6 +524,33 @@ def test_eager_plans_keep_small_prefill_gemms_off_cublas(monkeypatch):
     assert kernel(1024, 1536, 7168, eager=True) != "cublas"  # 1.13e10
     assert kernel(1024, 2112, 7168, eager=True) == "cublas"  # 1.55e10
     assert kernel(4096, 2112, 7168, eager=True) == "cublas"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (333, 4096, 14336), (1000, 24576, 1536), (2049, 576, 7168)])
+def test_gpu_row_layers_share_one_n_major_scale(m, n, k):
+    """A 1x128 layer's N-major scale copy is what its kernels from 128 rows and its cuBLAS route read:
+    one storage, the bits of the checkpoint layout on every route."""
+    from fp8linear.ops import router
+    from fp8linear.ops.cublas_gemm import cublas_device_ok
+    from fp8linear.ops.linear import run_linear_route
+
+    torch.manual_seed(m)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16), "row")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for backend in ("triton", "auto"):
+        layer.backend = backend  # drops the plans and the copy
+        y = _planned(layer, x)
+        args, _, _, dense = layer._route_args(x)
+        eager, capture = (router.route_linear(*args, eager=e, weight_contiguous=dense) for e in (True, False))
+        ref = run_linear_route(eager, x, layer.weight, layer.weight_scale_inv, "row", layer.bias)
+        assert same_bits(y, ref)
+        if backend == "triton":  # made by the shape's first (routed) call where its route reads it
+            wanted = router.use_n_major_scales(eager, m, k, "row")
+            assert (layer.__dict__["_row_scale_n_major"] is not None) == wanted
+    if cublas_device_ok(torch.device("cuda")):
+        runner = layer._cublas_runner(layer.weight_scale_inv, "row")
+        assert runner.scale_b.data_ptr() == layer.row_scale_n_major().data_ptr()  # one copy, not two
 
 
 @pytest.mark.gpu

@@ -46,3 +46,25 @@ def test_router_decides_without_triton():
     out = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, cwd=REPO,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_n_major_row_scales_rule():
+    """1x128 scales go N-major to our kernels from N_MAJOR_SCALE_MIN_M rows (the warp-specialized
+    kernel from N_MAJOR_SCALE_WS_MIN_K), never for other granularities, cuBLAS or the GEMV."""
+    import torch
+
+    from fp8linear.ops import router
+    from fp8linear.ops.router import N_MAJOR_SCALE_MIN_M as M0, N_MAJOR_SCALE_WS_MIN_K as K0, Route
+
+    for kernel in ("tiled", "splitk", "decode"):
+        assert router.use_n_major_scales(Route(kernel), M0, 576, "row")
+        assert not router.use_n_major_scales(Route(kernel), M0 - 1, 7168, "row")
+        assert not router.use_n_major_scales(Route(kernel), 4096, 7168, "block")
+    assert router.use_n_major_scales(Route("ws"), M0, K0, "row")
+    assert not router.use_n_major_scales(Route("ws"), 4096, K0 - 128, "row")
+    for kernel in ("cublas", "gemv", "persistent", "cutlass"):
+        assert not router.use_n_major_scales(Route(kernel), 4096, 7168, "row")
+    w_s = torch.ones(300, 5)
+    n_major = w_s.t().contiguous().t()
+    assert router.dense_scale(w_s, "row") and router.dense_scale(n_major, "row")
+    assert not router.dense_scale(n_major, "block") and not router.dense_scale(w_s[:, ::2], "row")

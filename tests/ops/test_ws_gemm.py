@@ -248,6 +248,9 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
                 WsConfig(128, 3, tail_split=8), WsConfig(256, 3, 2, persistent=True, tail_split=4)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
+        if gran == "row":  # 1x128 scales N-major (stride (1, N), the copy Fp8BlockLinear keeps): same bits
+            w_s_n = w_s.t().contiguous().t()
+            assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s_n, gran, BF16, None, cfg), y)
         if _splits(m, n, k, cfg) == 1:
             assert same_bits(y, tiled)
         else:  # split tail tiles sum their partials in split order: the same bits every call
