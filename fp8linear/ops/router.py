@@ -613,12 +613,13 @@ class Route:
 # this many rows: a K group's scales for a tile's columns sit in a few cache lines, where the
 # checkpoint's K-major (row-major) layout puts each column's in its own line. H100, CUDA graphs, our
 # kernels as routed for 7 shapes x M 1-2048 (benchmarks/scale_layout_ab.py): tiled 0.75-0.99x the
-# time from M=256 (4096x14336 M=2048 530 -> 399 us, 18432x7168 M=2048 1114 -> 939), split-K and the
-# one-launch decode kernel 0.89-0.96x at M 128-512; below 128 rows 1.05-1.19x (16x32 tiles) and
-# 1.02-1.15x (split-K): a line per K step on a short step's critical path. Measured on NVIDIA only.
+# time from M=256 (4096x14336 M=2048 525 -> 393 us, 18432x7168 M=2048 1092 -> 851), split-K 0.88-0.97x
+# and the one-launch decode kernel 0.89-1.01x at M 128-512; below 128 rows 1.05-1.19x (16x32 tiles)
+# and 1.02-1.15x (split-K): a line per K step on a short step's critical path. Two runs; measured on
+# NVIDIA only.
 N_MAJOR_SCALE_MIN_M = 128
 # The warp-specialized kernel gains on long K only: 18432x7168 M 128-256 0.89-0.90x, 24576x1536
-# M 128-2048 1.27-1.41x (same run).
+# M 128-2048 1.26-1.41x (same runs).
 N_MAJOR_SCALE_WS_MIN_K = 4096
 
 

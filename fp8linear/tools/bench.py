@@ -11,7 +11,8 @@ For every weight shape (N, K) and batch M it times, per call:
                     get it (backend "auto": on Hopper, M >= 128 goes to cuBLAS where it is
                     correct and faster, see :mod:`fp8linear.ops.cublas_gemm`)
 ``triton_block``    the same with ``backend="triton"``: our Triton kernels alone
-``ours_row``        :func:`fp8linear.block_fp8_matmul`, 1x128 row-wise weight scales
+``ours_row``        :func:`fp8linear.block_fp8_matmul`, 1x128 row-wise weight scales, in the layout
+                    ``Fp8BlockLinear`` hands the route (N-major where ``router.use_n_major_scales``, and on cuBLAS)
 ``ours_forward``    :func:`fp8linear.fp8_linear` = ``Fp8BlockLinear.forward``: activation
                     quantization + GEMM + bias, from a BF16 input
 ==================  ===========================================================================
