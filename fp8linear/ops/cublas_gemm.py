@@ -30,8 +30,9 @@ tests/test_cublas_gemm.py check these rules against the reference):
   1x128-scaled kernels are faster at low tile counts (H100, `benchmarks/cublaslt_probe.py
   --padded-grid`: 0.47-0.70x the 128x128 kernels' time at M <= 32, up to 1.7x slower at M >= 1024;
   the crossover is near half a 128x128 output tile per SM);
-- 1x128 weights: scale_b = the (K/128, N) transpose, contiguous (a small copy per call on the
-  functional path);
+- 1x128 weights: scale_b = the (K/128, N) transpose, contiguous: a view of an N-major scale
+  (stride (1, N), the copy ``Fp8BlockLinear`` keeps), else a small copy per call on the
+  functional path;
 - N a multiple of 16; ``float8_e4m3fn`` only; bf16 output (the only one verified), bias fused.
 """
 
