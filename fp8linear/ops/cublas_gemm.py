@@ -168,7 +168,7 @@ def cublas_device_ok(device: torch.device) -> bool:
 
 def cublas_fp8_gemm(
     x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-    bias: torch.Tensor | None, config: CublasConfig | None = None,
+    bias: torch.Tensor | None, config: CublasConfig | None = None, scale_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on cuBLAS.
 
@@ -178,10 +178,14 @@ def cublas_fp8_gemm(
     writes that layout directly, so the linear layer never copies), or on no copy where x_q and
     x_s are the first M rows of that layout (:func:`padded_rows_view`); the padding rows are dropped.
     `config`: the route's cuBLASLt workspace limit, weight-scale form and algorithm rows
-    (:class:`CublasConfig`; None: the defaults); the scale is put in that form per call. Operands cuBLASLt is not called on
-    here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an unaligned or strided x_q) run
+    (:class:`CublasConfig`; None: the defaults); the scale is put in that form per call, unless
+    `scale_b` holds it already (:func:`cublas_weight_scale` of this weight for this config's form,
+    made once, as :class:`fp8linear.ops.linear.CublasLinear` holds it). Operands cuBLASLt is not
+    called on here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an unaligned or strided x_q) run
     ``torch._scaled_mm``, at torch's own limit, with the scale form it reads.
     """
+    if scale_b is not None:
+        _check_held_scale(scale_b, w_q, granularity, cublas_row_scales(w_q, granularity, config))
     m = x_q.shape[0]
     if m % CUBLAS_ROW_ALIGN:
         x_q, x_s = padded_rows_view(x_q, x_s) or _pad_rows(x_q, x_s)
@@ -196,13 +200,31 @@ def cublas_fp8_gemm(
                         as_rows, bias is not None, workspace_limit(config))
     if lt is not None:  # the algorithm the module's cuBLAS route runs (fp8linear.ops.cublaslt)
         y = torch.empty((rows, n), dtype=torch.bfloat16, device=x_q.device)
-        if not lt.run_on(rows, w_q, cublas_weight_scale(w_q, w_s, granularity, as_rows), bias, x_q, x_s, y,
-                         algo_rows(config)):
+        held = scale_b if scale_b is not None else cublas_weight_scale(w_q, w_s, granularity, as_rows)
+        if not lt.run_on(rows, w_q, held, bias, x_q, x_s, y, algo_rows(config)):
             lt = None
     if lt is None:
         scale_b = cublas_weight_scale(w_q, w_s, granularity, cublas_row_scales(w_q, granularity, config, direct=False))
         y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
     return y if y.shape[0] == m else y[:m]  # a contiguous view
+
+
+def _check_held_scale(scale_b: torch.Tensor, w_q: torch.Tensor, granularity: str, as_rows: bool) -> None:
+    """A held cuBLAS weight scale must have the shape and strides cublas_weight_scale gives this form."""
+    n, k = w_q.shape
+    groups = -(-k // GROUP_SIZE)
+    if as_rows:
+        want, strides = (groups, n), (n, 1)
+    else:
+        blocks = -(-n // GROUP_SIZE)
+        want, strides = (groups, blocks), (1, groups + (-groups % _BLOCK_SCALE_ROW_ALIGN))
+    if (not isinstance(scale_b, torch.Tensor) or scale_b.dtype != torch.float32 or tuple(scale_b.shape) != want
+            or any(size > 1 and st != s for size, st, s in zip(want, scale_b.stride(), strides))):
+        got = (f"{tuple(scale_b.shape)} {scale_b.dtype} strides {scale_b.stride()}" if isinstance(scale_b, torch.Tensor)
+               else type(scale_b).__name__)
+        form = "1x128" if as_rows else "128x128"
+        raise ValueError(f"scale_b must be this {granularity} weight's cuBLAS scale in the {form} form "
+                         f"(cublas_weight_scale): float32 {want} strides {strides}, got {got}")
 
 
 def padded_rows_view(x_q: torch.Tensor, x_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -7,9 +7,10 @@ For every weight shape (N, K) and batch M it times, per call:
 ``cublas_block``    ``torch._scaled_mm`` with 1x128 activation / 128x128 weight scales (cuBLAS,
                     CUDA >= 12.9, Hopper+); shapes it refuses are reported as ``refused``
 ``cublas_tensor``   ``torch._scaled_mm`` with one scale per tensor (the FP8 ceiling)
-``ours_block``      :func:`fp8linear.block_fp8_matmul`, 128x128 weight scales (GEMM only), as users
-                    get it (backend "auto": on Hopper, M >= 128 goes to cuBLAS where it is
-                    correct and faster, see :mod:`fp8linear.ops.cublas_gemm`)
+``ours_block``      :func:`fp8linear.block_fp8_matmul`, 128x128 weight scales (GEMM only), as
+                    ``Fp8BlockLinear`` runs it (backend "auto": the router's route; where that is
+                    cuBLAS, with the weight scale in cuBLAS's layout made once, as the layer holds
+                    it, see :mod:`fp8linear.ops.cublas_gemm`)
 ``triton_block``    the same with ``backend="triton"``: our Triton kernels alone
 ``ours_row``        :func:`fp8linear.block_fp8_matmul`, 1x128 row-wise weight scales, in the layout
                     ``Fp8BlockLinear`` hands the route (N-major where ``router.use_n_major_scales``, and on cuBLAS)
@@ -291,6 +292,20 @@ def _method_setup(
         if granularity == "row" and x.device.type == "cuda":
             w_s = _layer_row_scale(xa_q, w_q, w_s, cublas_allowed(backend))
         counters = _ours_counters(n, x.device)
+        if on_cublas:
+            # the route with the weight scale in cuBLAS's layout made once, as the layer's cuBLAS route
+            # holds it (the functional path makes it per call: the 1x128 form of 128x128 weights and
+            # padded grids are a copy kernel each call)
+            from ..ops.cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale
+
+            config = _gemm_route(xa_q, w_q, granularity, cublas_allowed(backend)).config
+            held = cublas_weight_scale(w_q, w_s, granularity, cublas_row_scales(w_q, granularity, config))
+
+            def ours_cublas(a, sa, b, sb, hb):
+                return cublas_fp8_gemm(a, sa, b, sb, granularity, None, config, scale_b=hb)
+
+            return (ours_cublas, (xa_q, xa_s, w_q, w_s, held),
+                    n * k + held.numel() * 4 + act_bytes + out_bytes, out_bytes)
 
         def ours(a, sa, b, sb):
             return block_fp8_matmul(a, sa, b, sb, torch.bfloat16, None, backend=backend, counters=counters)

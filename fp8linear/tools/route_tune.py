@@ -14,9 +14,10 @@ The optional kernels are candidates where they run: CUTLASS's where the library 
 entry records the fastest other kernel as its fallback. cuBLAS is also timed on the algorithm
 cuBLASLt's heuristic picks for the next larger M, from ALGO_MIN_M rows (``CublasConfig.algo_m``:
 its choice is not monotonic in M; named only where it beats M's own by OPTIONAL_MIN_GAIN).
-``--challengers cutlass ws algo`` times just the shipped table's entries against the named optional
-kernels (algo: cuBLAS on M's own algorithm and on those of the next two Ms), a few minutes instead
-of a full sweep, and merges per (shape, M). Writes the table (JSON, by a
+``--challengers cutlass ws algo cublas`` times just the shipped table's entries against the named
+optional kernels (algo: cuBLAS on M's own algorithm and on those of the next two Ms; cublas: cuBLAS
+in every form a full sweep times), a few minutes instead of a full sweep, and merges per (shape, M).
+cuBLAS candidates get the weight scale in cuBLAS's layout made once, as the linear layer holds it. Writes the table (JSON, by a
 temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
 the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -63,6 +64,9 @@ CHALLENGERS = {"cutlass": "cutlass:", "ws": "ws:"}
 # kernels take most cases). A full sweep times the next M's.
 ALGO = "algo"
 ALGO_NEXT_MS = 2
+# --challengers may also name "cublas": cuBLAS in each of its forms (workspace limit, and for 128x128
+# weights the 1x128 form), as a full sweep times it, against the shipped entry.
+CUBLAS = "cublas"
 ALGO_MIN_M = 65
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
@@ -191,6 +195,21 @@ def _algo_candidates(out: dict[str, tuple[str, Any]], m: int, algo_ms: Sequence[
     return found
 
 
+def _cublas_candidates(granularity: str) -> dict[str, tuple[str, Any]]:
+    """cuBLAS at the default and the large workspace limit, and for 128x128 weights also as 1x128
+    weights (cuBLAS's 1x128-scaled kernels are faster at low tile counts, fp8linear.ops.cublas_gemm)."""
+    from ..ops.cublas_gemm import CublasConfig
+
+    out: dict[str, tuple[str, Any]] = {"cublas": ("cublas", None)}
+    large = CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)
+    out[_label("cublas", large)] = ("cublas", large)
+    if granularity == "block":
+        for mib in (CublasConfig.workspace_mib, _LARGE_WORKSPACE_MIB):
+            rows = CublasConfig(workspace_mib=mib, row_scales=True)
+            out[_label("cublas", rows)] = ("cublas", rows)
+    return out
+
+
 def _plain_label(label: str) -> str:
     """The label of a borrowed-algorithm cuBLAS candidate's form on its own M's algorithm."""
     return label.rsplit(":a", 1)[0]
@@ -217,16 +236,17 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
                challengers: Sequence[str] = (), algo_ms: Sequence[int] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
     also on the algorithm of the next of `algo_ms` (larger Ms), the optional kernels where they
-    run); with `challengers` (optional kernels, CHALLENGERS, or ALGO): the shipped table's entry
-    and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next ALGO_NEXT_MS of
-    `algo_ms`)."""
+    run); with `challengers` (optional kernels, CHALLENGERS, ALGO or CUBLAS): the shipped table's
+    entry and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next ALGO_NEXT_MS of
+    `algo_ms`; CUBLAS: cuBLAS in every form)."""
     from ..ops import router
-    from ..ops.cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
+    from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
     from ..ops.configs import sm_count
 
-    unknown = set(challengers) - set(CHALLENGERS) - {ALGO}
+    unknown = set(challengers) - set(CHALLENGERS) - {ALGO, CUBLAS}
     if unknown:
-        raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)} or {ALGO!r}, got {sorted(unknown)}")
+        raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)}, {ALGO!r} or {CUBLAS!r}, "
+                         f"got {sorted(unknown)}")
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     optional = {"cutlass": _cutlass_candidates, "ws": _ws_candidates}
@@ -238,18 +258,15 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
             if kernel == ALGO:
                 if cublas_ok:
                     out.update(_algo_candidates(out, m, algo_ms, granularity, ALGO_NEXT_MS))
+            elif kernel == CUBLAS:
+                if cublas_ok:
+                    out.update(_cublas_candidates(granularity))
             else:
                 out.update(optional[kernel](n, k, device, granularity))
         return out
     out: dict[str, tuple[str, Any]] = {}
     if cublas_ok:
-        out["cublas"] = ("cublas", None)
-        large = CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)
-        out[_label("cublas", large)] = ("cublas", large)
-        if granularity == "block":  # the weight as 1x128 scales: cuBLAS's faster kernels at low tile counts
-            for mib in (CublasConfig.workspace_mib, _LARGE_WORKSPACE_MIB):
-                rows = CublasConfig(workspace_mib=mib, row_scales=True)
-                out[_label("cublas", rows)] = ("cublas", rows)
+        out.update(_cublas_candidates(granularity))
     if heur.kernel in ("tiled", "splitk"):
         out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
     table_cfg = router.select_config(device, m, n, k, granularity)
@@ -277,7 +294,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
     """One row per (granularity, N, K, M): every candidate's µs per call, BF16's, and the heuristic's label."""
     from ..functional import quantize_weight
     from ..ops import router
-    from ..ops.cublas_gemm import cublas_fp8_gemm
+    from ..ops.cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale
     from ..ops.cutlass_gemm import cutlass_fp8_gemm
     from ..ops.gemm import block_fp8_gemm
     from ..ops.quant import act_quant
@@ -309,8 +326,11 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                     scale = w_sn if kernel == "cublas" or router.use_n_major_scales(
                         router.Route(kernel, c), m, k, gran) else w_s
                     if kernel == "cublas":
-                        fns[label] = ((lambda g, c_: lambda a, sa, b, sb: cublas_fp8_gemm(a, sa, b, sb, g, None, c_))(
-                            gran, c), (xp_q, xp_s, w_q, scale))
+                        # the weight scale in cuBLAS's layout for this form, made once as the layer's
+                        # cuBLAS route holds it (not per call, as the functional path does)
+                        held = cublas_weight_scale(w_q, scale, gran, cublas_row_scales(w_q, gran, c))
+                        fns[label] = ((lambda g, c_: lambda a, sa, b, sb, hb: cublas_fp8_gemm(
+                            a, sa, b, sb, g, None, c_, scale_b=hb))(gran, c), (xp_q, xp_s, w_q, scale, held))
                     elif kernel == "cutlass":
                         fns[label] = ((lambda c_: lambda a, sa, b, sb: cutlass_fp8_gemm(a, sa, b, sb, None, c_))(c),
                                       (x_q, x_s, w_q, w_s))
@@ -501,10 +521,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-ms", action="store_true",
                         help="with --update: keep a measured shape's entries at the Ms not measured now "
                              "(to add Ms to a table, e.g. --m 160 320 640)")
-    parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO,), default=None,
+    parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO, CUBLAS), default=None,
                         help="time only the shipped entries against these optional kernels (CUTLASS: built, 128x128 "
-                             "weights; ws: the warp-specialized kernel, Hopper) or cuBLAS on the algorithms of the "
-                             f"next {ALGO_NEXT_MS} table Ms (algo), and update the table in --out (the shipped one "
+                             "weights; ws: the warp-specialized kernel, Hopper), cuBLAS on the algorithms of the "
+                             f"next {ALGO_NEXT_MS} table Ms (algo) or cuBLAS in every form (cublas), and update the table in --out (the shipped one "
                              "where --out has none) per (shape, M)")
 
 

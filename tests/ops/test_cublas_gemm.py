@@ -128,6 +128,29 @@ def test_cublas_config_row_form():
         CublasConfig(row_scales="yes")
 
 
+@pytest.mark.parametrize("n,k", [(576, 1408), (300, 2048)])
+def test_cublas_held_scale_must_be_the_forms_layout(n, k):
+    """A held weight scale (scale_b) is cublas_weight_scale's tensor for the route's form: another form,
+    the 128x128 grid unpadded where cuBLAS needs its rows padded, or a 1x128 scale K-major is refused
+    with what was expected, before any GPU work."""
+    from fp8linear.ops.cublas_gemm import CublasConfig, cublas_fp8_gemm, cublas_weight_scale
+
+    w_q = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    x_q, x_s = torch.zeros(4, k, dtype=torch.float8_e4m3fn), torch.ones(4, -(-k // 128))
+    w_s = torch.rand(-(-n // 128), -(-k // 128))
+    grid, rows = cublas_weight_scale(w_q, w_s, "block", False), cublas_weight_scale(w_q, w_s, "block", True)
+    bad = [(rows, None), (grid, CublasConfig(row_scales=True)), (rows.t().contiguous().t(), CublasConfig(row_scales=True)),
+           (rows.double(), CublasConfig(row_scales=True))]
+    if k == 1408:  # 11 groups: cuBLAS reads the grid's rows 12 apart
+        bad.append((w_s.t(), None))
+    for scale_b, config in bad:
+        with pytest.raises(ValueError, match="scale_b must be this block weight's cuBLAS scale"):
+            cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", None, config, scale_b=scale_b)
+    r_s = torch.rand(n, -(-k // 128))
+    with pytest.raises(ValueError, match="in the 1x128 form"):
+        cublas_fp8_gemm(x_q, x_s, w_q, r_s, "row", None, None, scale_b=r_s)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "384", 322])
 def test_cublas_config_algo_rows(bad):
     from fp8linear.ops.cublas_gemm import CublasConfig, algo_rows
@@ -290,8 +313,9 @@ def test_gpu_cublas_scale_forms_match_reference_and_each_path(m, n, k, form, wit
     """128x128 weights on cuBLAS as the (padded) 128x128 grid or as 1x128 scales, with the heuristic's
     algorithm for M or (-algo) the one it picks for more rows: functional path, the layer's
     CublasLinear (cuBLASLt and torch._scaled_mm) against the float64 reference; the functional path
-    and the layer's cuBLASLt give the same bits."""
-    from fp8linear.ops.cublas_gemm import CublasConfig, cublas_fp8_gemm
+    (with the scale made per call, or held as the tuner hands it) and the layer's cuBLASLt give the
+    same bits."""
+    from fp8linear.ops.cublas_gemm import CublasConfig, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale
     from fp8linear.ops.cublaslt import _destroy_plan
     from fp8linear.ops.linear import CublasLinear
     from fp8linear.ops.quant import cublas_rows
@@ -304,6 +328,8 @@ def test_gpu_cublas_scale_forms_match_reference_and_each_path(m, n, k, form, wit
     x_q, x_s = quantize_activation(x)
     ref = block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias, backend="reference").double()
     y = cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", bias, config)
+    held = cublas_weight_scale(w_q, w_s, "block", cublas_row_scales(w_q, "block", config))
+    assert same_bits(cublas_fp8_gemm(x_q, x_s, w_q, w_s, "block", bias, config, scale_b=held), y)
     layer = CublasLinear(w_q, w_s, "block", bias)
     limit, as_rows, algo_m = layer.form(config)
     assert as_rows is config.row_scales and algo_m == config.algo_m

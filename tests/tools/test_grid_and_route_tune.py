@@ -348,7 +348,32 @@ def test_ws_challengers_and_candidates(monkeypatch):
         "tiled:64x64x128w4s4g8": ("tiled", tiled)}
     assert ws not in route_tune.candidates(2048, 7168, 2048, dev, "block")
     with pytest.raises(ValueError, match="challengers are optional kernels"):
-        route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("cublas",))
+        route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("cublass",))
+
+
+def test_cublas_challengers_time_every_cublas_form(monkeypatch):
+    """--challengers cublas times the shipped entry against cuBLAS in every form a full sweep times
+    (both workspace limits; for 128x128 weights also as 1x128 weights), and nothing where cuBLAS
+    refuses the shape or the GPU."""
+    from fp8linear.ops import cublas_gemm
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.cublas_gemm import CublasConfig
+
+    tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
+    monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled))
+    monkeypatch.setattr(cublas_gemm, "cublas_device_ok", lambda device: True)
+    dev = torch.device("cpu")
+    forms = {"cublas": ("cublas", None), "cublas:ws32": ("cublas", CublasConfig(32)),
+             "cublas:ws1:row": ("cublas", CublasConfig(1, True)), "cublas:ws32:row": ("cublas", CublasConfig(32, True))}
+    shipped = {"tiled:64x64x128w4s4g8": ("tiled", tiled)}
+    assert route_tune.candidates(128, 576, 2048, dev, "block", challengers=("cublas",)) == {**shipped, **forms}
+    assert route_tune.candidates(128, 576, 2048, dev, "row", challengers=("cublas",)) == {
+        **shipped, "cublas": forms["cublas"], "cublas:ws32": forms["cublas:ws32"]}
+    full = route_tune.candidates(128, 576, 2048, dev, "block")
+    assert all(full[label] == cand for label, cand in forms.items())
+    assert route_tune.candidates(128, 576, 2040, dev, "block", challengers=("cublas",)) == shipped  # K % 16
+    monkeypatch.setattr(cublas_gemm, "cublas_device_ok", lambda device: False)
+    assert route_tune.candidates(128, 576, 2048, dev, "block", challengers=("cublas",)) == shipped
 
 
 @pytest.mark.parametrize("label", ["cublas:ws32:a384", "cublas:ws1:row:a768", "cublas:ws32:row"])
