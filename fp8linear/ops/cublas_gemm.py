@@ -48,7 +48,7 @@ from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, lt_operands_ok, shape_gemm
 
 __all__ = ["CublasConfig", "algo_rows", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts",
            "cublas_device_ok", "cublas_fp8_gemm", "padded_rows_view", "config_row_scales", "cublas_row_scales",
-           "cublas_weight_scale"]
+           "cublas_weight_scale", "held_weight_scale"]
 
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
 _ALIGN_KN = 16
@@ -178,9 +178,9 @@ def cublas_fp8_gemm(
     writes that layout directly, so the linear layer never copies), or on no copy where x_q and
     x_s are the first M rows of that layout (:func:`padded_rows_view`); the padding rows are dropped.
     `config`: the route's cuBLASLt workspace limit, weight-scale form and algorithm rows
-    (:class:`CublasConfig`; None: the defaults); the scale is put in that form per call, unless
-    `scale_b` holds it already (:func:`cublas_weight_scale` of this weight for this config's form,
-    made once, as :class:`fp8linear.ops.linear.CublasLinear` holds it). Operands cuBLASLt is not
+    (:class:`CublasConfig`; None: the defaults); the scale in that form is made once and kept on
+    `w_s` (:func:`held_weight_scale`), or given (`scale_b`: :func:`cublas_weight_scale` of this
+    weight for this config's form). Operands cuBLASLt is not
     called on here (:func:`~fp8linear.ops.cublaslt.lt_operands_ok`, an unaligned or strided x_q) run
     ``torch._scaled_mm``, at torch's own limit, with the scale form it reads.
     """
@@ -200,11 +200,11 @@ def cublas_fp8_gemm(
                         as_rows, bias is not None, workspace_limit(config))
     if lt is not None:  # the algorithm the module's cuBLAS route runs (fp8linear.ops.cublaslt)
         y = torch.empty((rows, n), dtype=torch.bfloat16, device=x_q.device)
-        held = scale_b if scale_b is not None else cublas_weight_scale(w_q, w_s, granularity, as_rows)
+        held = scale_b if scale_b is not None else held_weight_scale(w_q, w_s, granularity, as_rows)
         if not lt.run_on(rows, w_q, held, bias, x_q, x_s, y, algo_rows(config)):
             lt = None
     if lt is None:
-        scale_b = cublas_weight_scale(w_q, w_s, granularity, cublas_row_scales(w_q, granularity, config, direct=False))
+        scale_b = held_weight_scale(w_q, w_s, granularity, cublas_row_scales(w_q, granularity, config, direct=False))
         y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
     return y if y.shape[0] == m else y[:m]  # a contiguous view
 
@@ -260,6 +260,49 @@ def cublas_row_scales(w_q: torch.Tensor, granularity: str, config: CublasConfig 
     if granularity == "row":
         return True
     return granularity == "block" and (config_row_scales(config) or (not direct and _block_grid_needs_padding(w_q.shape[1])))
+
+
+class _HeldScales(dict):
+    """The cuBLAS layouts made from one weight-scale tensor, keyed by (1x128 form, N); `source` is the
+    scale's (version counter, address) they were made from. Pickles empty (a cache, not data)."""
+
+    __slots__ = ("source",)
+
+    def __reduce__(self):
+        return (_HeldScales, ())
+
+
+# The attribute of a weight-scale tensor that holds its cuBLAS layouts (held_weight_scale).
+_HELD_ATTR = "_fp8linear_cublas_scales"
+
+
+def held_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as_rows: bool) -> torch.Tensor:
+    """:func:`cublas_weight_scale`, made once per scale tensor and form and kept on `w_s` itself (an
+    attribute, dropped with the tensor; made again when `w_s` is changed in place or re-pointed), so
+    the functional path and compiled models (whose custom ops get the layer's own scale tensor each
+    call) pay no per-call copy: the 1x128 form of a 128x128 weight is N x K/128 fp32 written per call
+    otherwise, and a padded grid or a K-major 1x128 scale a small copy each. Where the layout is a
+    view of `w_s` nothing is kept. Not kept while a CUDA graph is being captured (a captured copy
+    holds its values only once the graph replays): the graph then makes it per replay."""
+    n = w_q.shape[0]
+    if granularity == "row" and w_s.stride(0) == 1:
+        return w_s.t()  # N-major: the (K/128, N) layout is a view
+    if granularity == "block" and not as_rows and not _block_grid_needs_padding(w_q.shape[1]) and w_s.is_contiguous():
+        return w_s.t()
+    held = w_s.__dict__.get(_HELD_ATTR)
+    source = (None if w_s.is_inference() else w_s._version, w_s.data_ptr())  # inference tensors have no version
+    scale = held.get((as_rows, n)) if held is not None and held.source == source else None
+    if scale is not None:
+        return scale
+    scale = cublas_weight_scale(w_q, w_s, granularity, as_rows)
+    if w_s.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return scale
+    if held is None or held.source != source:
+        held = _HeldScales()
+        held.source = source
+        setattr(w_s, _HELD_ATTR, held)
+    held[(as_rows, n)] = scale
+    return scale
 
 
 def cublas_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as_rows: bool) -> torch.Tensor:

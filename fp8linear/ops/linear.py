@@ -22,7 +22,7 @@ import torch
 import triton
 
 from ..formats import GROUP_SIZE
-from .cublas_gemm import algo_rows, config_row_scales, cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale, workspace_limit
+from .cublas_gemm import algo_rows, config_row_scales, cublas_fp8_gemm, cublas_row_scales, held_weight_scale, workspace_limit
 from .cublaslt import LT_WORKSPACE_LIMIT, lt_block_gemm
 from .cutlass_gemm import CutlassCall
 from .fused_decode import _fused_decode_kernel, fused_decode_args, fused_decode_gemm, split_counters
@@ -106,7 +106,7 @@ class CublasLinear:
             # 128x128 grid); where 128x128 weights also run as 1x128 weights (a route's
             # CublasConfig.row_scales), that form is made on first use (scales)
             self.row_scales = cublas_row_scales(w_q, granularity, direct=self.direct)
-            self.scale_b = cublas_weight_scale(w_q, w_s, granularity, self.row_scales)
+            self.scale_b = held_weight_scale(w_q, w_s, granularity, self.row_scales)
             self.scales = {self.row_scales: self.scale_b}
             # cuBLASLt called directly (fp8linear.ops.cublaslt), else torch._scaled_mm; one per (workspace
             # limit, 1x128 form)
@@ -133,7 +133,7 @@ class CublasLinear:
         """The weight scale in cuBLAS's layout, as 1x128 scales or not (made on first use)."""
         scale = self.scales.get(as_rows)
         if scale is None:
-            scale = self.scales[as_rows] = cublas_weight_scale(self.w_q, self.w_s, self.granularity, as_rows)
+            scale = self.scales[as_rows] = held_weight_scale(self.w_q, self.w_s, self.granularity, as_rows)
         return scale
 
     def form(self, config) -> tuple[int, bool, int]:

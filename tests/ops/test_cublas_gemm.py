@@ -151,6 +151,50 @@ def test_cublas_held_scale_must_be_the_forms_layout(n, k):
         cublas_fp8_gemm(x_q, x_s, w_q, r_s, "row", None, None, scale_b=r_s)
 
 
+@pytest.mark.parametrize("gran,n,k,as_rows", [("block", 576, 1408, True), ("block", 576, 1408, False),
+                                               ("block", 300, 2048, True), ("row", 300, 2048, True)])
+def test_held_weight_scale_made_once_and_remade_when_the_scale_changes(gran, n, k, as_rows):
+    """The cuBLAS layout that needs a copy (the 1x128 form of 128x128 weights, a padded grid, a
+    K-major 1x128 scale) is made once per scale tensor and form, remade after an in-place change of
+    the scale or a new storage, and pickles as nothing (a cache, not data)."""
+    import io
+
+    from fp8linear.ops.cublas_gemm import _HELD_ATTR, cublas_weight_scale, held_weight_scale
+
+    w_q = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    groups = -(-k // 128)
+    w_s = torch.rand(-(-n // 128), groups) if gran == "block" else torch.rand(n, groups)
+    first = held_weight_scale(w_q, w_s, gran, as_rows)
+    assert torch.equal(first, cublas_weight_scale(w_q, w_s, gran, as_rows))
+    assert held_weight_scale(w_q, w_s, gran, as_rows) is first
+    w_s.mul_(2.0)
+    again = held_weight_scale(w_q, w_s, gran, as_rows)
+    assert again is not first and torch.equal(again, cublas_weight_scale(w_q, w_s, gran, as_rows))
+    w_s.data = w_s.data.clone() + 1.0  # new storage (the version counter may not move)
+    assert torch.equal(held_weight_scale(w_q, w_s, gran, as_rows), cublas_weight_scale(w_q, w_s, gran, as_rows))
+    buf = io.BytesIO()
+    torch.save(w_s, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert len(getattr(loaded, _HELD_ATTR, {})) == 0 and torch.equal(loaded, w_s)
+    with torch.inference_mode():
+        inf = w_s.clone()
+    assert torch.equal(held_weight_scale(w_q, inf, gran, as_rows), cublas_weight_scale(w_q, inf, gran, as_rows))
+
+
+def test_held_weight_scale_keeps_nothing_for_views():
+    """Where cuBLAS's layout is a view of the scale (an N-major 1x128 scale, an unpadded 128x128 grid)
+    nothing is made or kept."""
+    from fp8linear.ops.cublas_gemm import _HELD_ATTR, held_weight_scale
+
+    w_q = torch.zeros(512, 2048, dtype=torch.float8_e4m3fn)
+    grid = torch.rand(4, 16)
+    rows = torch.rand(512, 16).t().contiguous().t()
+    for w_s, gran in ((grid, "block"), (rows, "row")):
+        held = held_weight_scale(w_q, w_s, gran, gran == "row")
+        assert held.data_ptr() == w_s.data_ptr() and not hasattr(w_s, _HELD_ATTR)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "384", 322])
 def test_cublas_config_algo_rows(bad):
     from fp8linear.ops.cublas_gemm import CublasConfig, algo_rows
@@ -391,3 +435,36 @@ def test_gpu_cublas_path_captures_in_cuda_graph_and_compiles():
     compiled = torch.compile(mod, fullgraph=True)
     assert same_bits(compiled(x), functional)
     assert rel_err(eager, functional.double()) < GEMM_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_compiled_layer_holds_its_cublas_scale_form(monkeypatch):
+    """A compiled layer whose route runs cuBLAS with the 1x128 form of its 128x128 weight makes that
+    form once, on its own scale tensor, not per call; a form made during CUDA-graph capture is not
+    kept (its values exist only once the graph replays)."""
+    from fp8linear.ops import cublas_gemm, linear
+    from fp8linear.ops.cublas_gemm import _HELD_ATTR, CublasConfig, held_weight_scale
+    from fp8linear.ops.router import Route
+
+    rows_form = Route("cublas", CublasConfig(workspace_mib=32, row_scales=True))
+    monkeypatch.setattr(linear, "route_linear", lambda *a, **kw: rows_form)
+    made = []
+    make = cublas_gemm.cublas_weight_scale
+    monkeypatch.setattr(cublas_gemm, "cublas_weight_scale", lambda *a: made.append(a[3]) or make(*a))
+    mod = Fp8BlockLinear.from_linear(torch.nn.Linear(2048, 576, bias=False, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(200, 2048, device="cuda", dtype=torch.bfloat16)
+    expect = block_fp8_matmul(*quantize_activation(x), mod.weight, mod.weight_scale_inv, torch.float32,
+                              backend="reference").double()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = held_weight_scale(mod.weight, mod.weight_scale_inv, "block", True)
+    assert made == [True] and not getattr(mod.weight_scale_inv, _HELD_ATTR, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, make(mod.weight, mod.weight_scale_inv, "block", True))
+    made.clear()
+    compiled = torch.compile(mod, fullgraph=True)
+    ys = [compiled(x) for _ in range(3)]
+    assert made == [True] and len(getattr(mod.weight_scale_inv, _HELD_ATTR)) == 1
+    assert all(same_bits(y, ys[0]) for y in ys) and rel_err(ys[0], expect) < GEMM_TOL[torch.bfloat16]
