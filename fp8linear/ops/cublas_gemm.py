@@ -38,6 +38,7 @@ tests/test_cublas_gemm.py check these rules against the reference):
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -294,14 +295,45 @@ def held_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as
     scale = held.get((as_rows, n)) if held is not None and held.source == source else None
     if scale is not None:
         return scale
-    scale = cublas_weight_scale(w_q, w_s, granularity, as_rows)
-    if w_s.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return scale
+    if w_s.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return cublas_weight_scale(w_q, w_s, granularity, as_rows)
+        scale = _made_outside_pools(w_q, w_s, granularity, as_rows)
+    else:
+        scale = cublas_weight_scale(w_q, w_s, granularity, as_rows)
     if held is None or held.source != source:
         held = _HeldScales()
         held.source = source
         setattr(w_s, _HELD_ATTR, held)
     held[(as_rows, n)] = scale
+    return scale
+
+
+def _made_outside_pools(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as_rows: bool) -> torch.Tensor:
+    """cublas_weight_scale made on a helper thread and its own stream, ordered after the caller's
+    stream: a CUDA-graph memory pool may be taking the calling thread's allocations
+    (torch.compile's "reduce-overhead" warm-up runs allocate from its graphs' pool, whose memory
+    later runs reuse), and a layout kept past the call must not live there."""
+    current = torch.cuda.current_stream(w_s.device)
+    side = torch.cuda.Stream(w_s.device)
+    side.wait_stream(current)
+    made: list = []
+
+    def make() -> None:
+        try:
+            with torch.cuda.stream(side):
+                made.append(cublas_weight_scale(w_q, w_s, granularity, as_rows))
+        except Exception as e:  # handed to the caller below
+            made.append(e)
+
+    helper = threading.Thread(target=make, name="fp8linear-cublas-scale")
+    helper.start()
+    helper.join()
+    if isinstance(made[0], Exception):
+        raise made[0]
+    scale = made[0]
+    current.wait_stream(side)
+    scale.record_stream(current)
     return scale
 
 
