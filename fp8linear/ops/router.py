@@ -402,6 +402,17 @@ CUBLAS_ANY_TILES_M = 1024
 # 2560x2560 9.0 / 12.0.
 CUBLAS_ROW_FORM_MAX_TILES_PER_SM = 0.5
 _ROW_FORM = CublasConfig(row_scales=True)
+# At decode (up to SMALL_M_MAX rows) the same 1x128-scaled cuBLAS kernels beat our split-K on
+# square-ish weights of mid width: N in [DECODE_CUBLAS_MIN_NK, DECODE_CUBLAS_MAX_N], K from
+# DECODE_CUBLAS_MIN_NK to DECODE_CUBLAS_MAX_K_OVER_N x N. H100, CUDA graphs, cuBLAS timed with the
+# weight scale held (tune-routes --challengers cublas): on every table shape the rule picks
+# (1408x2048, 2048x1408, 3584x3584, 4096x4096, 7168x2048, 8192x8192) cuBLAS took 0.64-0.94x our
+# kernels' time at M 1-64, both granularities; outside it our kernels tie or win at some M (576x7168
+# 1.24-1.33x, 2112x7168 1.07-1.12x, 1024x8192 1.08-1.11x, 18944x3584 1.05-1.16x); shapes in no table
+# (tune-routes --quick, M=16): 3072x3072 0.77x, 2560x2560 0.82x, 5120x5120 0.83x, 8192x3072 0.89x.
+DECODE_CUBLAS_MIN_NK = 1024
+DECODE_CUBLAS_MAX_N = 8192
+DECODE_CUBLAS_MAX_K_OVER_N = 1.5
 # Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per
 # SM; in that sweep 1 program per SM beat 2), and the tiled kernel with 64x64 tiles where 128x128
 # tiles leave SMs idle (N=576, K=1536, M=512: 6.3 vs 7.8 us for 128x128).
@@ -727,7 +738,12 @@ def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, c
     weights, and 128x128 weights as 1x128 weights) below CUBLAS_ROW_FORM_MAX_TILES_PER_SM 128x128
     tiles per SM, and cuBLAS once the tiles
     give CUBLAS_MIN_TILES_PER_SM per SM; else our split-K where it applies; else cuBLAS from
-    CUBLAS_ANY_TILES_M rows; else our persistent or tiled kernel."""
+    CUBLAS_ANY_TILES_M rows; else our persistent or tiled kernel. Up to SMALL_M_MAX rows, cuBLAS
+    with 1x128 scales on square-ish weights of mid width (DECODE_CUBLAS_*)."""
+    if (cublas_ok and m <= SMALL_M_MAX and granularity != "tensor"
+            and DECODE_CUBLAS_MIN_NK <= n <= DECODE_CUBLAS_MAX_N
+            and DECODE_CUBLAS_MIN_NK <= k <= DECODE_CUBLAS_MAX_K_OVER_N * n):
+        return Route("cublas", _ROW_FORM if granularity == "block" else None)
     if cublas_ok and m > SMALL_M_MAX:
         tiles = _tiles(m, n, 128, 128)
         if granularity != "tensor" and tiles < CUBLAS_ROW_FORM_MAX_TILES_PER_SM * sm_count(device):

@@ -140,7 +140,7 @@ ROW_FORM = CublasConfig(row_scales=True)
 
 
 @pytest.mark.parametrize("m,n,k,cublas_ok,kernel,config", [
-    (8, 64, 8192, True, "splitk", None),  # decode: never cuBLAS; one 16x64 tile on 4 SMs splits
+    (8, 64, 8192, True, "splitk", None),  # decode, a narrow weight: one 16x64 tile on 4 SMs splits
     (128, 512, 8192, True, "cublas", None),  # 4 tiles of 128x128 >= 0.25 and >= 0.5 per SM: the 128x128 grid
     (100, 64, 8192, True, "cublas", ROW_FORM),  # 1 tile of 128x128 < 0.5 x 4 SMs: as 1x128 weights
     (256, 128, 8192, True, "cublas", None),  # 2 tiles = 0.5 x 4 SMs: the 128x128 grid
@@ -165,6 +165,24 @@ def test_few_tiles_above_decode_sizes_go_to_cublas_with_1x128_scales(granularity
     monkeypatch.setattr(router, "sm_count", lambda device: 132)
     route = router._heuristic(CPU, 100, 64, 8192, granularity, True, False, False)
     assert route.kernel == kernel and route.config == config
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n,k,on_cublas", [
+    (3072, 3072, True), (7168, 2048, True), (2048, 1408, True), (8192, 8192, True), (1408, 2048, True),
+    (576, 7168, False), (2112, 7168, False), (1024, 8192, False), (18944, 3584, False), (576, 576, False),
+    (5120, 13824, False), (1024, 768, False)])
+def test_decode_goes_to_cublas_on_square_mid_width_weights(m, n, k, on_cublas, monkeypatch):
+    """Up to 64 rows, shapes in no table run cuBLAS with 1x128 scales where N is 1024-8192 and K is
+    1024 to 1.5 N (measured 0.64-0.94x our split-K's time there), our kernels elsewhere; not without
+    cuBLAS, nor above 64 rows by this rule."""
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    for granularity, config in (("block", ROW_FORM), ("row", None)):
+        route = router._heuristic(CPU, m, n, k, granularity, True, False, False)
+        assert (route.kernel == "cublas") is on_cublas, (granularity, route)
+        if on_cublas:
+            assert route.config == config
+        assert router._heuristic(CPU, m, n, k, granularity, False, False, False).kernel != "cublas"
 
 
 def test_mid_splitk_config():
