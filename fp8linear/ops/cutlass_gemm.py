@@ -5,7 +5,9 @@ CUTLASS's sm_90a kernels (``fp8linear/ops/cutlass/blockwise_gemm.cu``) run the D
 with a TMA producer warp and consumer warpgroups that get the registers (what a Triton ``tl``
 kernel cannot do on Hopper, see :mod:`fp8linear.ops.gemm`): the ping-pong kernel on 64x128 tiles
 and the cooperative kernel on 128x128 tiles, data-parallel or stream-K. They read the activation
-scales row-major and the 128x128 weight scale grid as stored, and take any M, so nothing is padded
+scales row-major and the 128x128 weight scale grid as stored (1x128 weight scales N-major: the
+(K/128, N) layout :func:`fp8linear.ops.cublas_gemm.held_weight_scale` gives, a view of the copy
+``Fp8BlockLinear`` keeps), and take any M, so nothing is padded
 or copied, where cuBLAS needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
 (:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
 16 shapes x M 64-4096, 160 cases): the faster of the 64- and 128-row kernels beat the routed
@@ -38,8 +40,9 @@ import torch
 from .config_tables import cache_dir
 from .configs import sm_count
 
-__all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
-           "CutlassCall", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm", "variants"]
+__all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
+           "CutlassCall", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm",
+           "variants"]
 
 log = logging.getLogger(__name__)
 
@@ -108,21 +111,36 @@ CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128), CutlassConfig(128, str
 # (8192x29568 at M=128, 72.2 against 78.3 us); on long K with tiles that leave SMs idle it did not
 # help (docs/benchmarks.md, "Split-K on CUTLASS").
 CUTLASS_CANDIDATES = CUTLASS_CONFIGS + tuple(CutlassConfig(128, stream_k=True, splits=s) for s in (2, 3, 4))
+# The kernels built for 1x128 (row-wise) weights: one scale per weight row and K group, N-major.
+CUTLASS_ROW_CONFIGS = (CutlassConfig(64), CutlassConfig(128))
+
+
+def configs_for(granularity: str) -> tuple[CutlassConfig, ...]:
+    """The built kernels for this weight granularity (none for per-tensor weights)."""
+    return CUTLASS_CONFIGS if granularity == "block" else CUTLASS_ROW_CONFIGS if granularity == "row" else ()
+
+
+def candidates_for(granularity: str) -> tuple[CutlassConfig, ...]:
+    """What tune-routes times for this weight granularity: its built kernels, and for 128x128
+    weights the stream-K kernel as split-K too."""
+    return CUTLASS_CANDIDATES if granularity == "block" else configs_for(granularity)
 
 
 def variants() -> list[tuple[str, dict[str, int]]]:
-    """(symbol prefix, compile-time macros) of every object the library holds: each config with and
-    without a fused bias."""
+    """(symbol prefix, compile-time macros) of every object the library holds: each config of each
+    granularity with and without a fused bias."""
     out = []
-    for cfg in CUTLASS_CONFIGS:
-        for bias in (0, 1):
-            out.append((_symbol(cfg, bool(bias)), {"FP8L_TILE_M": cfg.tile_m, "FP8L_STREAMK": int(cfg.stream_k),
-                                                   "FP8L_BIAS": bias}))
+    for granularity in ("block", "row"):
+        for cfg in configs_for(granularity):
+            for bias in (0, 1):
+                out.append((_symbol(cfg, bool(bias), granularity),
+                            {"FP8L_TILE_M": cfg.tile_m, "FP8L_STREAMK": int(cfg.stream_k), "FP8L_BIAS": bias,
+                             "FP8L_ROW": int(granularity == "row")}))
     return out
 
 
-def _symbol(cfg: CutlassConfig, bias: bool) -> str:
-    return f"fp8l_{cfg.name}" + ("_bias" if bias else "")
+def _symbol(cfg: CutlassConfig, bias: bool, granularity: str = "block") -> str:
+    return f"fp8l_{'row_' if granularity == 'row' else ''}{cfg.name}" + ("_bias" if bias else "")
 
 
 def library_path(root: Path | None = None) -> Path:
@@ -134,14 +152,14 @@ def library_path(root: Path | None = None) -> Path:
 
 
 class _Library:
-    """The loaded library's entry points, per (config, bias)."""
+    """The loaded library's entry points, per (config, bias, granularity)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.run, self.workspace, self.probe = {}, {}, {}
-        for cfg in CUTLASS_CONFIGS:
-            for bias in (False, True):
-                sym = _symbol(cfg, bias)
+        for granularity in ("block", "row"):
+            for cfg, bias in ((c, b) for c in configs_for(granularity) for b in (False, True)):
+                sym = _symbol(cfg, bias, granularity)
                 run = getattr(lib, f"{sym}_run")
                 run.restype = ctypes.c_int
                 run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
@@ -151,7 +169,8 @@ class _Library:
                 probe = getattr(lib, f"{sym}_probe")
                 probe.restype = ctypes.c_int
                 probe.argtypes = []
-                self.run[cfg, bias], self.workspace[cfg, bias], self.probe[cfg, bias] = run, ws, probe
+                key = (cfg, bias, granularity)
+                self.run[key], self.workspace[key], self.probe[key] = run, ws, probe
 
 
 @lru_cache(maxsize=1)
@@ -184,7 +203,7 @@ def _device_ok(index: int) -> bool:
     if lib is None:
         return False
     with torch.cuda.device(index):
-        failed = {cfg.name: rc for (cfg, _), probe in lib.probe.items() if (rc := probe()) != 0}
+        failed = {cfg.name: rc for (cfg, _, _), probe in lib.probe.items() if (rc := probe()) != 0}
     if failed:  # e.g. built by an nvcc newer than the driver: the code does not load
         log.warning("fp8linear: CUTLASS kernels do not load on GPU %d (cudaError %s); running without them",
                     index, failed)
@@ -208,8 +227,8 @@ def cutlass_available(device: torch.device) -> bool:
 def cutlass_accepts(n: int, k: int, granularity: str, fp8_dtype: torch.dtype, out_dtype: torch.dtype,
                     bias: torch.Tensor | None) -> bool:
     """Whether the built kernels compute this GEMM (any M; the device and the operands' alignment
-    aside): 128x128 weights, e4m3fn, bf16 output and bias, K a multiple of 16 and N of 8."""
-    if granularity != "block" or fp8_dtype != torch.float8_e4m3fn or out_dtype != torch.bfloat16:
+    aside): 128x128 or 1x128 weights, e4m3fn, bf16 output and bias, K a multiple of 16 and N of 8."""
+    if granularity not in ("block", "row") or fp8_dtype != torch.float8_e4m3fn or out_dtype != torch.bfloat16:
         return False
     if k % _ALIGN_K or n % _ALIGN_N:
         return False
@@ -222,19 +241,23 @@ class CutlassCall:
     scalars and the workspace size held, so that a call passes only the activations', output's and
     workspace's raw device addresses (what an eager plan needs: no tensor, no lookup per call).
 
-    w_q (N, K) e4m3fn and w_s (ceil(N/128), ceil(K/128)) fp32, contiguous, on a device where
-    :func:`cutlass_available`; the shape must pass :func:`cutlass_accepts`. The weight tensors are
-    held (their addresses stay valid while they are updated in place)."""
+    w_q (N, K) e4m3fn, contiguous, on a device where :func:`cutlass_available`; w_s for
+    `granularity` "block" (ceil(N/128), ceil(K/128)) fp32 contiguous, for "row" (N, ceil(K/128))
+    fp32, read N-major (:func:`_row_scale`); the shape must pass :func:`cutlass_accepts`. The weight
+    tensors are held (their addresses stay valid while they are updated in place)."""
 
     __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None, m: int,
-                 config: CutlassConfig) -> None:
+                 config: CutlassConfig, granularity: str = "block") -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
         if not isinstance(config, CutlassConfig):
             raise TypeError(f"CutlassCall takes a CutlassConfig, got {type(config).__name__}")
+        if config.kernel not in configs_for(granularity):
+            raise ValueError(f"no CUTLASS kernel {config.name} is built for {granularity!r} weights "
+                             f"(built: {[c.name for c in configs_for(granularity)]})")
         if type(m) is not int or m < 1:
             raise ValueError(f"CutlassCall takes a row count M >= 1 (an int), got {m!r}")
         if w_q.dim() != 2:
@@ -244,18 +267,22 @@ class CutlassCall:
                 raise ValueError(f"CutlassCall: {name} is on {t.device}, the weight on {w_q.device}")
         n, k = w_q.shape
         groups = -(-k // 128)
-        if w_q.device.type != "cuda" or not cutlass_accepts(n, k, "block", w_q.dtype, torch.bfloat16, bias):
+        if w_q.device.type != "cuda" or not cutlass_accepts(n, k, granularity, w_q.dtype, torch.bfloat16, bias):
             raise ValueError(f"CUTLASS GEMMs take CUDA e4m3fn weights with K % {_ALIGN_K} == 0, N % {_ALIGN_N} == 0 "
                              f"and an aligned bf16 bias or none; got {tuple(w_q.shape)} {w_q.dtype} on {w_q.device}")
-        if w_s.shape != (-(-n // 128), groups) or w_s.dtype != torch.float32:
-            raise ValueError(f"CUTLASS GEMMs take a ({-(-n // 128)}, {groups}) fp32 weight scale for weight "
+        rows = -(-n // 128) if granularity == "block" else n
+        if w_s.shape != (rows, groups) or w_s.dtype != torch.float32:
+            raise ValueError(f"CUTLASS GEMMs take a ({rows}, {groups}) fp32 weight scale for {granularity} weight "
                              f"{tuple(w_q.shape)}, got {tuple(w_s.shape)} {w_s.dtype}")
-        for name, t in (("w_q", w_q), ("w_s", w_s)):
-            if not t.is_contiguous():
-                raise ValueError(f"CUTLASS GEMMs need {name} contiguous, got strides {t.stride()}")
+        if not w_q.is_contiguous():
+            raise ValueError(f"CUTLASS GEMMs need w_q contiguous, got strides {w_q.stride()}")
+        if granularity == "block" and not w_s.is_contiguous():
+            raise ValueError(f"CUTLASS GEMMs need a 128x128 weight's w_s contiguous, got strides {w_s.stride()}")
+        if granularity == "row":
+            w_s = _row_scale(w_q, w_s)
         if w_q.data_ptr() % _ALIGN_BYTES:
             raise ValueError("CUTLASS GEMMs need w_q 16-byte aligned")
-        key = (config.kernel, bias is not None)
+        key = (config.kernel, bias is not None, granularity)
         self.index = w_q.device.index if w_q.device.index is not None else torch.cuda.current_device()
         sms = sm_count(w_q.device)
         self.run = lib.run[key]
@@ -283,27 +310,39 @@ class CutlassCall:
             raise RuntimeError(f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} failed with status {rc}")
 
 
+def _row_scale(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """A 1x128 weight's (N, K/128) scales as the row kernels read them, N-major: (K/128, N)
+    contiguous, a view of an N-major scale, else made once and kept on `w_s`
+    (:func:`fp8linear.ops.cublas_gemm.held_weight_scale`, cuBLAS's layout of it)."""
+    from .cublas_gemm import held_weight_scale
+
+    return held_weight_scale(w_q, w_s, "row", True)
+
+
 def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-                     bias: torch.Tensor | None, config: CutlassConfig) -> torch.Tensor:
+                     bias: torch.Tensor | None, config: CutlassConfig, granularity: str = "block") -> torch.Tensor:
     """y (M, N) bf16 = dequant(x_q, x_s) @ dequant(w_q, w_s).T (+ bias) on a CUTLASS kernel.
 
-    x_q (M, K) and w_q (N, K) e4m3fn, contiguous, 16-byte aligned; x_s (M, ceil(K/128)) and w_s
-    (ceil(N/128), ceil(K/128)) contiguous fp32; the shape must pass :func:`cutlass_accepts` and the
-    device :func:`cutlass_available` (the router checks both, and contiguity)."""
+    x_q (M, K) and w_q (N, K) e4m3fn, contiguous, 16-byte aligned; x_s (M, ceil(K/128))
+    contiguous fp32; w_s (ceil(N/128), ceil(K/128)) contiguous fp32 for `granularity` "block", (N,
+    ceil(K/128)) fp32 for "row" (N-major is read as is, another layout through a copy made once);
+    the shape must pass :func:`cutlass_accepts` and the device :func:`cutlass_available` (the router
+    checks both, and contiguity)."""
     if _library() is None:
         raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
     m, k = x_q.shape
     n = w_q.shape[0]
     groups = -(-k // 128)
-    if x_q.device.type != "cuda" or not cutlass_accepts(n, k, "block", w_q.dtype, torch.bfloat16, bias):
+    if x_q.device.type != "cuda" or not cutlass_accepts(n, k, granularity, w_q.dtype, torch.bfloat16, bias):
         raise ValueError(f"cutlass_fp8_gemm takes CUDA e4m3fn operands with K % {_ALIGN_K} == 0, N % {_ALIGN_N} == 0 "
                          f"and an aligned bf16 bias or none; got {tuple(x_q.shape)} x {tuple(w_q.shape)} "
                          f"{w_q.dtype} on {x_q.device}")
+    rows = -(-n // 128) if granularity == "block" else n
     if (x_q.dtype != w_q.dtype or w_q.shape[1] != k or x_s.shape != (m, groups)
-            or w_s.shape != (-(-n // 128), groups) or x_s.dtype != torch.float32 or w_s.dtype != torch.float32):
+            or w_s.shape != (rows, groups) or x_s.dtype != torch.float32 or w_s.dtype != torch.float32):
         raise ValueError(f"cutlass_fp8_gemm: x_q {tuple(x_q.shape)} {x_q.dtype}, x_s {tuple(x_s.shape)} {x_s.dtype}, "
                          f"w_q {tuple(w_q.shape)} {w_q.dtype}, w_s {tuple(w_s.shape)} {w_s.dtype} do not fit "
-                         f"(M, K), (M, {groups}) fp32, (N, K), ({-(-n // 128)}, {groups}) fp32")
+                         f"(M, K), (M, {groups}) fp32, (N, K), ({rows}, {groups}) fp32 ({granularity} weights)")
     if x_s.device != x_q.device or w_q.device != x_q.device:
         raise ValueError(f"cutlass_fp8_gemm: x_q on {x_q.device}, x_s on {x_s.device}, w_q on {w_q.device}: "
                          "all operands must be on one GPU")
@@ -317,7 +356,7 @@ def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_
         return y
     if k == 0:  # an empty sum
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    call = CutlassCall(w_q, w_s, bias, m, config)  # checks the weight side
+    call = CutlassCall(w_q, w_s, bias, m, config, granularity)  # checks the weight side
     size = call.workspace_bytes
     workspace = torch.empty(size, dtype=torch.uint8, device=x_q.device) if size else None
     call(x_q.data_ptr(), x_s.data_ptr(), y.data_ptr(), None if workspace is None else workspace.data_ptr())

@@ -188,7 +188,7 @@ def run_gemm_route(route: Route, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torc
     # likely because each K step's scale load then misses L1 (row-major, one line serves 32 K steps).
     x_s = x_s.contiguous()
     if route.kernel == "cutlass":  # reads x_s row-major too
-        return cutlass_fp8_gemm(x_q, x_s, w_q, w_s, bias, route.config)
+        return cutlass_fp8_gemm(x_q, x_s, w_q, w_s, bias, route.config, granularity)
     if route.kernel == "splitk":
         return splitk_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, route.config, counters, route.pdl)
     if route.kernel == "ws":

@@ -318,7 +318,7 @@ class LinearPlan:
 
             return run_gemv, (gemv,)
         if route.kernel == "cutlass":
-            return LinearPlan._prepare_cutlass(route, x, w_q, w_s, bias, out_shape, quant_bufs)
+            return LinearPlan._prepare_cutlass(route, x, w_q, w_s, granularity, bias, out_shape, quant_bufs)
         split, count, part_shape = ((1, 0), None, None)
         if route.kernel == "splitk":
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, counters)
@@ -356,13 +356,13 @@ class LinearPlan:
         return run_two, (quant, gemm)
 
     @staticmethod
-    def _prepare_cutlass(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+    def _prepare_cutlass(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                          bias: torch.Tensor | None, out_shape: tuple[int, ...],
                          quant_bufs: list) -> tuple[Callable, tuple[KernelCall, ...]]:
         """act_quant (row-major scales), then the CUTLASS GEMM called on raw addresses; the quantized
         activations, their scales and CUTLASS's workspace share one allocation."""
         m, device = x.shape[0], x.device
-        gemm = CutlassCall(w_q, w_s, bias, m, route.config)
+        gemm = CutlassCall(w_q, w_s, bias, m, route.config, granularity)
         scratch = Scratch(quant_bufs + [((max(gemm.workspace_bytes, 1),), torch.uint8)])
         x_q0, x_s0, _ = scratch.views(scratch.allocate(device))
         grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)

@@ -643,8 +643,11 @@ def dense_scale(w_s: torch.Tensor, granularity: str) -> bool:
 
 
 def use_n_major_scales(route: Route, m: int, k: int, granularity: str) -> bool:
-    """Whether our kernel on `route` reads 1x128 weight scales faster N-major (N_MAJOR_SCALE_MIN_M,
-    N_MAJOR_SCALE_WS_MIN_K); every kernel reads either layout, with the same bits."""
+    """Whether the kernel on `route` reads 1x128 weight scales faster N-major (N_MAJOR_SCALE_MIN_M,
+    N_MAJOR_SCALE_WS_MIN_K; our kernels read either layout, with the same bits), or only N-major
+    (CUTLASS's 1x128-weight kernels: another layout goes through a copy made once)."""
+    if granularity == "row" and route.kernel == "cutlass":
+        return True
     if granularity != "row" or m < N_MAJOR_SCALE_MIN_M or torch.version.hip is not None:
         return False
     if route.kernel == "ws":
@@ -860,8 +863,8 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
             return Route("decode", cfg)
-    if eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok and not _table_tiled(device, m, n, k,
-                                                                                               granularity):
+    if (eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok and granularity == "block"
+            and not _table_tiled(device, m, n, k, granularity)):  # measured on 128x128 weights
         return Route("cutlass", eager_cutlass_config(device, m, n))
     if eager:  # eager plans keep the tiled kernel's prepared launch (see WS_MIN_M)
         return route

@@ -122,11 +122,11 @@ def _label(kernel: str, cfg: Any) -> str:
 
 
 def _cutlass_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
-    from ..ops.cutlass_gemm import CUTLASS_CANDIDATES, cutlass_accepts, cutlass_available
+    from ..ops.cutlass_gemm import candidates_for, cutlass_accepts, cutlass_available
 
     if not (cutlass_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cutlass_available(device)):
         return {}
-    return {_label("cutlass", cfg): ("cutlass", cfg) for cfg in CUTLASS_CANDIDATES}
+    return {_label("cutlass", cfg): ("cutlass", cfg) for cfg in candidates_for(granularity)}
 
 
 def _ws_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
@@ -332,8 +332,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                         fns[label] = ((lambda g, c_: lambda a, sa, b, sb, hb: cublas_fp8_gemm(
                             a, sa, b, sb, g, None, c_, scale_b=hb))(gran, c), (xp_q, xp_s, w_q, scale, held))
                     elif kernel == "cutlass":
-                        fns[label] = ((lambda c_: lambda a, sa, b, sb: cutlass_fp8_gemm(a, sa, b, sb, None, c_))(c),
-                                      (x_q, x_s, w_q, w_s))
+                        fns[label] = ((lambda c_, g: lambda a, sa, b, sb: cutlass_fp8_gemm(a, sa, b, sb, None, c_, g))(
+                            c, gran), (x_q, x_s, w_q, scale))
                     elif kernel == "ws":
                         fns[label] = ((lambda c_, g: lambda a, sa, b, sb: ws_fp8_gemm(
                             a, sa, b, sb, g, torch.bfloat16, None, c_))(c, gran), (x_q, x_s, w_q, scale))
@@ -522,8 +522,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --update: keep a measured shape's entries at the Ms not measured now "
                              "(to add Ms to a table, e.g. --m 160 320 640)")
     parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO, CUBLAS), default=None,
-                        help="time only the shipped entries against these optional kernels (CUTLASS: built, 128x128 "
-                             "weights; ws: the warp-specialized kernel, Hopper), cuBLAS on the algorithms of the "
+                        help="time only the shipped entries against these optional kernels (CUTLASS: built; ws: the "
+                             "warp-specialized kernel, Hopper), cuBLAS on the algorithms of the "
                              f"next {ALGO_NEXT_MS} table Ms (algo) or cuBLAS in every form (cublas), and update the table in --out (the shipped one "
                              "where --out has none) per (shape, M)")
 
@@ -567,8 +567,6 @@ def run(args: argparse.Namespace) -> int:
         print("fp8linear tune-routes: --challengers ws needs a Hopper GPU and a Triton whose Gluon has warp_specialize",
               file=sys.stderr)
         return 2
-    if challengers == ("cutlass",):
-        granularities = ("block",)  # CUTLASS's kernels take 128x128 weights
     if challengers and not routes_path(name, out).is_file():
         import shutil
 

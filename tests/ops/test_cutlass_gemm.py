@@ -17,10 +17,16 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 def test_configs_and_variants():
     assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "c128x128", "s128x128"]
+    assert [c.name for c in cutlass_gemm.CUTLASS_ROW_CONFIGS] == ["p64x128", "c128x128"]
     symbols = [s for s, _ in cutlass_gemm.variants()]
-    assert len(set(symbols)) == len(symbols) == 6
+    assert len(set(symbols)) == len(symbols) == 10
     assert {tuple(sorted(m.items())) for _, m in cutlass_gemm.variants()} == {
-        (("FP8L_BIAS", b), ("FP8L_STREAMK", sk), ("FP8L_TILE_M", t)) for b in (0, 1) for t, sk in ((64, 0), (128, 0), (128, 1))}
+        (("FP8L_BIAS", b), ("FP8L_ROW", 0), ("FP8L_STREAMK", sk), ("FP8L_TILE_M", t))
+        for b in (0, 1) for t, sk in ((64, 0), (128, 0), (128, 1))} | {
+        (("FP8L_BIAS", b), ("FP8L_ROW", 1), ("FP8L_STREAMK", 0), ("FP8L_TILE_M", t)) for b in (0, 1) for t in (64, 128)}
+    assert cutlass_gemm.candidates_for("row") == cutlass_gemm.CUTLASS_ROW_CONFIGS
+    assert cutlass_gemm.candidates_for("block") == cutlass_gemm.CUTLASS_CANDIDATES
+    assert cutlass_gemm.candidates_for("tensor") == ()
     with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
         CutlassConfig(96)
     with pytest.raises(ValueError, match="tile_m must be 128"):
@@ -45,7 +51,7 @@ def test_configs_and_variants():
 @pytest.mark.parametrize("n,k,gran,fp8,out,bias,ok", [
     (576, 7168, "block", FP8, BF16, None, True),
     (2112, 576, "block", FP8, BF16, torch.zeros(2112, dtype=BF16), True),
-    (576, 7168, "row", FP8, BF16, None, False),  # built for 128x128 weight scales only
+    (576, 7168, "row", FP8, BF16, None, True),  # 1x128 weights: their own kernels
     (576, 7168, "tensor", FP8, BF16, None, False),
     (576, 7168, "block", torch.float8_e4m3fnuz, BF16, None, False),
     (576, 7168, "block", FP8, torch.float16, None, False),
@@ -90,7 +96,8 @@ def test_not_built_means_not_available(tmp_path, monkeypatch):
 
 class _FakeLibrary:
     def __init__(self, probe_rc):
-        self.probe = {(cfg, b): (lambda rc=probe_rc: rc) for cfg in cutlass_gemm.CUTLASS_CONFIGS for b in (False, True)}
+        self.probe = {(cfg, b, g): (lambda rc=probe_rc: rc) for g in ("block", "row")
+                      for cfg in cutlass_gemm.configs_for(g) for b in (False, True)}
 
 
 class _FakeEntryPoints:
@@ -98,9 +105,9 @@ class _FakeEntryPoints:
 
     def __init__(self):
         self.asked = []
-        self.run = {(c, b): None for c in cutlass_gemm.CUTLASS_CONFIGS for b in (False, True)}
-        self.workspace = {(c, b): (lambda *a, key=(c, b): self.asked.append((key, a)) or 0)
-                          for c in cutlass_gemm.CUTLASS_CONFIGS for b in (False, True)}
+        keys = [(c, b, g) for g in ("block", "row") for c in cutlass_gemm.configs_for(g) for b in (False, True)]
+        self.run = {key: None for key in keys}
+        self.workspace = {key: (lambda *a, key=key: self.asked.append((key, a)) or 0) for key in keys}
 
 
 def test_cutlass_call_checks_its_inputs(monkeypatch):
@@ -116,7 +123,7 @@ def test_cutlass_call_checks_its_inputs(monkeypatch):
         cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     call = cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg)
-    assert fake.asked == [((cfg.kernel, False), (8, 256, 512, 0, 132, 3))]
+    assert fake.asked == [((cfg.kernel, False, "block"), (8, 256, 512, 0, 132, 3))]
     assert call.args[1][-1] == 3 and call.workspace_bytes == 0
     with pytest.raises(TypeError, match="takes a CutlassConfig"):
         cutlass_gemm.CutlassCall(w, w_s, None, 8, "k3")
@@ -129,6 +136,24 @@ def test_cutlass_call_checks_its_inputs(monkeypatch):
         cutlass_gemm.CutlassCall(w, torch.ones(4, 2).t(), None, 8, cfg)
     with pytest.raises(ValueError, match="2-D weight"):
         cutlass_gemm.CutlassCall(w[None], w_s, None, 8, cfg)
+    # 1x128 weights: their own kernels (no stream-K), a (N, K/128) scale read N-major
+    with pytest.raises(ValueError, match="no CUTLASS kernel s128x128 is built for 'row' weights"):
+        cutlass_gemm.CutlassCall(w, torch.ones(256, 4), None, 8, CutlassConfig(128, stream_k=True), "row")
+    with pytest.raises(ValueError, match=r"\(256, 4\) fp32 weight scale for row weight"):
+        cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128), "row")
+    n_major = torch.rand(4, 256).t()  # (N, K/128), stride (1, N): read as is
+    row = cutlass_gemm.CutlassCall(w, n_major, None, 8, CutlassConfig(64), "row")
+    assert fake.asked[-1][0] == (CutlassConfig(64), False, "row") and row.args[0][1] == n_major.data_ptr()
+    from fp8linear.ops import cublas_gemm  # the fake CUDA tensors are CPU ones: no stream, no capture
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(cublas_gemm, "_made_outside_pools", cublas_gemm.cublas_weight_scale)
+    k_major = n_major.contiguous()  # the checkpoint layout: an N-major copy, made once and kept on it
+    row = cutlass_gemm.CutlassCall(w, k_major, None, 8, CutlassConfig(64), "row")
+    again = cutlass_gemm.CutlassCall(w, k_major, None, 8, CutlassConfig(128), "row")
+    assert row.args[0][1] == again.args[0][1] != k_major.data_ptr()
+    held = row.held[1]
+    assert held.shape == (4, 256) and held.is_contiguous() and torch.equal(held.t(), k_major)
 
 
 @pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [
@@ -216,6 +241,62 @@ def test_cutlass_matches_the_float64_reference(cfg, m, n, k, bias):
     assert y.shape == (m, n) and y.dtype == BF16
     assert rel_err(y, ref) < GEMM_TOL[BF16], rel_err(y, ref)
     assert same_bits(cutlass_gemm.cutlass_fp8_gemm(x_q, x_s, w_q, w_s, b, cfg), y)
+
+
+@pytest.mark.gpu
+@needs_cutlass
+@pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_ROW_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m", [1, 3, 77, 130, 333, 1000])
+@pytest.mark.parametrize("n,k", [(576, 2112), (2112, 576), (7168, 2048), (304, 2304)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cutlass_row_weights_match_the_float64_reference(cfg, m, n, k, bias):
+    """The 1x128-weight kernels: within the bf16 output bound of the float64 product, the same bits
+    from an N-major scale and from the checkpoint's layout (an N-major copy made once), and on a
+    second call."""
+    from fp8linear import quantize_activation, quantize_weight
+    from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m * 17 + n + k)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(BF16)
+    w_q, w_s = quantize_weight(w, "row", FP8)
+    x_q, x_s = quantize_activation(torch.randn(m, k, generator=gen, device="cuda").to(BF16), fp8_dtype=FP8,
+                                   backend="triton")
+    x_s = x_s.contiguous()
+    b = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(BF16) if bias else None
+    n_major = w_s.t().contiguous().t()
+    y = cutlass_gemm.cutlass_fp8_gemm(x_q, x_s, w_q, n_major, b, cfg, "row")
+    ref = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(w_q, w_s).double().t()
+    if b is not None:
+        ref = ref + b.double()
+    assert y.shape == (m, n) and y.dtype == BF16
+    assert rel_err(y, ref) < GEMM_TOL[BF16], rel_err(y, ref)
+    assert same_bits(cutlass_gemm.cutlass_fp8_gemm(x_q, x_s, w_q, w_s, b, cfg, "row"), y)
+    assert same_bits(cutlass_gemm.cutlass_fp8_gemm(x_q, x_s, w_q, n_major, b, cfg, "row"), y)
+
+
+@pytest.mark.gpu
+@needs_cutlass
+def test_cutlass_row_weights_through_the_layer(monkeypatch):
+    """A row-wise routes-table entry on CUTLASS runs Fp8BlockLinear's plans (the N-major copy the
+    layer keeps) and the compiled layer with the direct call's bits."""
+    from fp8linear import Fp8BlockLinear, quantize_activation
+    from fp8linear.ops import route_table, router
+
+    m, n, k = 333, 2112, 7168
+    cfg = CutlassConfig(128)
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=BF16)
+    layer = Fp8BlockLinear.from_linear(lin, "row")
+    entry = route_table.RouteEntry("cutlass", cfg, route_table.RouteEntry("cublas"))
+    monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
+    monkeypatch.setattr(router, "EAGER_CUTLASS_MIN_MNK", 0)
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    xq, xs = quantize_activation(x, fp8_dtype=FP8, backend="triton")
+    expected = cutlass_gemm.cutlass_fp8_gemm(xq, xs.contiguous(), layer.weight, layer.weight_scale_inv, None, cfg, "row")
+    for _ in range(3):  # first call routed, then planned
+        assert same_bits(layer(x), expected)
+    plan = next(iter(layer._plans.values()))
+    assert plan.route.kernel == "cutlass" and plan.calls
+    assert same_bits(torch.compile(layer, fullgraph=True)(x), expected)
 
 
 @pytest.mark.gpu

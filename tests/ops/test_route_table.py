@@ -252,7 +252,15 @@ def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtyp
     assert 100 * n * k < router.EAGER_CUBLAS_MIN_MNK
     assert router.route_linear(CPU, 100, n, k, "block", fp8, bf16, bias, allow, True, eager=True,
                                weight_contiguous=dense).kernel != "cutlass"
-    assert router.route_gemm(CPU, 4096, n, k, "row", fp8, bf16, None, allow, True, dense).kernel != "cutlass"
+    # 1x128 weights have their own CUTLASS kernels (unbiased here)
+    assert router.route_gemm(CPU, 4096, n, k, "row", fp8, bf16, None, allow, True, dense).kernel == (
+        "cutlass" if allow and k % 16 == 0 and dense else "splitk")
+    # eagerly only where a table names CUTLASS: the tiled kernel is not replaced for 1x128 weights
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("tiled", router.MID_M_CONFIG))
+    monkeypatch.setattr(router, "EAGER_CUTLASS_MIN_MNK", 0)
+    assert router.route_linear(CPU, 4096, n, k, "row", fp8, bf16, None, allow, True, eager=True,
+                               weight_contiguous=dense).kernel != "cutlass"
+    monkeypatch.setattr(router, "lookup_route", lambda *a: entry)
     monkeypatch.setattr(router, "cutlass_available", lambda device: False)  # not built: the fallback
     assert router.route_gemm(CPU, 4096, n, k, "block", fp8, bf16, bias, allow, True, dense).kernel == "splitk"
 

@@ -62,8 +62,11 @@ def test_n_major_row_scales_rule():
         assert not router.use_n_major_scales(Route(kernel), 4096, 7168, "block")
     assert router.use_n_major_scales(Route("ws"), M0, K0, "row")
     assert not router.use_n_major_scales(Route("ws"), 4096, K0 - 128, "row")
-    for kernel in ("cublas", "gemv", "persistent", "cutlass"):
+    for kernel in ("cublas", "gemv", "persistent"):
         assert not router.use_n_major_scales(Route(kernel), 4096, 7168, "row")
+    # CUTLASS's 1x128-weight kernels read N-major scales only, at every M and K
+    assert router.use_n_major_scales(Route("cutlass"), 1, 576, "row")
+    assert not router.use_n_major_scales(Route("cutlass"), 4096, 7168, "block")
     w_s = torch.ones(300, 5)
     n_major = w_s.t().contiguous().t()
     assert router.dense_scale(w_s, "row") and router.dense_scale(n_major, "row")

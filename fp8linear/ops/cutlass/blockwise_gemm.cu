@@ -102,9 +102,16 @@ using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Bloc
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 #endif
 
+#if FP8L_ROW
+// 1x128 activation scales K-major (row-major) as stored; 1x128 weight scales N-major (stride (1, N):
+// the (K/128, N) layout Fp8BlockLinear keeps for its kernels and cuBLAS), one per weight row and K group.
+using ScaleConfig =
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+#else
 // 1x128 activation scales, 128x128 weight scales, both K-major (row-major) as stored.
 using ScaleConfig =
     cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+#endif
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
