@@ -6,7 +6,8 @@
 // accumulator with its scales (DeepSeek-V3's recipe, as our Triton kernels and cuBLAS do).
 // SFA: (M, ceil(K/128)) fp32 row-major, one scale per token and K group (what our activation
 // quantizer writes); SFB: (ceil(N/128), ceil(K/128)) fp32 row-major, one per 128x128 weight block
-// (the checkpoint's weight_scale_inv). Both are read per element, so M and K/128 need no padding;
+// (the checkpoint's weight_scale_inv), or with FP8L_ROW (1x128 weights) one per weight row and K
+// group, N-major: (ceil(K/128), N) contiguous. Both are read per element, so M and K/128 need no padding;
 // A and B go through TMA (rows 16-byte aligned: K a multiple of 16), y through a TMA store (N a
 // multiple of 8).
 //
@@ -16,7 +17,8 @@
 // kernel, both warpgroups on one 128x128 tile), FP8L_STREAMK (1: the cooperative kernel under
 // CUTLASS's stream-K scheduler, which splits the K loop of the last wave's tiles over idle SMs
 // instead of leaving them idle; or, asked per call, split-K: every tile's K loop in a given number
-// of parts, their partial sums reduced in a fixed order) and FP8L_BIAS (0 or 1: a fused bias).
+// of parts, their partial sums reduced in a fixed order), FP8L_BIAS (0 or 1: a fused bias) and
+// FP8L_ROW (0: 128x128 weight scales; 1: 1x128 weight scales).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
