@@ -269,6 +269,10 @@ class _HeldScales(dict):
 
     __slots__ = ("source",)
 
+    def __init__(self, source: tuple | None = None) -> None:
+        super().__init__()
+        self.source = source
+
     def __reduce__(self):
         return (_HeldScales, ())
 
@@ -302,8 +306,7 @@ def held_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as
     else:
         scale = cublas_weight_scale(w_q, w_s, granularity, as_rows)
     if held is None or held.source != source:
-        held = _HeldScales()
-        held.source = source
+        held = _HeldScales(source)
         setattr(w_s, _HELD_ATTR, held)
     held[(as_rows, n)] = scale
     return scale

@@ -177,6 +177,7 @@ def test_held_weight_scale_made_once_and_remade_when_the_scale_changes(gran, n, 
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert len(getattr(loaded, _HELD_ATTR, {})) == 0 and torch.equal(loaded, w_s)
+    assert torch.equal(held_weight_scale(w_q, loaded, gran, as_rows), cublas_weight_scale(w_q, loaded, gran, as_rows))
     with torch.inference_mode():
         inf = w_s.clone()
     assert torch.equal(held_weight_scale(w_q, inf, gran, as_rows), cublas_weight_scale(w_q, inf, gran, as_rows))
