@@ -290,8 +290,8 @@ def held_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as
     view of `w_s` nothing is kept. Not kept while a CUDA graph is being captured (a captured copy
     holds its values only once the graph replays): the graph then makes it per replay."""
     n = w_q.shape[0]
-    if granularity == "row" and w_s.stride(0) == 1:
-        return w_s.t()  # N-major: the (K/128, N) layout is a view
+    if granularity == "row" and w_s.stride(0) == 1 and (w_s.shape[1] == 1 or w_s.stride(1) == w_s.shape[0]):
+        return w_s.t()  # dense N-major: the (K/128, N) layout is a view
     if granularity == "block" and not as_rows and not _block_grid_needs_padding(w_q.shape[1]) and w_s.is_contiguous():
         return w_s.t()
     held = w_s.__dict__.get(_HELD_ATTR)

@@ -293,9 +293,9 @@ def _method_setup(
             w_s = _layer_row_scale(xa_q, w_q, w_s, cublas_allowed(backend))
         counters = _ours_counters(n, x.device)
         if on_cublas:
-            # the route with the weight scale in cuBLAS's layout made once, as the layer's cuBLAS route
-            # holds it (the functional path makes it per call: the 1x128 form of 128x128 weights and
-            # padded grids are a copy kernel each call)
+            # the route with the weight scale in cuBLAS's layout made once and handed over, as the
+            # layer's cuBLAS route holds it (the functional path keeps it on the scale tensor from its
+            # first call; handing it over keeps the timing independent of that)
             from ..ops.cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale
 
             config = _gemm_route(xa_q, w_q, granularity, cublas_allowed(backend)).config

@@ -194,6 +194,10 @@ def test_held_weight_scale_keeps_nothing_for_views():
     for w_s, gran in ((grid, "block"), (rows, "row")):
         held = held_weight_scale(w_q, w_s, gran, gran == "row")
         assert held.data_ptr() == w_s.data_ptr() and not hasattr(w_s, _HELD_ATTR)
+    strided = torch.rand(32, 1024).t()[::2]  # (512, 32) with stride (1, 32): N-major but not dense
+    w_16 = torch.zeros(512, 32 * 128, dtype=torch.float8_e4m3fn)
+    held = held_weight_scale(w_16, strided, "row", True)
+    assert held.is_contiguous() and torch.equal(held, strided.t())
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "384", 322])
