@@ -40,7 +40,8 @@ import torch
 from .config_tables import cache_dir
 from .configs import sm_count
 
-__all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS", "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
+__all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS",
+           "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
            "CutlassCall", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm",
            "variants"]
 

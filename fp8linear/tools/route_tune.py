@@ -17,9 +17,9 @@ its choice is not monotonic in M; named only where it beats M's own by OPTIONAL_
 ``--challengers cutlass ws algo cublas`` times just the shipped table's entries against the named
 optional kernels (algo: cuBLAS on M's own algorithm and on those of the next two Ms; cublas: cuBLAS
 in every form a full sweep times), a few minutes instead of a full sweep, and merges per (shape, M).
-cuBLAS candidates get the weight scale in cuBLAS's layout made once, as the linear layer holds it. Writes the table (JSON, by a
-temporary file and a rename) and every candidate's time (``route_sweep.json``) to ``--out``; copy
-the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
+cuBLAS candidates get the weight scale in cuBLAS's layout made once, as the linear layer holds it.
+Writes the table (JSON, by a temporary file and a rename) and every candidate's time
+(``route_sweep.json``) to ``--out``; copy the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ CHALLENGERS = {"cutlass": "cutlass:", "ws": "ws:"}
 # kernels take most cases). A full sweep times the next M's.
 ALGO = "algo"
 ALGO_NEXT_MS = 2
+ALGO_MIN_M = 65
 # --challengers may also name "cublas": cuBLAS in each of its forms (workspace limit, and for 128x128
 # weights the 1x128 form), as a full sweep times it, against the shipped entry.
 CUBLAS = "cublas"
-ALGO_MIN_M = 65
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
 _REPLAYS = 5
@@ -326,8 +326,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                     scale = w_sn if kernel == "cublas" or router.use_n_major_scales(
                         router.Route(kernel, c), m, k, gran) else w_s
                     if kernel == "cublas":
-                        # the weight scale in cuBLAS's layout for this form, made once as the layer's
-                        # cuBLAS route holds it (not per call, as the functional path does)
+                        # the weight scale in cuBLAS's layout for this form, made once and handed over as
+                        # the layer's cuBLAS route holds it
                         held = cublas_weight_scale(w_q, scale, gran, cublas_row_scales(w_q, gran, c))
                         fns[label] = ((lambda g, c_: lambda a, sa, b, sb, hb: cublas_fp8_gemm(
                             a, sa, b, sb, g, None, c_, scale_b=hb))(gran, c), (xp_q, xp_s, w_q, scale, held))
