@@ -46,7 +46,7 @@ import torch
 from .config_tables import table_filename
 from .configs import GemmConfig, SplitKConfig
 from .cublas_gemm import CublasConfig
-from .cutlass_gemm import CutlassConfig
+from .cutlass_gemm import CutlassConfig, configs_for
 from .ws_gemm import WsConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS",
@@ -215,7 +215,11 @@ def parse_routes(doc: Any, source: str = "routes table",
         for m_text, raw in per_m.items():
             if not str(m_text).isdigit() or int(m_text) < 1:
                 raise ValueError(f"{source}: {section}[{key!r}] has M key {m_text!r}, expected a positive integer")
-            entries[int(m_text)] = _entry(raw, f"{source}: {section}[{key!r}][{m_text!r}]")
+            entry = entries[int(m_text)] = _entry(raw, f"{source}: {section}[{key!r}][{m_text!r}]")
+            if entry.kernel == "cutlass" and entry.config.kernel not in configs_for(granularity):
+                raise ValueError(f"{source}: {section}[{key!r}][{m_text!r}] names CUTLASS kernel {entry.config.name}, "
+                                 f"not built for {granularity} weights (built: "
+                                 f"{[c.name for c in configs_for(granularity)]})")
         out[(n, k)] = entries
     return out
 

@@ -131,6 +131,11 @@ def test_row_section_is_read_apart_and_optional():
         route_table.parse_routes({**_doc(block), "row_routes": []}, granularity="row")
     with pytest.raises(ValueError, match="granularities"):
         route_table.parse_routes(doc, granularity="tensor")
+    # the row-wise section names only the CUTLASS kernels built for 1x128 weights (no stream-K)
+    stream_k = {"1": {"kernel": "cutlass", "tile_m": 128, "stream_k": True, "fallback": {"kernel": "cublas"}}}
+    with pytest.raises(ValueError, match="not built for row weights"):
+        route_table.parse_routes({**_doc(block), "row_routes": {"576,7168": stream_k}}, granularity="row")
+    assert route_table.parse_routes({**_doc(block), "routes": {"576,7168": stream_k}})[(576, 7168)][1].kernel == "cutlass"
 
 
 CPU = torch.device("cpu")  # sm_count: 4 SMs
