@@ -39,6 +39,7 @@ import torch
 
 from .config_tables import cache_dir
 from .configs import sm_count
+from .cublas_gemm import held_weight_scale
 
 __all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS",
            "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
@@ -315,8 +316,6 @@ def _row_scale(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
     """A 1x128 weight's (N, K/128) scales as the row kernels read them, N-major: (K/128, N)
     contiguous, a view of an N-major scale, else made once and kept on `w_s`
     (:func:`fp8linear.ops.cublas_gemm.held_weight_scale`, cuBLAS's layout of it)."""
-    from .cublas_gemm import held_weight_scale
-
     return held_weight_scale(w_q, w_s, "row", True)
 
 
