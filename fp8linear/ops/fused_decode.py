@@ -28,7 +28,7 @@ import triton.language as tl
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 from .configs import SplitKConfig
-from .gemm_common import uniform_weight_scale, weight_scale_layout
+from .gemm_common import even_k, uniform_weight_scale, weight_scale_layout
 from .quant import act_quant_outputs, quantize_groups
 from .splitk_gemm import _SYNC_COUNTERS, _splitk_program, splitk_buffers
 
@@ -51,7 +51,7 @@ def _fused_decode_kernel(
     qmax, amax_floor,
     MIN_EXP: tl.constexpr, WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    QUANT_ROWS: tl.constexpr, QUANT_CHUNK: tl.constexpr,
+    QUANT_ROWS: tl.constexpr, QUANT_CHUNK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < num_q:  # quantize K group `group` of the rows of chunk `chunk`
@@ -86,7 +86,7 @@ def _fused_decode_kernel(
             pid_n, pid_s, pid_m, num_n, num_s,
             M, N, K, groups_per_split,
             K, num_groups, stride_wn, stride_wsn, stride_wsk, stride_ym,
-            WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N, GROUP, True,
+            WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N, GROUP, True, EVEN_K,
         )
         done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
         if done == num_gemm - 1:  # the last GEMM program: every program has passed the wait
@@ -118,7 +118,7 @@ def fused_decode_args(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, w_q
         MIN_EXP=fp8_min_exponent(w_q.dtype), WS_GROUP_N=ws_group_n,
         W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
         SPLIT=num_split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE, QUANT_ROWS=_QUANT_ROWS,
-        QUANT_CHUNK=QUANT_CHUNK_ROWS,
+        QUANT_CHUNK=QUANT_CHUNK_ROWS, EVEN_K=even_k(k, GROUP_SIZE),
     )
     return (num_q + num_gemm,), args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 

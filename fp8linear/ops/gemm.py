@@ -34,8 +34,8 @@ from ..formats import GROUP_SIZE
 from .configs import GemmConfig, SplitKConfig, launch_options, sm_count
 from .cublas_gemm import cublas_fp8_gemm
 from .cutlass_gemm import cutlass_fp8_gemm
-from .gemm_common import (prefetch_scales, promote, store_tile, uniform_weight_scale, weight_scale_layout,
-                          weight_scale_ptrs)
+from .gemm_common import (even_k, load_k_step, prefetch_scales, promote, store_tile, uniform_weight_scale,
+                          weight_scale_layout, weight_scale_ptrs)
 from .pdl import pdl_launch, wait_for_producer
 from .router import TensorDescriptor, Route, dense_scale, route_gemm, tma_ok
 from .splitk_gemm import splitk_fp8_gemm
@@ -63,6 +63,7 @@ def _block_fp8_gemm_kernel(
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -89,8 +90,8 @@ def _block_fp8_gemm_kernel(
         w_s_next = tl.load(ws_ptrs)
     for k_step in range(0, k_steps):
         k_left = K - k_step * BLOCK_K
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        x = load_k_step(x_ptrs, m_ok[:, None], offs_k, k_left, EVEN_K, 1, False)
+        w = load_k_step(w_ptrs, n_ok[None, :], offs_k, k_left, EVEN_K, 0, False)
         if PREFETCH_SCALES:
             x_s = x_s_next
             w_s = w_s_next
@@ -153,7 +154,7 @@ def tiled_args(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, USE_PDL=pdl,
-        PREFETCH_SCALES=prefetch_scales(granularity, cfg.block_n),
+        PREFETCH_SCALES=prefetch_scales(granularity, cfg.block_n), EVEN_K=even_k(k, cfg.block_k),
     )
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),

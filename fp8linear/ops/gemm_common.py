@@ -12,7 +12,8 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 
-__all__ = ["prefetch_scales", "promote", "store_tile", "uniform_weight_scale", "weight_scale_layout", "weight_scale_ptrs"]
+__all__ = ["even_k", "load_k_step", "prefetch_scales", "promote", "store_tile", "uniform_weight_scale", "weight_scale_layout",
+           "weight_scale_ptrs"]
 
 # Narrowest tile whose per-column weight scales the tiled kernel loads one K step ahead.
 PREFETCH_SCALES_MIN_BLOCK_N = 128
@@ -41,6 +42,33 @@ def prefetch_scales(granularity: str, block_n: int) -> bool:
     per tile and step) 0.97-1.15x, so those load each step's scales in that step
     (benchmarks/scale_prefetch_ab.py)."""
     return granularity == "row" and block_n >= PREFETCH_SCALES_MIN_BLOCK_N
+
+
+def even_k(k: int, block_k: int) -> bool:
+    """Whether every K step of `block_k` is whole (the EVEN_K of :func:`load_k_step`)."""
+    return k % block_k == 0
+
+
+@triton.jit
+def load_k_step(ptrs, ok, offs_k, k_left, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr, FROM_L2: tl.constexpr):
+    """One K step's tile of an operand, zeros where `ok` (rows or columns inside M / N, broadcast along
+    K) is false and past K. With EVEN_K (K a multiple of the step) there is no K mask: a mask that
+    varies along the contiguous K axis keeps the compiler from vectorising the FP8 loads, and the
+    K-masked tiled kernel took 1.03-1.30x the time (H100, CUDA graphs, kernel alone, same bits:
+    64x128 tiles 7168x2048 M=512 27.1 against 22.6 us, 1536x7168 M=256 31.7 against 26.6; 64x64
+    tiles 0.95-0.97x; benchmarks/k_mask_ab.py). `K_AXIS`: the axis K runs along (x tiles 1, w tiles
+    0), that of `offs_k`; `FROM_L2`: load through L2 only (``.cg``: data written by other programs
+    of the same launch)."""
+    if EVEN_K:
+        mask = ok
+    elif K_AXIS == 1:
+        mask = ok & (offs_k[None, :] < k_left)
+    else:
+        mask = ok & (offs_k[:, None] < k_left)
+    if FROM_L2:
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit

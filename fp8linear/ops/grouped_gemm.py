@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import GemmConfig, launch_options
-from .gemm_common import promote, weight_scale_ptrs
+from .gemm_common import even_k, load_k_step, promote, weight_scale_ptrs
 from .router import align_on_kernel, grouped_config, moe_align_num_warps
 
 __all__ = ["MoeRouting", "align_args", "align_num_blocks", "grouped_fp8_gemm",
@@ -193,7 +193,7 @@ def _grouped_fp8_gemm_kernel(
     A_ROW_DIV: tl.constexpr, WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr,
     HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SCALE_GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -233,8 +233,8 @@ def _grouped_fp8_gemm_kernel(
     k_steps = tl.where(is_real, tl.cdiv(K, BLOCK_K), 0)
     for k_step in range(0, k_steps):
         k_left = K - k_step * BLOCK_K
-        a = tl.load(a_ptrs, mask=pair_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        a = load_k_step(a_ptrs, pair_ok[:, None], offs_k, k_left, EVEN_K, 1, False)
+        w = load_k_step(w_ptrs, n_ok[None, :], offs_k, k_left, EVEN_K, 0, False)
         k_group = k_step // SCALE_GROUP_K  # BLOCK_K divides 128: several K steps share a scale
         a_s = tl.load(as_ptrs + k_group, mask=pair_ok, other=0.0)
         w_s = tl.load(ws_ptrs + k_group * stride_wsk)
@@ -317,7 +317,7 @@ def grouped_gemm_args(
         W_SCALE_UNIFORM=granularity == "tensor" or (granularity == "block" and GROUP_SIZE % cfg.block_n == 0),
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k,
+        GROUP_M=cfg.group_m, SCALE_GROUP_K=GROUP_SIZE // cfg.block_k, EVEN_K=even_k(k, cfg.block_k),
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(cfg))
     return (num_blocks * triton.cdiv(n, cfg.block_n),), args, options

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from ..formats import GROUP_SIZE
 from .configs import SplitKConfig, launch_options
-from .gemm_common import promote, store_tile, uniform_weight_scale, weight_scale_layout, weight_scale_ptrs
+from .gemm_common import (even_k, load_k_step, promote, store_tile, uniform_weight_scale, weight_scale_layout,
+                          weight_scale_ptrs)
 from .pdl import pdl_launch, wait_for_producer
 from .router import decode_tile_counters, splitk_config
 
@@ -43,10 +44,12 @@ def _splitk_program(
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, X_FROM_THIS_LAUNCH: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """One program of the split-K GEMM: output tile (pid_m, pid_n), K groups of split pid_s of num_s.
     `X_FROM_THIS_LAUNCH`: x and its scales were written by other programs of this launch, so they are
-    read from L2 (``.cg``), never from a stale L1 line."""
+    read from L2 (``.cg``), never from a stale L1 line. `EVEN_K`: K is a multiple of GROUP
+    (:func:`~fp8linear.ops.gemm_common.load_k_step`)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
@@ -66,13 +69,12 @@ def _splitk_program(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(g_first, g_last):
         k_left = K - g * GROUP
-        w = tl.load(w_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        x_mask = m_ok[:, None] & (offs_k[None, :] < k_left)
+        w = load_k_step(w_ptrs, n_ok[None, :], offs_k, k_left, EVEN_K, 0, False)
         if X_FROM_THIS_LAUNCH:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
+            x = load_k_step(x_ptrs, m_ok[:, None], offs_k, k_left, EVEN_K, 1, True)
             x_s = tl.load(xs_ptr + safe_m * stride_xsm + g, mask=m_ok, other=0.0, cache_modifier=".cg")
         else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            x = load_k_step(x_ptrs, m_ok[:, None], offs_k, k_left, EVEN_K, 1, False)
             x_s = tl.load(xs_ptr + safe_m * stride_xsm + g, mask=m_ok, other=0.0)
         w_s = tl.load(ws_ptrs + g * stride_wsk)
         acc = promote(acc, tl.dot(x, w), x_s, w_s, W_SCALE_UNIFORM)
@@ -105,6 +107,7 @@ def _splitk_fp8_gemm_kernel(
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
     WS_GROUP_N: tl.constexpr, W_SCALE_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)  # before any load or store (ops/pdl.py)
     _splitk_program(
@@ -112,7 +115,7 @@ def _splitk_fp8_gemm_kernel(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(1),
         M, N, K, groups_per_split,
         stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym,
-        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N, GROUP, False,
+        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N, GROUP, False, EVEN_K,
     )
 
 
@@ -162,6 +165,7 @@ def splitk_args(x: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torc
         stride_wsk=stride_wsk, stride_ym=y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=uniform_weight_scale(granularity, cfg.block_n), HAS_BIAS=bias is not None,
         SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=GROUP_SIZE, USE_PDL=pdl,
+        EVEN_K=even_k(k, GROUP_SIZE),
     )
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
     return grid, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(pdl),
