@@ -68,6 +68,9 @@ ALGO_MIN_M = 65
 # --challengers may also name "cublas": cuBLAS in each of its forms (workspace limit, and for 128x128
 # weights the 1x128 form), as a full sweep times it, against the shipped entry.
 CUBLAS = "cublas"
+# --challengers may also name "tiled": our tiled and split-K kernels on every config a full sweep times
+# (the tables' ``ours`` and the entries of those kernels move with their kernels' speed).
+TILED = "tiled"
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
 _REPLAYS = 5
@@ -232,20 +235,37 @@ def _drop_idle_algos(us: dict[str, float]) -> dict[str, float]:
                     and v >= OPTIONAL_MIN_GAIN * plain_us(lab))}
 
 
+def _our_candidates(m: int, n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
+    """Our tiled kernel (the tuned or heuristic config and the tiles of _tiled_candidates, narrow ones up
+    to _NARROW_TILE_MAX_M rows) and split-K kernel (_split_candidates) for one GEMM."""
+    from ..ops import router
+    from ..ops.configs import sm_count
+
+    table_cfg = router.select_config(device, m, n, k, granularity)
+    out = {_label("tiled", table_cfg): ("tiled", table_cfg)}
+    for cfg in _tiled_candidates():
+        if m > _NARROW_TILE_MAX_M and cfg.block_m * cfg.block_n < 64 * 64:
+            continue
+        out.setdefault(_label("tiled", cfg), ("tiled", cfg))
+    for cfg in _split_candidates(m, n, k, sm_count(device)):
+        out.setdefault(_label("splitk", cfg), ("splitk", cfg))
+    return out
+
+
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
                challengers: Sequence[str] = (), algo_ms: Sequence[int] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
     also on the algorithm of the next of `algo_ms` (larger Ms), the optional kernels where they
-    run); with `challengers` (optional kernels, CHALLENGERS, ALGO or CUBLAS): the shipped table's
-    entry and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next ALGO_NEXT_MS of
-    `algo_ms`; CUBLAS: cuBLAS in every form)."""
+    run); with `challengers` (optional kernels, CHALLENGERS, ALGO, CUBLAS or TILED): the shipped
+    table's entry and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next
+    ALGO_NEXT_MS of `algo_ms`; CUBLAS: cuBLAS in every form; TILED: our tiled and split-K kernels on
+    every config a full sweep times)."""
     from ..ops import router
     from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
-    from ..ops.configs import sm_count
 
-    unknown = set(challengers) - set(CHALLENGERS) - {ALGO, CUBLAS}
+    unknown = set(challengers) - set(CHALLENGERS) - {ALGO, CUBLAS, TILED}
     if unknown:
-        raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)}, {ALGO!r} or {CUBLAS!r}, "
+        raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)}, {ALGO!r}, {CUBLAS!r} or {TILED!r}, "
                          f"got {sorted(unknown)}")
     cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
@@ -261,6 +281,9 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
             elif kernel == CUBLAS:
                 if cublas_ok:
                     out.update(_cublas_candidates(granularity))
+            elif kernel == TILED:
+                for label, cand in _our_candidates(m, n, k, device, granularity).items():
+                    out.setdefault(label, cand)
             else:
                 out.update(optional[kernel](n, k, device, granularity))
         return out
@@ -269,14 +292,8 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
         out.update(_cublas_candidates(granularity))
     if heur.kernel in ("tiled", "splitk"):
         out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
-    table_cfg = router.select_config(device, m, n, k, granularity)
-    out.setdefault(_label("tiled", table_cfg), ("tiled", table_cfg))
-    for cfg in _tiled_candidates():
-        if m > _NARROW_TILE_MAX_M and cfg.block_m * cfg.block_n < 64 * 64:
-            continue
-        out.setdefault(_label("tiled", cfg), ("tiled", cfg))
-    for cfg in _split_candidates(m, n, k, sm_count(device)):
-        out.setdefault(_label("splitk", cfg), ("splitk", cfg))
+    for label, cand in _our_candidates(m, n, k, device, granularity).items():
+        out.setdefault(label, cand)
     for label, cand in _shipped_candidates(m, n, k, device, granularity).items():
         if cand[1] is not None:
             out.setdefault(label, cand)
@@ -521,10 +538,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-ms", action="store_true",
                         help="with --update: keep a measured shape's entries at the Ms not measured now "
                              "(to add Ms to a table, e.g. --m 160 320 640)")
-    parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO, CUBLAS), default=None,
+    parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO, CUBLAS, TILED), default=None,
                         help="time only the shipped entries against these optional kernels (CUTLASS: built; ws: the "
                              "warp-specialized kernel, Hopper), cuBLAS on the algorithms of the "
-                             f"next {ALGO_NEXT_MS} table Ms (algo) or cuBLAS in every form (cublas), and update the table in --out (the shipped one "
+                             f"next {ALGO_NEXT_MS} table Ms (algo), cuBLAS in every form (cublas) or our tiled and split-K "
+                             "kernels on every config (tiled), and update the table in --out (the shipped one "
                              "where --out has none) per (shape, M)")
 
 

@@ -418,3 +418,20 @@ def test_alignment_runs_on_the_kernel_while_pairs_times_bins_stay_small(experts,
     assert align_on_kernel(most_pairs, experts)
     assert not align_on_kernel(most_pairs + 1, experts)
     assert not align_on_kernel(0, experts)  # nothing to align: the torch path returns the empty layout
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [256, 300])  # whole K steps (no K mask on the loads); a ragged last one
+def test_kernel_k_mask_same_bits(k, monkeypatch):
+    """Where K is a multiple of the K step the grouped kernel loads operands without a K mask
+    (EVEN_K): the same bits as with it, and the float64 bound."""
+    from fp8linear.ops import grouped_gemm as gg
+
+    dev = KERNEL_DEVICE
+    idx = _routing(7, 6, 2).to(dev)
+    x_q, x_s, w_q, w_s = _operands(7, k, 192, 6, 2, "block", FP8, dev)
+    y = grouped_fp8_matmul(x_q, x_s, w_q, w_s, idx, torch.float32, backend="triton")
+    monkeypatch.setattr(gg, "even_k", lambda k, block_k: False)
+    y_masked = grouped_fp8_matmul(x_q, x_s, w_q, w_s, idx, torch.float32, backend="triton")
+    assert torch.equal(y.view(torch.int32), y_masked.view(torch.int32))
+    _assert_close64(y, _float64_reference(x_q, x_s, w_q, w_s, idx.cpu(), True))

@@ -192,6 +192,33 @@ def test_gemm_scale_prefetch_same_bits(block_k, k, monkeypatch):
     assert rel_err(y, block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64)) < KERNEL_GEMM_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("kind", ["tiled", "splitk"])
+@pytest.mark.parametrize("granularity", ["block", "row"])
+@pytest.mark.parametrize("k", [256, 300])  # whole K steps (loads masked on rows / columns only); a ragged last one
+def test_gemm_k_mask_same_bits(kind, granularity, k, monkeypatch):
+    """Where K is a multiple of the K step the kernels load operands without a K mask (EVEN_K): the
+    same bits as with it, and the float64 bound; a ragged K keeps the mask."""
+    from fp8linear.ops import gemm, gemm_common, splitk_gemm
+    from fp8linear.ops.configs import GemmConfig, SplitKConfig
+
+    m, n = (40, 200) if not HAS_CUDA else (333, 2112)
+    x_q, x_s = quantize_activation(torch.randn(m, k, device=KERNEL_DEVICE), backend="triton")
+    w_q, w_s = quantize_weight(torch.randn(n, k, device=KERNEL_DEVICE), granularity)
+    if kind == "tiled":
+        cfg = GemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=2)
+        y_buf = torch.empty((m, n), device=KERNEL_DEVICE)
+        assert gemm.tiled_args(x_q, x_s, w_q, w_s, y_buf, granularity, None, cfg, False)[1]["EVEN_K"] == (k % 128 == 0)
+    else:
+        cfg = SplitKConfig(block_m=16, block_n=64, split_k=2)
+    y = gemm.block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.float32, None, cfg)
+    monkeypatch.setattr(gemm, "even_k", lambda k, block_k: False)
+    monkeypatch.setattr(splitk_gemm, "even_k", lambda k, block_k: False)
+    y_masked = gemm.block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, torch.float32, None, cfg)
+    assert gemm_common.even_k(k, 128) == (k % 128 == 0)
+    assert same_bits(y, y_masked)
+    assert rel_err(y, block_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float64)) < KERNEL_GEMM_TOL[torch.float32]
+
+
 @pytest.mark.parametrize("granularity,block_n,expected", [("row", 128, True), ("row", 256, True), ("row", 64, False),
                                                           ("block", 128, False), ("block", 256, False),
                                                           ("tensor", 128, False)])

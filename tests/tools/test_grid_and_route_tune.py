@@ -376,6 +376,27 @@ def test_cublas_challengers_time_every_cublas_form(monkeypatch):
     assert route_tune.candidates(128, 576, 2048, dev, "block", challengers=("cublas",)) == shipped
 
 
+@pytest.mark.parametrize("m", [16, 333])
+def test_tiled_challengers_time_our_kernels_on_every_config(m, monkeypatch):
+    """--challengers tiled times the shipped entry (and its ``ours``) against our tiled and split-K
+    kernels on every config a full sweep times, and no cuBLAS or optional kernel."""
+    from fp8linear.ops.configs import GemmConfig, SplitKConfig
+    from fp8linear.ops.cublas_gemm import CublasConfig
+
+    ours = route_table.RouteEntry("splitk", SplitKConfig(64, 64, 3))
+    monkeypatch.setattr(route_table, "lookup_route",
+                        lambda *a: route_table.RouteEntry("cublas", CublasConfig(32, True), ours=ours))
+    dev = torch.device("cpu")
+    got = route_tune.candidates(m, 1024, 4096, dev, "block", challengers=("tiled",))
+    full = route_tune.candidates(m, 1024, 4096, dev, "block")
+    mine = {lab: c for lab, c in full.items() if c[0] in ("tiled", "splitk")}
+    assert mine and all(got[lab] == c for lab, c in mine.items())
+    assert got["cublas:ws32:row"] == ("cublas", CublasConfig(32, True))  # the shipped entry
+    assert got["splitk:64x64x3w4s4"] == ("splitk", SplitKConfig(64, 64, 3))  # its ours
+    assert set(got) - set(mine) == {"cublas:ws32:row"}  # no other cuBLAS form, no optional kernel
+    assert ("tiled", GemmConfig(64, 128, 128, num_warps=4, num_stages=3)) in got.values()
+
+
 @pytest.mark.parametrize("label", ["cublas:ws32:a384", "cublas:ws1:row:a768", "cublas:ws32:row"])
 def test_cublas_algo_labels_round_trip(label):
     from fp8linear.ops.cublas_gemm import CublasConfig
