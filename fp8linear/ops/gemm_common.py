@@ -53,10 +53,10 @@ def even_k(k: int, block_k: int) -> bool:
 def load_k_step(ptrs, ok, offs_k, k_left, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr, FROM_L2: tl.constexpr):
     """One K step's tile of an operand, zeros where `ok` (rows or columns inside M / N, broadcast along
     K) is false and past K. With EVEN_K (K a multiple of the step) there is no K mask: a mask that
-    varies along the contiguous K axis keeps the compiler from vectorising the FP8 loads, and the
-    K-masked tiled kernel took 1.03-1.30x the time (H100, CUDA graphs, kernel alone, same bits:
-    64x128 tiles 7168x2048 M=512 27.1 against 22.6 us, 1536x7168 M=256 31.7 against 26.6; 64x64
-    tiles 0.95-0.97x; benchmarks/k_mask_ab.py). `K_AXIS`: the axis K runs along (x tiles 1, w tiles
+    varies along the contiguous K axis keeps the compiler from vectorising the FP8 loads: without it
+    the tiled kernel took 0.936x the time on 128x128 weights (geomean of 12 cases; H100, CUDA graphs,
+    kernel alone, same bits, benchmarks/k_mask_ab.py): 64x128 tiles 0.85-0.89x (7168x2048 M=512 22.5
+    against 26.6 us), 64x64 0.96-0.97x, 128x128 at M=4096 0.99-1.00x; 1x128 weights 0.979x. `K_AXIS`: the axis K runs along (x tiles 1, w tiles
     0), that of `offs_k`; `FROM_L2`: load through L2 only (``.cg``: data written by other programs
     of the same launch)."""
     if EVEN_K:
