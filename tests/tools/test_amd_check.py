@@ -307,10 +307,10 @@ def test_amd_check_quick_compiles_every_kernel_clean(quick_report):
 
 
 def test_amd_check_fails_on_a_spilling_config(tmp_path):
-    """Exit status 1 when a compiled config spills: a 128x256 tile, 8 warps (the table points at it)."""
+    """Exit status 1 when a compiled config spills: a 256x256 tile, 8 warps (the table points at it)."""
     pytest.importorskip("triton.backends.amd")
     table = {"format": tables.TABLE_FORMAT, "version": tables.TABLE_VERSION, "device": "gfx942", "meta": {},
-             "shapes": {"7168,7168": {"4096": {"block_m": 128, "block_n": 256, "block_k": 128, "group_m": 8,
+             "shapes": {"7168,7168": {"4096": {"block_m": 256, "block_n": 256, "block_k": 128, "group_m": 8,
                                                "num_warps": 8, "num_stages": 2, "matrix_instr_nonkdim": 16}}}}
     code = (
         "import sys, json; from pathlib import Path; import fp8linear.ops.config_tables as t; "
