@@ -77,11 +77,16 @@ _REPLAYS = 5
 
 
 def _tiled_candidates() -> list:
+    """Our tiled kernel's tiles. 64x128 at 3 and 4 stages: with whole K steps loaded unmasked, 4 stages
+    took 0.91-0.94x the time of 3 on weights up to 11M elements at M 128-1024 and 1.00-1.05x on
+    larger GEMMs (H100, kernel alone: 1536x7168 M=256 27.0 against 29.7 us, 2112x7168 M=4096 179.6
+    against 170.3)."""
     from ..ops.configs import GemmConfig
 
     return [GemmConfig(16, 32, 128, num_warps=4, num_stages=4), GemmConfig(32, 32, 128, num_warps=4, num_stages=4),
             GemmConfig(32, 64, 128, num_warps=4, num_stages=4),
             GemmConfig(64, 64, 128, num_warps=4, num_stages=4), GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+            GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
             GemmConfig(128, 64, 128, num_warps=4, num_stages=4), GemmConfig(128, 128, 128, num_warps=8, num_stages=4)]
 
 
