@@ -2,7 +2,8 @@
 
 Per (N, K, M), in one run of interleaved replays:
 
-- ``bf16``: ``x @ w.T`` in BF16 (the bar the forward must clear);
+- ``bf16``: ``x @ w.T`` in BF16 (the bar the forward must clear); ``bf16_bias``: ``F.linear``
+  with a bias (the bar ``forward_bias`` must clear: a BF16 ``nn.Linear`` with a bias);
 - ``quant``: :func:`fp8linear.ops.quant.act_quant` alone, row-major scales (our kernels' layout);
 - ``quant_cublas``: the same in cuBLAS's layout (M padded to 4, M-major scales);
 - ``gemm``: :func:`fp8linear.block_fp8_matmul` on quantized activations (the router's kernel),
@@ -47,6 +48,7 @@ def measure(n: int, k: int, m: int, gen: torch.Generator) -> dict[str, float]:
     gemm_x = (x_qc[:m], x_sc[:m]) if on_cublas else (x_q, x_s)
     methods = {
         "bf16": (lambda a, b: a @ b.t(), (x, w)),
+        "bf16_bias": (lambda a, b, c: torch.nn.functional.linear(a, b, c), (x, w, bias)),
         "quant": (lambda a: act_quant(a, w_q.dtype), (x,)),
         "quant_cublas": (lambda a: act_quant(a, w_q.dtype, cublas_layout=True), (x,)),
         "gemm": (lambda a, sa, b, sb: block_fp8_matmul(a, sa, b, sb, torch.bfloat16), (*gemm_x, w_q, w_s)),
