@@ -4,6 +4,9 @@ For every weight shape (N, K) and batch M it times, per call:
 
 ==================  ===========================================================================
 ``bf16``            ``torch.matmul(x, w.t())`` in BF16 (cuBLAS)
+``bf16_linear``     ``F.linear(x, w, bias)`` in BF16: the ``nn.Linear`` that ``ours_forward`` replaces,
+                    with the same bias (none with ``--no-bias``); ``ours_forward``'s BF16 speedup is
+                    against it
 ``cublas_block``    ``torch._scaled_mm`` with 1x128 activation / 128x128 weight scales (cuBLAS,
                     CUDA >= 12.9, Hopper+); shapes it refuses are reported as ``refused``
 ``cublas_tensor``   ``torch._scaled_mm`` with one scale per tensor (the FP8 ceiling)
@@ -254,6 +257,10 @@ def _method_setup(
     out_bytes = m * n * 2  # bf16 output
     if method == "bf16":
         return (lambda a, b: torch.matmul(a, b.t())), (x, ops.w), 2 * (n * k + m * k) + out_bytes, out_bytes
+    if method == "bf16_linear":
+        bias = ops.bias if cfg.bias else None
+        extra = n * 2 if bias is not None else 0
+        return (torch.nn.functional.linear, (x, ops.w, bias), 2 * (n * k + m * k) + extra + out_bytes, out_bytes)
     if method == "cublas_tensor":
         x_q, x_s = _per_tensor_quant(x, fp8_dtype)
         w_q, w_s = ops.quant["tensor"]
@@ -326,6 +333,18 @@ def _method_setup(
     raise ValueError(f"unknown method {method!r}")
 
 
+# Methods that add the bias (with --no-bias, none): compared with the float64 product plus the bias.
+_WITH_BIAS = ("bf16_linear", "ours_forward")
+
+
+def bf16_base(method: str, times: dict[str, float]) -> str | None:
+    """The BF16 method `method`'s speedup is measured against, where it was timed: ``bf16_linear`` (a
+    BF16 ``nn.Linear``, bias included) for the whole forward, else ``bf16`` (the GEMM)."""
+    if method == "ours_forward" and "bf16_linear" in times:
+        return "bf16_linear"
+    return "bf16" if "bf16" in times else None
+
+
 def _first_line(e: BaseException, limit: int = 160) -> str:
     text = str(e).strip().splitlines()
     return (f"{type(e).__name__}: " + (text[0] if text else ""))[:limit]
@@ -369,7 +388,7 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, fp8_dty
                 else:
                     row.status, row.note = "refused", " | ".join(refusals)
                     continue
-                row.rel_err = rel_err(y[:rows_err], ref_bias if method == "ours_forward" else ref)
+                row.rel_err = rel_err(y[:rows_err], ref_bias if method in _WITH_BIAS else ref)
                 if not row.rel_err < _SUSPICIOUS_ERR:
                     row.note = (row.note + "; " if row.note else "") + "SUSPICIOUS ERROR"
                 del y
@@ -395,7 +414,7 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, fp8_dty
             row.us = us
             row.tflops = 2.0 * m * shape.n * shape.k / us * 1e-6
             row.gbps = nbytes / us * 1e-3
-            w_bytes = shape.n * shape.k * (2 if method == "bf16" else 1)
+            w_bytes = shape.n * shape.k * (2 if method.startswith("bf16") else 1)
             row.weight_tbps = w_bytes / us * 1e-6
             if used != cfg.timer:
                 row.note = (row.note + "; " if row.note else "") + f"timed with {used}"
@@ -405,8 +424,9 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, fp8_dty
         del prepared
         for row in m_rows:
             if row.us is not None:
-                if "bf16" in times:
-                    row.speedup_vs_bf16 = times["bf16"] / row.us
+                base = bf16_base(row.method, times)
+                if base is not None:
+                    row.speedup_vs_bf16 = times[base] / row.us
                 if "cublas_block" in times:
                     row.speedup_vs_cublas = times["cublas_block"] / row.us
         rows += m_rows

@@ -36,10 +36,11 @@ __all__ = [
 ]
 
 METHODS: tuple[str, ...] = (
-    "bf16", "cublas_block", "cublas_tensor", "ours_block", "triton_block", "ours_row", "ours_forward",
+    "bf16", "bf16_linear", "cublas_block", "cublas_tensor", "ours_block", "triton_block", "ours_row", "ours_forward",
 )
 _METHOD_LABELS = {
     "bf16": "BF16",
+    "bf16_linear": "BF16-lin",
     "cublas_block": "cuBLAS-blk",
     "cublas_tensor": "per-tensor",
     "ours_block": "ours",

@@ -434,11 +434,13 @@ def test_bench_dry_run_end_to_end(tmp_path, capsys):
     assert len(rows) == 2 * len(bench.METHODS)
     for m in (1, 130):
         assert rows[(m, "cublas_block")]["status"] == "refused"  # no CUDA here
-        for meth in ("bf16", "ours_block", "ours_row", "ours_forward"):
+        for meth in ("bf16", "bf16_linear", "ours_block", "ours_row", "ours_forward"):
             r = rows[(m, meth)]
             assert r["status"] == "ok" and r["us"] > 0 and r["tflops"] > 0 and r["gbps"] > 0
-            assert r["rel_err"] < (0.01 if meth == "bf16" else 0.06)
-            assert math.isclose(r["speedup_vs_bf16"], rows[(m, "bf16")]["us"] / r["us"])
+            assert r["rel_err"] < (0.01 if meth.startswith("bf16") else 0.06)
+            # the forward (bias included) against a BF16 nn.Linear with the bias, the GEMMs against the BF16 GEMM
+            base = "bf16_linear" if meth == "ours_forward" else "bf16"
+            assert math.isclose(r["speedup_vs_bf16"], rows[(m, base)]["us"] / r["us"])
     csv_lines = (out / "bench_gemm.csv").read_text().splitlines()
     assert csv_lines[0].startswith("shape,n,k,m,method,status,us") and len(csv_lines) == 1 + len(rows)
     try:

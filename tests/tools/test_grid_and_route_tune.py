@@ -64,6 +64,32 @@ def test_summary_geomeans_and_worst_case():
     assert "worst ours/BF16: 1.20 at M=1 N=576 K=7168" in text and ">2048" in text
 
 
+def test_forward_is_compared_with_a_bf16_linear_of_the_same_bias():
+    """The whole forward (bias included) is measured against F.linear with that bias where the grid
+    timed it, the GEMMs against the BF16 GEMM; without bf16_linear the forward falls back to bf16."""
+    rows = [_row(576, 7168, 8, "bf16", 10.0), _row(576, 7168, 8, "bf16_linear", 12.0),
+            _row(576, 7168, 8, "ours_block", 8.0), _row(576, 7168, 8, "ours_forward", 11.0)]
+    s = grid.summarize_grid(rows)
+    b = s["buckets"]["1-64"]
+    assert math.isclose(b["ours_forward_speedup_vs_bf16"], 12 / 11) and math.isclose(b["ours_block_speedup_vs_bf16"], 10 / 8)
+    assert s["worst_forward_vs_bf16"]["slower"] == 0 and math.isclose(s["worst_forward_vs_bf16"]["ratio"], 11 / 12)
+    s = grid.summarize_grid([r for r in rows if r.method != "bf16_linear"])
+    assert s["worst_forward_vs_bf16"]["slower"] == 1 and math.isclose(s["worst_forward_vs_bf16"]["ratio"], 1.1)
+    assert "forward/BF16 nn.Linear: 1.10" in grid.format_grid_summary(s)
+
+
+def test_bf16_linear_adds_the_bias_and_is_the_forwards_base(tmp_path):
+    """On the CPU: bf16_linear's output is checked against the float64 product plus the bias, and the
+    forward's row speedup is against it."""
+    cfg = grid.grid_config(_args(shapes=["64,256"], m=[3], methods=["bf16", "bf16_linear", "ours_forward"],
+                                 replays=1), "cpu", "wall")
+    result, _ = grid.run_grid(cfg, tmp_path, log=lambda s: None)
+    rows = {r.method: r for r in result.rows}
+    assert all(r.status == "ok" for r in rows.values())
+    assert rows["bf16_linear"].rel_err < 0.01  # BF16 rounding only: the bias is in the reference it is checked with
+    assert math.isclose(rows["ours_forward"].speedup_vs_bf16, rows["bf16_linear"].us / rows["ours_forward"].us)
+
+
 def _args(**kw):
     base = dict(shapes=None, m=None, quick=True, methods=list(grid.GRID_METHODS), replays=1, backend=None,
                 no_bias=False, deadline_s=None, out="unused")
