@@ -422,9 +422,21 @@ MID_M_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_
 _TMA_ALIGN = 16
 
 
+# 1x128 (row-wise) weights above SMALL_M_MAX rows: 64x128 tiles, 4 warps, 3 stages at every M. A
+# 128x128 tile promotes each product with a scale per column, which cost 2.2-2.9x the fastest of our
+# kernels at M 96-1024 (H100, tune-routes --challengers tiled, 31 shapes: geomean per M bucket), where
+# this config took 1.09-1.29x; over the 558 row-wise entries above 64 rows of the routes tables the
+# fastest of our kernels is this config (or the warp-specialized kernel falling back to it) in 315 on
+# H100 and 305 on H200, a 128x128 tile in none.
+ROW_MID_CONFIG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+
+
 # ----------------------------------------------------------------------------- GPU: configs
-def heuristic_config(m: int, n: int, k: int) -> GemmConfig:
-    """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py)."""
+def heuristic_config(m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
+    """A good tiled-kernel config without tuning (H100 sweep, benchmarks/kernel_sweep.py; row-wise
+    weights above SMALL_M_MAX rows: ROW_MID_CONFIG)."""
+    if m > SMALL_M_MAX and granularity == "row":
+        return ROW_MID_CONFIG
     if m <= SMALL_M_MAX:
         # Decode shapes split-K does not take. What H100 `fp8linear tune` picked under CUDA graphs
         # (8 shapes x M 1..64): one tile of 16/32/64 rows covering M, 64 columns up to
@@ -473,7 +485,7 @@ def config_for_arch(arch: str, m: int, n: int, k: int, granularity: str = "block
     cfg = lookup_config(arch, m, n, k, granularity)
     if cfg is not None:
         return cfg
-    return amd_heuristic_config(m, n, k, arch) if is_amd_arch(arch) else heuristic_config(m, n, k)
+    return amd_heuristic_config(m, n, k, arch) if is_amd_arch(arch) else heuristic_config(m, n, k, granularity)
 
 
 def select_config(device: torch.device, m: int, n: int, k: int, granularity: str = "block") -> GemmConfig:
@@ -483,7 +495,7 @@ def select_config(device: torch.device, m: int, n: int, k: int, granularity: str
     :func:`amd_heuristic_config`."""
     if device.type == "cuda":
         return config_for_arch(device_name(device), m, n, k, granularity)
-    return heuristic_config(m, n, k)
+    return heuristic_config(m, n, k, granularity)
 
 
 def use_fused_gemv(m: int, n: int, k: int) -> bool:

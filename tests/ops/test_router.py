@@ -71,3 +71,25 @@ def test_n_major_row_scales_rule():
     n_major = w_s.t().contiguous().t()
     assert router.dense_scale(w_s, "row") and router.dense_scale(n_major, "row")
     assert not router.dense_scale(n_major, "block") and not router.dense_scale(w_s[:, ::2], "row")
+
+
+def test_row_wise_weights_get_64x128_tiles_above_decode_without_a_table():
+    """Without a table entry, 1x128 weights above SMALL_M_MAX rows run ROW_MID_CONFIG at every M (a
+    128x128 tile, 128x128 weights' prefill config, promotes each product with a scale per column),
+    on the GPU's heuristic and on the CPU's; 128x128 weights keep theirs; AMD's heuristic is its own."""
+    import torch
+
+    from fp8linear.ops import router
+    from fp8linear.ops.router import ROW_MID_CONFIG, SMALL_M_MAX
+
+    cpu = torch.device("cpu")
+    for m in (SMALL_M_MAX + 1, 333, 1024, 4096, 16384):
+        assert router.heuristic_config(m, 18432, 7168, "row") == ROW_MID_CONFIG
+        assert router.select_config(cpu, m, 7168, 2048, "row") == ROW_MID_CONFIG
+        assert router.config_for_arch("no-such-gpu", m, 576, 7168, "row") == ROW_MID_CONFIG
+    assert (ROW_MID_CONFIG.block_m, ROW_MID_CONFIG.block_n, ROW_MID_CONFIG.num_warps, ROW_MID_CONFIG.num_stages) == (
+        64, 128, 4, 3)
+    assert router.heuristic_config(4096, 18432, 7168, "block").block_m == 128  # unchanged for 128x128 weights
+    assert router.heuristic_config(4096, 18432, 7168) == router.heuristic_config(4096, 18432, 7168, "block")
+    assert router.heuristic_config(SMALL_M_MAX, 18432, 7168, "row") == router.heuristic_config(SMALL_M_MAX, 18432, 7168)
+    assert router.config_for_arch("gfx942", 4096, 3000, 5000, "row") == router.amd_heuristic_config(4096, 3000, 5000)
