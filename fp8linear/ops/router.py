@@ -417,6 +417,15 @@ DECODE_CUBLAS_MAX_K_OVER_N = 1.5
 # SM; in that sweep 1 program per SM beat 2), and the tiled kernel with 64x64 tiles where 128x128
 # tiles leave SMs idle (N=576, K=1536, M=512: 6.3 vs 7.8 us for 128x128).
 MID_SPLIT_TILE = (64, 64)
+# ... and only from this many K groups of 128: with fewer the partial sums' round trip costs more than
+# the idle SMs bring. H100 sweep of our kernels (tune-routes --challengers tiled, 31 shapes, M 96-1024;
+# split-K as this rule sizes it against the fastest tiled config, geomean per K): 5-16 groups 1.14-1.56x
+# the time on 128x128 weights (0 of 58 cases faster), 0.96-1.56x on 1x128 weights; 28-148 groups
+# 0.71-0.94x and 0.54-0.79x (52 and 59 of 60 faster). No grid shape has 17-27 groups; the cut is their
+# middle. Scored
+# with benchmarks/heuristic_rescore.py, our kernels' no-table choice went from 1.092x to 1.026x the
+# fastest (128x128 weights, max 1.77 -> 1.32) and from 1.121x to 1.093x (1x128).
+MID_SPLIT_MIN_GROUPS = 24
 MID_M_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
 # TMA wants 16-byte aligned bases and row strides.
 _TMA_ALIGN = 16
@@ -736,10 +745,13 @@ def _tiles(m: int, n: int, block_m: int, block_n: int) -> int:
 
 def mid_splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig | None:
     """Split-K above SMALL_M_MAX rows: MID_SPLIT_TILE tiles, enough splits for one program per SM,
-    each at least 2 K groups; None where the tiles already fill the GPU or K is too short."""
+    each at least 2 K groups; None where the tiles already fill the GPU or K has fewer than
+    MID_SPLIT_MIN_GROUPS groups."""
     bm, bn = MID_SPLIT_TILE
     tiles = _tiles(m, n, bm, bn)
     groups = -(-k // GROUP_SIZE)
+    if groups < MID_SPLIT_MIN_GROUPS:
+        return None
     split = min(-(-sm_count(device) // tiles), groups // 2)
     if split < 2:
         return None

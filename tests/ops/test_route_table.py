@@ -198,6 +198,17 @@ def test_mid_splitk_config():
     assert router.mid_splitk_config(512, 4096, 8192, CPU) is None  # tiles fill the SMs
 
 
+@pytest.mark.parametrize("k,splits", [(576, False), (2048, False), (128 * (router.MID_SPLIT_MIN_GROUPS - 1), False),
+                                      (128 * router.MID_SPLIT_MIN_GROUPS, True), (7168, True)])
+def test_mid_m_split_k_only_on_long_k(k, splits, monkeypatch):
+    """Above SMALL_M_MAX rows split-K runs only from MID_SPLIT_MIN_GROUPS K groups (shorter K: the
+    tiled kernel, whatever the idle SMs), on a GPU of 132 SMs, with our kernels only."""
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    assert (router.mid_splitk_config(333, 576, k, CPU) is not None) is splits
+    route = router._ours(CPU, 333, 576, k, "block", False, False)
+    assert route.kernel == ("splitk" if splits else "tiled"), route
+
+
 def test_table_entry_wins_over_the_heuristic(monkeypatch):
     split = SplitKConfig(64, 128, 3, num_warps=4, num_stages=4)
     monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("splitk", split))
