@@ -422,9 +422,8 @@ MID_SPLIT_TILE = (64, 64)
 # split-K as this rule sizes it against the fastest tiled config, geomean per K): 5-16 groups 1.14-1.56x
 # the time on 128x128 weights (0 of 58 cases faster), 0.96-1.56x on 1x128 weights; 28-148 groups
 # 0.71-0.94x and 0.54-0.79x (52 and 59 of 60 faster). No grid shape has 17-27 groups; the cut is their
-# middle. Scored
-# with benchmarks/heuristic_rescore.py, our kernels' no-table choice went from 1.092x to 1.026x the
-# fastest (128x128 weights, max 1.77 -> 1.32) and from 1.121x to 1.093x (1x128).
+# middle. Scored with benchmarks/heuristic_rescore.py, our kernels' no-table choice went from 1.092x
+# to 1.026x the fastest (128x128 weights, max 1.77 -> 1.32) and from 1.121x to 1.093x (1x128).
 MID_SPLIT_MIN_GROUPS = 24
 MID_M_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
 # TMA wants 16-byte aligned bases and row strides.
