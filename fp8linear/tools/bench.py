@@ -39,7 +39,7 @@ import itertools
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -337,12 +337,12 @@ def _method_setup(
 _WITH_BIAS = ("bf16_linear", "ours_forward")
 
 
-def bf16_base(method: str, times: dict[str, float]) -> str | None:
-    """The BF16 method `method`'s speedup is measured against, where it was timed: ``bf16_linear`` (a
-    BF16 ``nn.Linear``, bias included) for the whole forward, else ``bf16`` (the GEMM)."""
-    if method == "ours_forward" and "bf16_linear" in times:
+def bf16_base(method: str, timed: Collection[str]) -> str | None:
+    """The BF16 method `method`'s speedup is measured against, among the methods `timed`: ``bf16_linear``
+    (a BF16 ``nn.Linear``, bias included) for the whole forward, else ``bf16`` (the GEMM)."""
+    if method == "ours_forward" and "bf16_linear" in timed:
         return "bf16_linear"
-    return "bf16" if "bf16" in times else None
+    return "bf16" if "bf16" in timed else None
 
 
 def _first_line(e: BaseException, limit: int = 160) -> str:

@@ -26,6 +26,7 @@ from .bench import (
     BenchRow,
     Shape,
     _geomean,
+    bf16_base,
     format_table,
     parse_shape,
     run_benchmark,
@@ -141,11 +142,8 @@ def _worst(cases: Mapping[tuple[int, int, int], dict[str, float]], method: str, 
 
 
 def _forward_base(method: str, cases: Mapping[tuple[int, int, int], dict[str, float]]) -> str:
-    """The BF16 method `method` is compared with: the whole forward with ``bf16_linear`` (a BF16
-    ``nn.Linear`` with the same bias) where the grid timed it, everything else with ``bf16``."""
-    if method == "ours_forward" and any("bf16_linear" in ts for ts in cases.values()):
-        return "bf16_linear"
-    return "bf16"
+    """The BF16 method `method` is compared with over `cases` (:func:`~fp8linear.tools.bench.bf16_base`)."""
+    return bf16_base(method, {m for ts in cases.values() for m in ts}) or "bf16"
 
 
 def summarize_grid(rows: Sequence[BenchRow]) -> dict[str, Any]:
