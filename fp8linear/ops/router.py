@@ -268,16 +268,28 @@ FUSED_GEMV_MAX_WEIGHT = 24 * 2**20
 # (H100 sweep: 2 beat 1 and 4; rounding the split up rather than to nearest, so N=7168 at M=16-64
 # with 224 tiles on 132 SMs splits in 2: K=18432 M=16 55.4 vs 58.2 us, M=64 61.6 vs 68.6).
 _PROGRAMS_PER_SM = 2
-# Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits.
+# Each program gets at least 4 K groups (512 of K): N=576, K=7168, M=1 was best at 14 splits; K of
+# fewer than _LONG_SPLIT_GROUPS groups at least 2 (576x1536 M 1-32: 6 splits of 2 groups).
 _MIN_GROUPS_PER_SPLIT = 4
-# K of at least 32 groups of 128 (K > 3968) is split; K of 16-31 groups (1921-3968) only where the tiles
-# leave a quarter of the SMs idle at least (on NVIDIA); shorter K stays unsplit (N=4096, K=512,
-# M=16: 6.0 split / 3.7 us unsplit). H100, `fp8linear tune-routes`, split-K / tiled 16x32 tiles, us:
+_SHORT_MIN_GROUPS_PER_SPLIT = 2
+_LONG_SPLIT_GROUPS = 16
+# Split-K tiles are 64 columns wide up to this many rows, 32 above: the wider tile doubles the split
+# that reaches _PROGRAMS_PER_SM. H200, tune-routes --challengers tiled (31 shapes x M 1-64, both
+# granularities; scored with benchmarks/heuristic_rescore.py): with 64 columns to M=32 (was 8) and K
+# of 8-15 groups split (was >= 16), our kernels' no-table choice took 1.048x the fastest of our kernels
+# (128x128 weights, was 1.081x, max 1.55 -> 1.49) and 1.031x (1x128, was 1.067x, max 1.57 -> 1.39);
+# shapes in no table at M=16 (5120x5120, 13824x5120, 5120x13824, 3072x3072, 16384x3072, 3072x8192,
+# 2560x10240) 1.011x and 1.000x (were 1.089x and 1.097x; 5120x13824 25.8 against 30.8 us). At M=64,
+# 64x64 tiles lost to 64x32 (1024x4096 11.4 against 8.9 us).
+_SPLIT_WIDE_MAX_M = 32
+# K of at least 32 groups of 128 (K > 3968) is split; K of 8-31 groups (897-3968) only where the tiles
+# leave a quarter of the SMs idle at least (on NVIDIA; 576x1536 M=1 on H200: 4.7 split / 7.1 us
+# unsplit, 2048x1408 5.2 / 6.9); shorter K stays unsplit (N=4096, K=512, M=16: 6.0 split / 3.7 us). H100, `fp8linear tune-routes`, split-K / tiled 16x32 tiles, us:
 # 512x3584 M=1 6.0 / 10.4, 3584x3584 M=1 (56 tiles) 9.4 / 11.6, 576x2048 M=1 5.4 / 6.4, shapes in
 # no table at M=16: 1024x3072 6.2 / 9.0, 2560x2560 (80 tiles) 7.5 / 9.1, 3072x3072 (96) 8.8 / 10.2;
 # but 7168x2048 M=1 (112 tiles of 132 SMs) 10.6 / 9.1 and 8192x3072 M=16 (256) 13.8 / 13.5.
 _MIN_SPLIT_GROUPS = 32
-_SHORT_SPLIT_GROUPS = 16
+_SHORT_SPLIT_GROUPS = 8
 _SHORT_SPLIT_MAX_TILES_PER_SM = 0.75
 
 KERNELS = ("gemv", "decode", "cublas", "cutlass", "splitk", "persistent", "ws", "tiled")
@@ -534,24 +546,25 @@ def splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKConfig 
     """Split-K launch config for a small-M GEMM, or None where the tiled kernel is the better choice.
 
     From H100 sweeps (benchmarks/splitk_sweep.py, DeepSeek-V3 shapes plus 4608x7168, M in
-    {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups; 16-31 groups where the tiles
+    {1, 4, 16, 32, 64}): splitting pays when K is long (>= 32 groups; 8-31 groups where the tiles
     leave SMs idle, see _SHORT_SPLIT_GROUPS), e.g. M=1, N=576, K=7168:
     7.1 vs 19.9 us for the tuned tiled kernel, N=4608: 16.8 vs 22.6 us. At least two programs per
     SM were best (one program per SM plus a few left over, e.g. 144 programs on 132 SMs, was 20.0
-    us at N=4608), with at least 4 K groups each; the split is the smallest that reaches two.
-    Tiles: 16/32/64 rows (as M needs) x 64 columns for M <= 8, x 32 columns above (more tiles to
-    spread: M=16, N=2048: 10.5 vs 11.7 us); 4 warps, 4 stages. Short K stays tiled: there the
+    us at N=4608), with at least 4 K groups each (2 below _LONG_SPLIT_GROUPS groups); the split is
+    the smallest that reaches two. Tiles: 16/32/64 rows (as M needs) x 64 columns up to
+    _SPLIT_WIDE_MAX_M rows, x 32 columns above; 4 warps, 4 stages. Short K stays tiled: there the
     partial-sum round trip and the counter reset cost more than the extra SMs bring.
     """
     groups = _cdiv(k, GROUP_SIZE)
     if groups < _SHORT_SPLIT_GROUPS or (groups < _MIN_SPLIT_GROUPS and torch.version.hip is not None):
         return None
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if m <= 8 else 32
+    block_n = 64 if m <= _SPLIT_WIDE_MAX_M else 32
     tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     if groups < _MIN_SPLIT_GROUPS and tiles > _SHORT_SPLIT_MAX_TILES_PER_SM * sm_count(device):
         return None
-    split = min(_cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles), groups // _MIN_GROUPS_PER_SPLIT)
+    per_split = _MIN_GROUPS_PER_SPLIT if groups >= _LONG_SPLIT_GROUPS else _SHORT_MIN_GROUPS_PER_SPLIT
+    split = min(_cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles), groups // per_split)
     if split < 2:
         return None
     split = _cdiv(groups, _cdiv(groups, split))  # no empty splits

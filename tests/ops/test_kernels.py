@@ -366,27 +366,31 @@ def test_splitk_gemm_is_deterministic():
 
 @pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (1, 64, 1024), (64, 2048, 7168), (17, 576, 7168), (8, 128, 128),
                                    (1, 18432, 7168), (16, 7168, 18432), (64, 7168, 16384), (1, 128, 2048),
-                                   (16, 1024, 3072), (1, 8192, 3072), (4, 64, 1920), (33, 256, 3968)])
+                                   (16, 1024, 3072), (1, 8192, 3072), (4, 64, 1920), (33, 256, 3968),
+                                   (1, 576, 1536), (32, 576, 1536), (9, 2048, 1408), (24, 64, 1024), (1, 64, 896),
+                                   (32, 5120, 13824), (16, 128, 1920)])
 def test_splitk_heuristic(m, n, k):
-    """Split long K (>= 32 groups), and K of 16-31 groups where the tiles leave a quarter of the SMs idle
-    (NVIDIA), into the fewest splits giving 2 programs per SM, >= 4 groups each."""
+    """Split long K (>= 32 groups), and K of 8-31 groups where the tiles leave a quarter of the SMs idle
+    (NVIDIA), into the fewest splits giving 2 programs per SM, >= 4 groups each (>= 2 below 16
+    groups); tiles 64 columns wide up to 32 rows, 32 above."""
     from fp8linear.ops.configs import sm_count
     from fp8linear.ops.router import splitk_config
 
     dev = torch.device(KERNEL_DEVICE)
     cfg = splitk_config(m, n, k, dev)
     groups = -(-k // 128)
-    block_m, block_n = (16 if m <= 16 else (32 if m <= 32 else 64)), (64 if m <= 8 else 32)
+    block_m, block_n = (16 if m <= 16 else (32 if m <= 32 else 64)), (64 if m <= 32 else 32)
     tiles = -(-m // block_m) * -(-n // block_n)
-    if groups < 16 or (groups < 32 and (tiles > 0.75 * sm_count(dev) or torch.version.hip is not None)):
+    if groups < 8 or (groups < 32 and (tiles > 0.75 * sm_count(dev) or torch.version.hip is not None)):
         assert cfg is None
         return
-    if tiles >= 2 * sm_count(dev):  # enough tiles: no split
+    min_per_split = 4 if groups >= 16 else 2
+    if tiles >= 2 * sm_count(dev) or groups < 2 * min_per_split:  # enough tiles, or too short to split
         assert cfg is None
         return
     assert cfg is not None and (cfg.block_m, cfg.block_n) == (block_m, block_n) and cfg.split_k > 1
     per_split = -(-groups // cfg.split_k)
-    assert -(-groups // per_split) == cfg.split_k and per_split >= 4  # no empty split
+    assert -(-groups // per_split) == cfg.split_k and per_split >= min_per_split  # no empty split
     assert tiles * (cfg.split_k - 1) < 2 * sm_count(dev)  # the fewest splits giving 2 programs per SM
 
 
