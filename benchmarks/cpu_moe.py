@@ -9,7 +9,9 @@ medians of per-round times and ratios are printed. Routing is a softmax top-k of
                                  [--top-k 8] [--tokens 1,8,64] [--rounds 3]
 
 The defaults are Qwen3-30B-A3B's widths (hidden 2048, expert width 768, top-8) with 32 of its 128
-experts: a token's cost depends on the top-k experts it meets, not on how many exist.
+experts: a token's cost depends on the top-k experts it meets, not on how many exist. The column
+``fp8 1by1`` times the FP8 path with its hit experts run one after the other (each linear's rows
+split over the threads) instead of side by side (``router.cpu_experts_in_parallel``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
+
+from fp8linear.ops import router
 
 
 def build(hidden: int, inter: int, experts: int, top_k: int, impl: str):
@@ -65,22 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     bf16, fp8 = build(args.hidden, args.inter, args.experts, args.top_k, args.impl)
     print(f"torch {torch.__version__}, {args.threads} threads; hidden {args.hidden}, expert width {args.inter}, "
           f"{args.experts} experts, top-{args.top_k}; BF16 experts implementation {args.impl!r}")
-    print(f"{'tokens':>6} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} {'rel diff':>9}")
+    print(f"{'tokens':>6} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} {'fp8 1by1':>9} {'1by1/bf16':>9} {'rel diff':>9}")
     for t in (int(v) for v in args.tokens.split(",")):
         g = torch.Generator().manual_seed(t)
         x = torch.randn(t, args.hidden, generator=g).to(torch.bfloat16)
         w, idx = torch.topk(torch.randn(t, args.experts, generator=g).softmax(-1), args.top_k, dim=-1)
         w = w.to(torch.bfloat16)
-        times: dict[str, list[float]] = {"bf16": [], "fp8": []}
+        times: dict[str, list[float]] = {"bf16": [], "fp8": [], "fp8_1by1": []}
+        one_by_one = mock.patch.object(router, "cpu_experts_in_parallel", lambda rows, experts: False)
         with torch.no_grad():
             y_bf, y_fp = bf16(x, idx, w).float(), fp8(x, idx, w).float()
             for _ in range(args.rounds):
                 times["bf16"].append(per_call_ms(lambda: bf16(x, idx, w), args.budget))
                 times["fp8"].append(per_call_ms(lambda: fp8(x, idx, w), args.budget))
+                with one_by_one:
+                    times["fp8_1by1"].append(per_call_ms(lambda: fp8(x, idx, w), args.budget))
         ratio = statistics.median(f / b for b, f in zip(times["bf16"], times["fp8"]))
+        ratio_1 = statistics.median(f / b for b, f in zip(times["bf16"], times["fp8_1by1"]))
         diff = ((y_fp - y_bf).norm() / y_bf.norm()).item()
         print(f"{t:>6} {statistics.median(times['bf16']):>9.2f} {statistics.median(times['fp8']):>9.2f} "
-              f"{ratio:>9.2f} {diff:>9.4f}", flush=True)
+              f"{ratio:>9.2f} {statistics.median(times['fp8_1by1']):>9.2f} {ratio_1:>9.2f} {diff:>9.4f}", flush=True)
     return 0
 
 

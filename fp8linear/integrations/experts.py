@@ -26,6 +26,7 @@ under "auto" run each hit expert's rows through the CPU FP8 linear
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -504,8 +505,12 @@ class Fp8Experts(QuantizedDtypesMixin):
         """CPU tensors under "auto": per expert that has pairs, its tokens' rows through the CPU FP8
         linear (:func:`fp8linear.ops.cpu_linear.cpu_fp8_linear`: weight decoded in cache, no
         dequantized copy), in the grouped path's order of roundings: gate/up output in x's dtype, the
-        gate, down output in fp32 times the routing weight, then x's dtype, the top_k rows summed in fp32."""
+        gate, down output in fp32 times the routing weight, then x's dtype, the top_k rows summed in fp32.
+        Where :func:`~fp8linear.ops.router.cpu_experts_in_parallel` says so, the hit experts run side
+        by side on the intra-op threads, each linear one compiled-kernel call."""
+        from ..ops import router
         from ..ops.cpu_linear import cpu_fp8_linear, prepared_in
+        from ..ops.cpu_native import native_kernel, run_split
 
         t, top_k = top_k_index.shape
         dtype, num_experts, granularity = x.dtype, self.num_experts, self.granularity
@@ -521,23 +526,33 @@ class Fp8Experts(QuantizedDtypesMixin):
         counts = torch.bincount(pair_expert[valid], minlength=num_experts).tolist()
         weights = top_k_weights.reshape(-1)
         y = torch.zeros(t * top_k, self.hidden_dim, dtype=dtype)
+        hits = []  # (expert, its pairs, its prepared gate/up and down weights), made on this thread
         start = 0
         for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start:start + count]
-            start += count
-            p_up = prepared_in(prepared, (up, e), w_up[e], s_up[e], up_granularity)
+            if count:
+                hits.append((e, order[start:start + count],
+                             prepared_in(prepared, (up, e), w_up[e], s_up[e], up_granularity),
+                             prepared_in(prepared, ("down_proj", e), w_down[e], s_down[e], granularity)))
+                start += count
+        parallel = (router.cpu_experts_in_parallel(max(counts, default=0), len(hits))
+                    and native_kernel() is not None)
+
+        def expert_rows(e: int, pairs: torch.Tensor, p_up, p_down) -> torch.Tensor:
             h = cpu_fp8_linear(x.index_select(0, pairs // top_k), w_up[e], s_up[e], up_granularity,
-                               None if b_up is None else b_up[e], prepared=p_up)
+                               None if b_up is None else b_up[e], prepared=p_up, whole=parallel)
             h = self._gate(h).to(dtype)
-            p_down = prepared_in(prepared, ("down_proj", e), w_down[e], s_down[e], granularity)
             b_e = None if b_down is None else b_down[e]
             if fuse_weights:  # fp32 sums + bias, times the routing weight, then rounded once
-                ye = cpu_fp8_linear(h.float(), w_down[e], s_down[e], granularity, b_e, prepared=p_down)
-                ye = (ye * weights.index_select(0, pairs).float()[:, None]).to(dtype)
-            else:
-                ye = cpu_fp8_linear(h, w_down[e], s_down[e], granularity, b_e, prepared=p_down)
+                ye = cpu_fp8_linear(h.float(), w_down[e], s_down[e], granularity, b_e, prepared=p_down,
+                                    whole=parallel)
+                return (ye * weights.index_select(0, pairs).float()[:, None]).to(dtype)
+            return cpu_fp8_linear(h, w_down[e], s_down[e], granularity, b_e, prepared=p_down, whole=parallel)
+
+        if parallel:  # whole experts side by side on the intra-op threads
+            outs = run_split([partial(expert_rows, *hit) for hit in hits])
+        else:
+            outs = [expert_rows(*hit) for hit in hits]
+        for (e, pairs, _, _), ye in zip(hits, outs):
             y.index_copy_(0, pairs, ye)
         if not fuse_weights:
             y = self.post_expert_norm(y)

@@ -490,22 +490,26 @@ def cpu_fp8_linear(
     granularity: str,
     bias: torch.Tensor | None = None,
     prepared: CpuFp8Weight | None = None,
+    whole: bool = False,
 ) -> torch.Tensor:
     """y = dequant(quantize(x2d)) @ dequant(weight).T (+ bias) on the CPU; (M, N) in x2d.dtype.
 
     x2d: (M, K) bf16/fp16/fp32; weight: FP8 (N, K); weight_scale_inv: fp32 at `granularity`
     ('block', 'row' or 'tensor'); inputs are assumed validated. `prepared`: the weight's
-    :func:`prepare_cpu_weight`, else one is made and kept per weight tensor (weakly).
+    :func:`prepare_cpu_weight`, else one is made and kept per weight tensor (weakly). `whole=True`:
+    one compiled-kernel call on this thread at any M where the kernels are built (for callers that
+    spread whole calls over the threads, :func:`fp8linear.ops.cpu_native.run_split`); at M up to
+    :data:`~fp8linear.ops.router.CPU_NATIVE_MAX_M` the bits are those of a call without it.
     """
     p = prepared if prepared is not None else _prepared_for(weight, weight_scale_inv, granularity)
     m = x2d.shape[0]
     n, k, groups = p.n, p.k, p.groups
     kp = groups * GROUP_SIZE
-    if (router.use_cpu_native(m) and p.codes.is_contiguous() and x2d.stride(1) == 1
+    if ((whole or router.use_cpu_native(m)) and p.codes.is_contiguous() and x2d.stride(1) == 1
             and cpu_native.native_kernel() is not None):
         # the compiled kernels: quantization (bit-exact with quantize_activation_grid), then the sums
         act_scale, ws, ws_ld, ws_gs, ws_div = p.native_scales
-        parts = router.cpu_row_parts(n, k, m)
+        parts = [(0, n)] if whole else router.cpu_row_parts(n, k, m)
         if len(parts) == 1:  # one C call, the output in x's dtype
             y = torch.empty(m, n, dtype=x2d.dtype)
             if bias is not None and (bias.dtype not in _NATIVE_DTYPES or not bias.is_contiguous()):

@@ -34,18 +34,20 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from ..formats import GROUP_SIZE, activation_max, fp8_min_exponent
 from ..reference import AMAX_FLOOR
 
-__all__ = ["GEMV_MAX_M", "native_gemv", "native_kernel", "native_linear", "native_quantize", "linear_call"]
+__all__ = ["GEMV_MAX_M", "native_gemv", "native_kernel", "native_linear", "native_quantize", "linear_call",
+           "run_split"]
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +395,33 @@ def native_kernel() -> _Kernels | None:
 @lru_cache(maxsize=1)
 def _pool(threads: int) -> ThreadPoolExecutor:
     """Worker threads for row splits (one pool; a new thread count replaces it)."""
-    return ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8linear-cpu")
+    return ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix=_WORKER_PREFIX)
+
+
+_WORKER_PREFIX = "fp8linear-cpu"
+T = TypeVar("T")
+
+
+def _in_worker() -> bool:
+    """Whether this thread is one of the pool's workers (which must not wait on the pool)."""
+    return threading.current_thread().name.startswith(_WORKER_PREFIX)
+
+
+def run_split(tasks: Sequence[Callable[[], T]]) -> list[T]:
+    """The results of `tasks`, run over the intra-op threads: task i on this thread where i % threads
+    is 0, else on a pool worker; results in task order. A task must not split its own work over the
+    pool (:func:`native_gemv` runs its parts in turn on a worker)."""
+    threads = min(torch.get_num_threads(), len(tasks))
+    if threads <= 1 or _in_worker():
+        return [task() for task in tasks]
+
+    def share(j: int) -> list[T]:
+        return [tasks[i]() for i in range(j, len(tasks), threads)]
+
+    pool = _pool(torch.get_num_threads())
+    futures = [pool.submit(share, j) for j in range(1, threads)]
+    shares = [share(0)] + [f.result() for f in futures]
+    return [shares[i % threads][i // threads] for i in range(len(tasks))]
 
 
 def _drop_pool_after_fork() -> None:
@@ -531,8 +559,10 @@ def native_gemv(codes: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, ws: tor
     def run(part: tuple[int, int]) -> int:
         return fn(args[0], args[1], part[0], part[1], *args[2:])
 
-    if len(parts) == 1:
-        status = run(parts[0])
+    if len(parts) == 1 or _in_worker():  # a worker runs its parts itself: waiting on the pool could deadlock
+        status = 0
+        for part in parts:
+            status |= run(part)
     else:
         futures = [_pool(threads).submit(run, part) for part in parts[1:]]
         status = run(parts[0])

@@ -98,6 +98,7 @@ __all__ = [
     "ACT_QUANT_SMALL_INPUT_ELEMENTS",
     "ALIGN_KERNEL_MAX_WORK",
     "CPU_HALF_GEMV",
+    "CPU_EXPERTS_NATIVE_MAX_M",
     "CPU_HALF_GEMV_MIN_ELEMS",
     "CPU_NATIVE_MAX_M",
     "CPU_THREAD_MIN_ELEMS",
@@ -137,6 +138,7 @@ __all__ = [
     "amd_heuristic_config",
     "config_for_arch",
     "counters_fit",
+    "cpu_experts_in_parallel",
     "cpu_fast_path",
     "cpu_row_parts",
     "cublas_allowed",
@@ -212,6 +214,16 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 # ops above). 2 threads, Zen 3 (AVX2), blocked kernel / torch ops: 0.24-0.64 at M 5-14 (2048x7168 M=8
 # 4.0 against 12.0 ms, BF16 10.9), 0.60-1.20 at 16, 1.11 at 32.
 CPU_NATIVE_MAX_M = 12
+# MoE experts on CPU tensors run their hit experts side by side (cpu_experts_in_parallel), each expert's
+# linears as one compiled-kernel call on one thread, while no hit expert has more rows than this. A
+# row split hands work to a Python worker thread per linear (40-100 us, CPU_THREAD_MIN_ELEMS), and the
+# torch-ops path pays its per-tile ops per expert; whole experts need one hand-off per call. 2 threads,
+# Xeon with AVX-512 BF16, Qwen3-30B-A3B widths (top-8 of 32 experts; benchmarks/cpu_moe.py), ms per
+# call, side by side / one by one: 1 token 6.5 / 10.0 (BF16 8.5), 8 tokens 33.4 / 51.7 (38.1); most
+# rows per expert 14 / 24 / 40 / 76 / 152: 45 / 84 / 139 / 186 / 382 against 83 / 137 / 530 / 220 /
+# 572 one by one (BF16 42 / 106 / 142 / 196 / 413); at 278 rows the torch-ops path won (518 against
+# 831, BF16 670).
+CPU_EXPERTS_NATIVE_MAX_M = 192
 # Weights of at least this much work split their rows over the intra-op threads (work: weight
 # elements, times M above the GEMV's rows): a hand-off to a Python worker thread costs 40-100 us
 # here. 2 threads, us per call, split / one thread: 576x1536 M=1 156 / 83, M=2 184 / 123; 192x576 M=1
@@ -223,6 +235,14 @@ CPU_HALF_GEMV = True
 # ... for weights of at least this many elements (N * K padded to 128); below, its extra fixed ops
 # cost more than it saves (1 thread, M=1: 128x576 fp32 path 72 us, float16 85; 192x576 105 / 96).
 CPU_HALF_GEMV_MIN_ELEMS = 96 * 1024
+
+
+def cpu_experts_in_parallel(rows_per_expert: int, experts: int) -> bool:
+    """Whether an MoE experts layer on CPU tensors runs its hit experts side by side, each whole expert
+    (both linears, each one compiled-kernel call) on one intra-op thread, rather than one after the
+    other with each linear's rows split over the threads (or on torch ops above CPU_NATIVE_MAX_M
+    rows): where two or more experts are hit and none has more than CPU_EXPERTS_NATIVE_MAX_M rows."""
+    return experts >= 2 and torch.get_num_threads() >= 2 and 0 < rows_per_expert <= CPU_EXPERTS_NATIVE_MAX_M
 
 
 def use_cpu_native(m: int) -> bool:

@@ -22,6 +22,7 @@ import functools
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -306,6 +307,79 @@ def test_cpu_path_matches_the_reference_path(name, granularity, dtype, t, monkey
     assert rel(y, ref) < (1e-5 if dtype == torch.float32 else 1e-3)
     if dtype == torch.float32 and t == 1:  # (the emulation takes no sentinel ids)
         assert rel(y, _emulate(f, x, idx, w)) < EMULATION_TOL
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("t", [1, 3, 40])
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_cpu_path_runs_hit_experts_side_by_side(granularity, t, threads, monkeypatch):
+    """With several intra-op threads, the CPU path runs whole experts side by side on the threads
+    (router.cpu_experts_in_parallel), each linear one compiled-kernel call: up to CPU_NATIVE_MAX_M rows
+    per expert the bits of one expert after the other; above (t=40: about 20 rows per expert, where
+    one by one runs torch ops) the reference path's result up to the order of the fp32 sums."""
+    from fp8linear.ops import cpu_native, router
+
+    if cpu_native.native_kernel() is None:
+        pytest.skip("the compiled CPU kernels do not build here")
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    ex = _experts("qwen2_moe").to(torch.bfloat16)
+    f = Fp8Experts.from_experts(ex, granularity=granularity)
+    x, idx, w = _inputs(ex, t=t, top_k=_top_k("qwen2_moe"), dtype=torch.bfloat16)
+    w = w.to(torch.bfloat16)
+    rows = int(torch.bincount(idx.reshape(-1)).max())
+    assert (rows > router.CPU_NATIVE_MAX_M) == (t == 40)
+    ran = []
+    real_split = cpu_native.run_split
+
+    def spy(tasks):
+        ran.append(len(tasks))
+        return real_split(tasks)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            monkeypatch.setattr(cpu_native, "run_split", spy)
+            y = f(x, idx, w)
+            ref = Fp8Experts.from_experts(ex, granularity=granularity, backend="reference")(x, idx, w)
+            monkeypatch.setattr(router, "cpu_experts_in_parallel", lambda rows, experts: False)
+            y_serial = f(x, idx, w)
+    finally:
+        torch.set_num_threads(before)
+    assert ran and ran[0] == len(set(idx.reshape(-1).tolist())) >= 2
+    assert rel(y, ref) < 1e-3
+    if rows <= router.CPU_NATIVE_MAX_M:
+        assert torch.equal(y, y_serial)
+    else:
+        assert rel(y, y_serial) < 1e-3
+
+
+def test_run_split_keeps_order_and_never_waits_on_its_own_pool():
+    """run_split returns the tasks' results in order; a task that splits a linear's rows over the
+    pool runs the parts itself (a worker waiting on the pool it belongs to could deadlock)."""
+    from fp8linear.ops import cpu_native
+    from fp8linear import quantize_weight
+    from fp8linear.ops.cpu_linear import cpu_fp8_linear
+
+    if cpu_native.native_kernel() is None:
+        pytest.skip("the compiled CPU kernels do not build here")
+    g = torch.Generator().manual_seed(3)
+    w_q, w_s = quantize_weight(torch.randn(2048, 1152, generator=g))  # 2.4M elements: a row split
+    xs = [torch.randn(1, 1152, generator=g, dtype=torch.bfloat16) for _ in range(5)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        serial = [cpu_fp8_linear(x, w_q, w_s, "block") for x in xs]
+        together = []
+        runner = threading.Thread(target=lambda: together.extend(
+            cpu_native.run_split([lambda x=x: cpu_fp8_linear(x, w_q, w_s, "block") for x in xs])), daemon=True)
+        runner.start()
+        runner.join(timeout=120)
+        assert not runner.is_alive(), "run_split did not finish: a worker waited on its own pool"
+    finally:
+        torch.set_num_threads(before)
+    assert len(together) == len(xs) and all(torch.equal(a, b) for a, b in zip(together, serial))
+    assert cpu_native.run_split([]) == []
 
 
 @pytest.mark.parametrize("granularity", ["block", "tensor"])
