@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         w, idx = torch.topk(torch.randn(t, args.experts, generator=g).softmax(-1), args.top_k, dim=-1)
         w = w.to(torch.bfloat16)
         times: dict[str, list[float]] = {"bf16": [], "fp8": [], "fp8_1by1": []}
-        one_by_one = mock.patch.object(router, "cpu_experts_in_parallel", lambda rows, experts: False)
+        one_by_one = mock.patch.object(router, "cpu_experts_in_parallel", lambda *args: False)
         with torch.no_grad():
             y_bf, y_fp = bf16(x, idx, w).float(), fp8(x, idx, w).float()
             for _ in range(args.rounds):

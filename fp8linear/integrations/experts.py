@@ -534,7 +534,8 @@ class Fp8Experts(QuantizedDtypesMixin):
                              prepared_in(prepared, (up, e), w_up[e], s_up[e], up_granularity),
                              prepared_in(prepared, ("down_proj", e), w_down[e], s_down[e], granularity)))
                 start += count
-        parallel = (router.cpu_experts_in_parallel(max(counts, default=0), len(hits))
+        parallel = (router.cpu_experts_in_parallel(max(counts, default=0), len(hits),
+                                                   max(w_up[0].numel(), w_down[0].numel()) if num_experts else 0)
                     and native_kernel() is not None)
 
         def expert_rows(e: int, pairs: torch.Tensor, p_up, p_down) -> torch.Tensor:

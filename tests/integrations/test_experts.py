@@ -322,6 +322,7 @@ def test_cpu_path_runs_hit_experts_side_by_side(granularity, t, threads, monkeyp
     if cpu_native.native_kernel() is None:
         pytest.skip("the compiled CPU kernels do not build here")
     monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    monkeypatch.setattr(router, "CPU_THREAD_MIN_ELEMS", 1)  # these small experts count as big enough
     ex = _experts("qwen2_moe").to(torch.bfloat16)
     f = Fp8Experts.from_experts(ex, granularity=granularity)
     x, idx, w = _inputs(ex, t=t, top_k=_top_k("qwen2_moe"), dtype=torch.bfloat16)
@@ -342,7 +343,7 @@ def test_cpu_path_runs_hit_experts_side_by_side(granularity, t, threads, monkeyp
             monkeypatch.setattr(cpu_native, "run_split", spy)
             y = f(x, idx, w)
             ref = Fp8Experts.from_experts(ex, granularity=granularity, backend="reference")(x, idx, w)
-            monkeypatch.setattr(router, "cpu_experts_in_parallel", lambda rows, experts: False)
+            monkeypatch.setattr(router, "cpu_experts_in_parallel", lambda *args: False)
             y_serial = f(x, idx, w)
     finally:
         torch.set_num_threads(before)
@@ -352,6 +353,26 @@ def test_cpu_path_runs_hit_experts_side_by_side(granularity, t, threads, monkeyp
         assert torch.equal(y, y_serial)
     else:
         assert rel(y, y_serial) < 1e-3
+
+
+def test_cpu_experts_side_by_side_rule(monkeypatch):
+    """Side by side where one by one would hand rows to a worker per linear (the larger weight's work
+    from CPU_THREAD_MIN_ELEMS) or run torch ops (above CPU_NATIVE_MAX_M rows), up to
+    CPU_EXPERTS_NATIVE_MAX_M rows, with two or more hit experts and threads."""
+    from fp8linear.ops import router
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    big, small = 1536 * 2048, 384 * 320
+    assert router.cpu_experts_in_parallel(1, 8, big)
+    assert router.cpu_experts_in_parallel(router.CPU_EXPERTS_NATIVE_MAX_M, 8, small)
+    assert router.cpu_experts_in_parallel(router.CPU_NATIVE_MAX_M + 1, 8, small)
+    assert not router.cpu_experts_in_parallel(router.CPU_NATIVE_MAX_M, 8, small)
+    assert not router.cpu_experts_in_parallel(1, 8, router.CPU_THREAD_MIN_ELEMS - 1)
+    assert router.cpu_experts_in_parallel(8, 8, router.CPU_THREAD_MIN_ELEMS // 8)  # rows count above the GEMV's
+    assert not router.cpu_experts_in_parallel(router.CPU_EXPERTS_NATIVE_MAX_M + 1, 8, big)
+    assert not router.cpu_experts_in_parallel(1, 1, big) and not router.cpu_experts_in_parallel(0, 8, big)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not router.cpu_experts_in_parallel(1, 8, big)
 
 
 def test_run_split_keeps_order_and_never_waits_on_its_own_pool():
