@@ -392,14 +392,14 @@ def native_kernel() -> _Kernels | None:
     return _Kernels(gemv, quant, linear)
 
 
-@lru_cache(maxsize=1)
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """Worker threads for row splits (one pool; a new thread count replaces it)."""
-    return ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix=_WORKER_PREFIX)
-
-
 _WORKER_PREFIX = "fp8linear-cpu"
 T = TypeVar("T")
+
+
+@lru_cache(maxsize=1)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """Worker threads for row splits and :func:`run_split` (one pool; a new thread count replaces it)."""
+    return ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix=_WORKER_PREFIX)
 
 
 def _in_worker() -> bool:
