@@ -26,9 +26,9 @@ under "auto" run each hit expert's rows through the CPU FP8 linear
 from __future__ import annotations
 
 import inspect
-from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -534,8 +534,8 @@ class Fp8Experts(QuantizedDtypesMixin):
                              prepared_in(prepared, (up, e), w_up[e], s_up[e], up_granularity),
                              prepared_in(prepared, ("down_proj", e), w_down[e], s_down[e], granularity)))
                 start += count
-        parallel = (router.cpu_experts_in_parallel(max(counts, default=0), len(hits),
-                                                   max(w_up[0].numel(), w_down[0].numel()) if num_experts else 0)
+        expert_elems = max(w_up.shape[1] * w_up.shape[2], w_down.shape[1] * w_down.shape[2])
+        parallel = (router.cpu_experts_in_parallel(max(counts, default=0), len(hits), expert_elems)
                     and native_kernel() is not None)
 
         def expert_rows(e: int, pairs: torch.Tensor, p_up, p_down) -> torch.Tensor:

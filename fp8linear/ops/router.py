@@ -301,16 +301,18 @@ _SHORT_MIN_GROUPS_PER_SPLIT = 2
 _LONG_SPLIT_GROUPS = 16
 # Split-K tiles are 64 columns wide up to this many rows, 32 above: the wider tile doubles the split
 # that reaches _PROGRAMS_PER_SM. H200, tune-routes --challengers tiled (31 shapes x M 1-64, both
-# granularities; scored with benchmarks/heuristic_rescore.py): with 64 columns to M=32 (was 8) and K
-# of 8-15 groups split (was >= 16), our kernels' no-table choice took 1.048x the fastest of our kernels
-# (128x128 weights, was 1.081x, max 1.55 -> 1.49) and 1.031x (1x128, was 1.067x, max 1.57 -> 1.39);
-# shapes in no table at M=16 (5120x5120, 13824x5120, 5120x13824, 3072x3072, 16384x3072, 3072x8192,
-# 2560x10240) 1.011x and 1.000x (were 1.089x and 1.097x; 5120x13824 25.8 against 30.8 us). At M=64,
-# 64x64 tiles lost to 64x32 (1024x4096 11.4 against 8.9 us).
+# granularities; scored with benchmarks/heuristic_rescore.py): with 64 columns up to M=32 and K of
+# 8-15 groups split, our kernels' no-table choice took 1.048x the fastest of our kernels (128x128
+# weights, max 1.49) and 1.031x (1x128, max 1.39), against 1.081x (max 1.55) and 1.067x (max 1.57)
+# with 64 columns up to M=8 and no split below 16 groups; shapes in no table at M=16 (5120x5120,
+# 13824x5120, 5120x13824, 3072x3072, 16384x3072, 3072x8192, 2560x10240) 1.011x and 1.000x against
+# 1.089x and 1.097x (5120x13824 25.8 against 30.8 us). At M=64, 64x64 tiles lost to 64x32 (1024x4096
+# 11.4 against 8.9 us).
 _SPLIT_WIDE_MAX_M = 32
 # K of at least 32 groups of 128 (K > 3968) is split; K of 8-31 groups (897-3968) only where the tiles
 # leave a quarter of the SMs idle at least (on NVIDIA; 576x1536 M=1 on H200: 4.7 split / 7.1 us
-# unsplit, 2048x1408 5.2 / 6.9); shorter K stays unsplit (N=4096, K=512, M=16: 6.0 split / 3.7 us). H100, `fp8linear tune-routes`, split-K / tiled 16x32 tiles, us:
+# unsplit, 2048x1408 5.2 / 6.9); shorter K stays unsplit (N=4096, K=512, M=16: 6.0 split / 3.7 us).
+# H100, `fp8linear tune-routes`, split-K / tiled 16x32 tiles, us:
 # 512x3584 M=1 6.0 / 10.4, 3584x3584 M=1 (56 tiles) 9.4 / 11.6, 576x2048 M=1 5.4 / 6.4, shapes in
 # no table at M=16: 1024x3072 6.2 / 9.0, 2560x2560 (80 tiles) 7.5 / 9.1, 3072x3072 (96) 8.8 / 10.2;
 # but 7168x2048 M=1 (112 tiles of 132 SMs) 10.6 / 9.1 and 8192x3072 M=16 (256) 13.8 / 13.5.
