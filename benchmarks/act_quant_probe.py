@@ -4,8 +4,9 @@ Per (M, K), in one run (CUDA-graph replays, inputs rotated past L2):
 
 - ``shipped``: :func:`fp8linear.ops.quant.act_quant` with its launch rule;
 - ``copy``: load and cast to FP8 with a constant scale (the floor of any quantization kernel);
-- ``div_rn``: a correctly rounded fp32 division per element (``tl.math.div_rn``) instead of the
-  shipped fp64 product with one reciprocal per group;
+- ``fp64``: x / scale as an fp64 product with one fp64 reciprocal per group (exact too; two
+  fp32<->fp64 conversions per element) instead of the shipped fp32 product and two fma corrections;
+- ``div_rn``: a correctly rounded fp32 division per element (``tl.math.div_rn``);
 - ``fp32_recip``: x * fp32(1 / scale) (not bit-exact: the floor of the division's cost);
 - ``no_nan``: without the NaN check's second reduction;
 - ``hw_round``: the hardware FP8 conversion instead of round_to_fp8_grid;
@@ -52,7 +53,13 @@ def _variant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, qmax, amax_floor,
             amax = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), amax)
         amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
-        if DIVIDE == 0:  # shipped (fp8linear.ops.quant.quantize_groups)
+        if DIVIDE == 0:  # as shipped (fp8linear.ops.quant.quantize_groups)
+            r = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None]
+            q0 = x * r
+            q = tl.fma(tl.fma(-q0, scale[:, None], x), r, q0)
+            q = tl.fma(tl.fma(-q, scale[:, None], x), r, q)
+            q = tl.where(scale[:, None] == float("inf"), q0, q)
+        elif DIVIDE == 3:
             q = (x.to(tl.float64) * (1.0 / scale.to(tl.float64))[:, None]).to(tl.float32)
         elif DIVIDE == 1:
             q = tl.math.div_rn(x, scale[:, None])
@@ -92,6 +99,7 @@ def main() -> None:
         rows = 16 if m > 64 else 4
         fns = {"shipped": lambda x: act_quant(x, torch.float8_e4m3fn),
                "copy": _variant(rows, 4, copy=True),
+               "fp64": _variant(rows, 4, divide=3),
                "div_rn": _variant(rows, 4, divide=1),
                "fp32_recip": _variant(rows, 4, divide=2),
                "no_nan": _variant(rows, 4, nan_check=False),

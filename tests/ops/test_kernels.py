@@ -69,16 +69,27 @@ def _every_finite_bf16() -> torch.Tensor:
     return x[torch.isfinite(x)]
 
 
-@pytest.mark.parametrize("case", ["every_bf16", "wide_fp32"])
+@pytest.mark.parametrize("case", ["every_bf16", "wide_fp32", "many_scales"])
 def test_act_quant_division_bit_exact_on_hard_inputs(case):
-    """x / scale is computed in fp64 from one reciprocal per group (quant.quantize_groups): every
-    finite bf16 value, in groups of three different mixes, and fp32 values with full 24-bit
-    mantissas over 2**-40..2**40, quantize to the reference's bits."""
+    """x / scale is computed from one reciprocal per group and two fma corrections
+    (quant.quantize_groups): every finite bf16 value, in groups of three different mixes; fp32
+    values with full 24-bit mantissas over 2**-40..2**40; and groups whose amax has a full random
+    mantissa (one scale each, the first ones with mantissas of all ones), their other values bf16
+    at or under it, quantize to the reference's bits."""
     g = torch.Generator().manual_seed(7)
     if case == "every_bf16":
         v = _every_finite_bf16()
         x = torch.cat([v[torch.randperm(v.numel(), generator=g)] for _ in range(3)])
         x = x[: x.numel() // 128 * 128].reshape(-1, 128)
+    elif case == "many_scales":
+        rows = 8192 if HAS_CUDA else 512
+        mantissa = torch.randint(0, 2**23, (rows,), generator=g)
+        mantissa[:32] = 2**23 - 1 - torch.arange(32)
+        exponent = torch.randint(-40, 41, (rows,), generator=g)
+        amax = ((exponent + 127) << 23 | mantissa).to(torch.int32).view(torch.float32)
+        x = ((torch.rand(rows, 128, generator=g) * 2 - 1) * amax[:, None]).to(torch.bfloat16).float()
+        x = torch.minimum(torch.maximum(x, -amax[:, None]), amax[:, None])
+        x[torch.arange(rows), torch.randint(0, 128, (rows,), generator=g)] = amax
     else:
         rows = 1024 if HAS_CUDA else 96
         x = torch.randn(rows, 1024, generator=g) * torch.exp2(torch.randint(-40, 41, (rows, 1024), generator=g).float())
@@ -118,6 +129,14 @@ def test_act_quant_nan_inf_stay_nonfinite():
     x_q, x_s = quantize_activation(x, backend="triton")
     assert x_s[1, 0].isnan() and not torch.isfinite(x_s[2, 1])
     assert torch.isfinite(x_s[0]).all() and x_s[1, 1].isfinite() and x_s[2, 0].isfinite()
+    # as the reference: an Inf group's finite values are 0 and the Inf NaN; a NaN group all NaN
+    # (the CPU interpreter casts NaN to FP8 as 384: NaN codes are compared on the GPU only)
+    r_q, r_s = quantize_activation_ref(x, torch.float8_e4m3fn)
+    assert same_bits(x_s, r_s)
+    finite = ~r_q.float().isnan()
+    assert same_bits(x_q[finite], r_q[finite])
+    if HAS_CUDA:
+        assert x_q.float()[~finite].isnan().all()
 
 
 def _gemm_params():
