@@ -4,12 +4,17 @@ Per (M, K), in one run (CUDA-graph replays, inputs rotated past L2):
 
 - ``shipped``: :func:`fp8linear.ops.quant.act_quant` with its launch rule;
 - ``copy``: load and cast to FP8 with a constant scale (the floor of any quantization kernel);
-- ``fp64``: x / scale as an fp64 product with one fp64 reciprocal per group (exact too; two
-  fp32<->fp64 conversions per element) instead of the shipped fp32 product and two fma corrections;
+- ``fma``: x / scale as the fp32 product with a correctly rounded fp32 reciprocal and two fma
+  corrections (the same quotients from 2**-12 up, see CHANGELOG.md) instead of the shipped fp64
+  product;
 - ``div_rn``: a correctly rounded fp32 division per element (``tl.math.div_rn``);
 - ``fp32_recip``: x * fp32(1 / scale) (not bit-exact: the floor of the division's cost);
 - ``no_nan``: without the NaN check's second reduction;
-- ``hw_round``: the hardware FP8 conversion instead of round_to_fp8_grid;
+- ``hw_round``: the hardware FP8 conversion (:func:`~fp8linear.ops.quant.to_fp8`, as shipped on
+  NVIDIA GPUs) instead of round_to_fp8_grid;
+- ``hw_no_nan`` / ``hw_one_reduce`` / ``hw_fma`` / ``hw_one_reduce_fma``: the hardware conversion
+  without the NaN check, with the NaN check folded into the amax reduction (a max that propagates
+  NaN), with the fma division, or both;
 - ``lean``: all three shortcuts at once (not bit-exact: the floor of the arithmetic's cost);
 - ``rows{R}w{W}``: the shipped quantization with R rows per program and W warps.
 
@@ -26,12 +31,17 @@ import triton
 import triton.language as tl
 
 from fp8linear.formats import activation_max, fp8_min_exponent
-from fp8linear.ops.quant import act_quant, act_quant_outputs, round_to_fp8_grid
+from fp8linear.ops.quant import act_quant, act_quant_outputs, round_to_fp8_grid, to_fp8
 from fp8linear.reference import AMAX_FLOOR
 from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 
 CASES = [(77, 576), (333, 576), (200, 512), (16, 7168), (512, 1536), (333, 7168), (1024, 7168), (4096, 7168)]
 _GRAPH_US = 1500.0
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -48,19 +58,22 @@ def _variant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, qmax, amax_floor,
         q = x
         scale = tl.full((BLOCK_M,), 1.0, tl.float32)
     else:
-        amax = tl.max(tl.abs(x), 1)
-        if NAN_CHECK:
+        if NAN_CHECK == 2:  # one reduction whose max propagates NaN
+            amax = tl.reduce(tl.abs(x), 1, _max_keep_nan)
+        else:
+            amax = tl.max(tl.abs(x), 1)
+        if NAN_CHECK == 1:
             amax = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), amax)
         amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
         if DIVIDE == 0:  # as shipped (fp8linear.ops.quant.quantize_groups)
+            q = (x.to(tl.float64) * (1.0 / scale.to(tl.float64))[:, None]).to(tl.float32)
+        elif DIVIDE == 3:  # the fp32 reciprocal and two fma corrections (exact from 2**-12 up)
             r = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None]
             q0 = x * r
             q = tl.fma(tl.fma(-q0, scale[:, None], x), r, q0)
             q = tl.fma(tl.fma(-q, scale[:, None], x), r, q)
             q = tl.where(scale[:, None] == float("inf"), q0, q)
-        elif DIVIDE == 3:
-            q = (x.to(tl.float64) * (1.0 / scale.to(tl.float64))[:, None]).to(tl.float32)
         elif DIVIDE == 1:
             q = tl.math.div_rn(x, scale[:, None])
         else:
@@ -69,7 +82,11 @@ def _variant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, qmax, amax_floor,
                        propagate_nan=tl.PropagateNan.ALL)
         if GRID_ROUND:
             q = round_to_fp8_grid(q, MIN_EXP)
-    tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    if GRID_ROUND:
+        q8 = q.to(q_ptr.dtype.element_ty)
+    else:
+        q8 = to_fp8(q, q_ptr.dtype.element_ty, True, MIN_EXP)
+    tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q8, mask=mask)
     tl.store(s_ptr + offs_m * tl.cdiv(K, 128) + pid_g, scale, mask=offs_m < M)
 
 
@@ -99,12 +116,16 @@ def main() -> None:
         rows = 16 if m > 64 else 4
         fns = {"shipped": lambda x: act_quant(x, torch.float8_e4m3fn),
                "copy": _variant(rows, 4, copy=True),
-               "fp64": _variant(rows, 4, divide=3),
+               "fma": _variant(rows, 4, divide=3),
                "div_rn": _variant(rows, 4, divide=1),
                "fp32_recip": _variant(rows, 4, divide=2),
                "no_nan": _variant(rows, 4, nan_check=False),
                "hw_round": _variant(rows, 4, grid_round=False),
-               "lean": _variant(rows, 4, divide=2, nan_check=False, grid_round=False)}
+               "lean": _variant(rows, 4, divide=2, nan_check=False, grid_round=False),
+               "hw_no_nan": _variant(rows, 4, nan_check=False, grid_round=False),
+               "hw_one_reduce": _variant(rows, 4, nan_check=2, grid_round=False),
+               "hw_fma": _variant(rows, 4, divide=3, grid_round=False),
+               "hw_one_reduce_fma": _variant(rows, 4, divide=3, nan_check=2, grid_round=False)}
         for r, w in ((1, 1), (4, 1), (4, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
             fns[f"rows{r}w{w}"] = _variant(r, w)
         sets = rotation_sets((x,), x.numel() * 2, device)

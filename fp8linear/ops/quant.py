@@ -39,28 +39,21 @@ def quantize_groups(x, qmax, amax_floor, MIN_EXP: tl.constexpr, GRID_ROUND: tl.c
     Same results as reference._quantize_groups, bit for bit; NaN propagates through max and clamp
     (an Inf makes its group's scale Inf, its own value NaN and the group's finite values 0).
 
-    x / scale, correctly rounded to fp32 as the reference divides, is computed without a division
-    per element: from r = 1 / scale correctly rounded (one division per group), q0 = x * r is
-    within 1.5 ulp of x / scale and two residual corrections q' = fma(x - q * scale, r, q) (the
-    residual exact through an fma) give the correctly rounded quotient, as CUDA's own ``div.rn.f32``
-    does on its fast path; quotients under 2**-12, which every FP8 format rounds to +0, may differ
-    from it by an ulp or in the sign of a zero. Checked against fp32 division for every finite bf16
-    value up to the group's amax and 4096 full-mantissa fp32 values under each of 43,000 scales
-    (1.58e9 quotients, none different from 2**-12 up: benchmarks/quant_division_check.py), and by
-    tests/ops/test_kernels.py on the kernels themselves. It replaces an fp64 product with the same reciprocal,
-    whose two fp32<->fp64 conversions per element run at 16 a clock per SM on Hopper.
+    x / scale, correctly rounded to fp32 as the reference divides, is computed as
+    fp32(fp64(x) * fp64(1 / scale)): one fp64 division per group instead of a correctly rounded
+    fp32 division per element (H100, act_quant of 77x576 under CUDA graphs: 1.7 vs 4.0 us;
+    ``div.rn.f32`` per element was most of the kernel's time). It is exact: with 24-bit x and
+    scale, x / scale is either an fp32 value or at least 2**-49 (relative) away from every
+    midpoint between two fp32 values, while the fp64 product is within a few 2**-53 of it, so
+    rounding it to fp32 gives the same value (tests/ops/test_kernels.py checks every bf16 value
+    and wide-range fp32 inputs).
     """
     amax = tl.max(tl.abs(x), 1)  # tl.max drops NaN: put it back for groups that hold one
     amax = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), amax)
     amax = tl.maximum(amax, amax_floor, propagate_nan=tl.PropagateNan.ALL)
     scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
-    r = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None]
-    s = scale[:, None]
-    q0 = x * r
-    q = tl.fma(tl.fma(-q0, s, x), r, q0)
-    q = tl.fma(tl.fma(-q, s, x), r, q)
-    # a group holding an Inf has an Inf scale, r = 0 and NaN residuals: x / Inf is 0 (NaN for the Inf)
-    q = tl.where(s == float("inf"), q0, q)
+    inv_scale = 1.0 / scale.to(tl.float64)
+    q = (x.to(tl.float64) * inv_scale[:, None]).to(tl.float32)
     q = tl.minimum(tl.maximum(q, -qmax, propagate_nan=tl.PropagateNan.ALL), qmax, propagate_nan=tl.PropagateNan.ALL)
     if GRID_ROUND:
         q = round_to_fp8_grid(q, MIN_EXP)

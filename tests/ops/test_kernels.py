@@ -71,11 +71,11 @@ def _every_finite_bf16() -> torch.Tensor:
 
 @pytest.mark.parametrize("case", ["every_bf16", "wide_fp32", "many_scales"])
 def test_act_quant_division_bit_exact_on_hard_inputs(case):
-    """x / scale is computed from one reciprocal per group and two fma corrections
-    (quant.quantize_groups): every finite bf16 value, in groups of three different mixes; fp32
-    values with full 24-bit mantissas over 2**-40..2**40; and groups whose amax has a full random
-    mantissa (one scale each, the first ones with mantissas of all ones), their other values bf16
-    at or under it, quantize to the reference's bits."""
+    """x / scale is computed in fp64 from one reciprocal per group (quant.quantize_groups): every
+    finite bf16 value, in groups of three different mixes; fp32 values with full 24-bit mantissas
+    over 2**-40..2**40; and groups whose amax has a full random mantissa (one scale each, the first
+    ones with mantissas of all ones), their other values bf16 at or under it, quantize to the
+    reference's bits."""
     g = torch.Generator().manual_seed(7)
     if case == "every_bf16":
         v = _every_finite_bf16()
