@@ -94,10 +94,7 @@ constexpr int kAlignmentA = 16;  // elements of 16 bytes: TMA
 constexpr int kAlignmentB = 16;
 constexpr int kAlignmentD = 8;
 
-#ifndef FP8L_TILE_N
-#define FP8L_TILE_N 128
-#endif
-using TileShape = Shape<Int<FP8L_TILE_M>, Int<FP8L_TILE_N>, _128>;
+using TileShape = Shape<Int<FP8L_TILE_M>, _128, _128>;
 using ClusterShape = Shape<_1, _1, _1>;
 #if FP8L_TILE_M == 64
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise;
