@@ -15,7 +15,8 @@ entry records the fastest other kernel as its fallback. cuBLAS is also timed on 
 cuBLASLt's heuristic picks for the next larger M, from ALGO_MIN_M rows (``CublasConfig.algo_m``:
 its choice is not monotonic in M; named only where it beats M's own by OPTIONAL_MIN_GAIN).
 ``--challengers cutlass ws algo cublas`` times just the shipped table's entries against the named
-optional kernels (algo: cuBLAS on M's own algorithm and on those of the next two Ms; cublas: cuBLAS
+optional kernels (algo: cuBLAS on M's own algorithm and on those of the next two Ms and the two
+before; cublas: cuBLAS
 in every form a full sweep times), a few minutes instead of a full sweep, and merges per (shape, M).
 cuBLAS candidates get the weight scale in cuBLAS's layout made once, as the linear layer holds it.
 Writes the table (JSON, by a temporary file and a rename) and every candidate's time
@@ -60,10 +61,13 @@ OPTIONAL_MIN_GAIN = 0.97
 # The optional kernels --challengers may name, and the label prefix of their candidates.
 CHALLENGERS = {"cutlass": "cutlass:", "ws": "ws:"}
 # --challengers may also name "algo": cuBLAS running the algorithm cuBLASLt's heuristic picks for
-# one of the next ALGO_NEXT_MS larger Ms (CublasConfig.algo_m), from ALGO_MIN_M rows (below, our
-# kernels take most cases). A full sweep times the next M's.
+# one of the next ALGO_NEXT_MS larger Ms or of the ALGO_PREV_MS smaller ones (CublasConfig.algo_m),
+# from ALGO_MIN_M rows (below, our kernels take most cases). A full sweep times the next M's. The
+# smaller Ms' algorithms: H200, 1x128 weights 2112x7168, the heuristic's algorithm took 38.8 us at
+# M=640 and 38.3 at 768 where M=512's took 19.5 at 512 with 85 tiles (both one wave at 128x128).
 ALGO = "algo"
 ALGO_NEXT_MS = 2
+ALGO_PREV_MS = 2
 ALGO_MIN_M = 65
 # --challengers may also name "cublas": cuBLAS in each of its forms (workspace limit, and for 128x128
 # weights the 1x128 form), as a full sweep times it, against the shipped entry.
@@ -181,10 +185,11 @@ def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularit
 
 
 def _algo_candidates(out: dict[str, tuple[str, Any]], m: int, algo_ms: Sequence[int], granularity: str,
-                     count: int) -> dict[str, tuple[str, Any]]:
+                     count: int, below: int = 0) -> dict[str, tuple[str, Any]]:
     """cuBLAS on the algorithms the heuristic picks for the row counts of the first `count` of
-    `algo_ms` above M's (each padded as cuBLAS runs it): in each cuBLAS form of `out`, else in the
-    32 MiB forms; and each form on M's own algorithm, which they must beat (:func:`_drop_idle_algos`)."""
+    `algo_ms` above M's and the last `below` under it, from ALGO_MIN_M rows (each padded as cuBLAS
+    runs it): in each cuBLAS form of `out`, else in the 32 MiB forms; and each form on M's own
+    algorithm, which they must beat (:func:`_drop_idle_algos`)."""
     from dataclasses import replace
 
     from ..ops.cublas_gemm import CublasConfig
@@ -195,7 +200,10 @@ def _algo_candidates(out: dict[str, tuple[str, Any]], m: int, algo_ms: Sequence[
     forms = {c or CublasConfig() for kernel, c in out.values() if kernel == "cublas"}
     forms = {replace(c, algo_m=0) for c in forms} or {CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)} | (
         {CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB, row_scales=True)} if granularity == "block" else set())
-    rows = sorted({cublas_rows(a) for a in algo_ms if cublas_rows(a) > cublas_rows(m)})[:count]
+    own = cublas_rows(m)
+    rows = sorted({cublas_rows(a) for a in algo_ms if cublas_rows(a) > own})[:count]
+    smaller = sorted({cublas_rows(a) for a in algo_ms if ALGO_MIN_M <= a and cublas_rows(a) < own})
+    rows += smaller[len(smaller) - below:] if below else []
     found = {}
     for config in forms:
         for cfg in [config] + [replace(config, algo_m=a) for a in rows]:
@@ -263,7 +271,7 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     also on the algorithm of the next of `algo_ms` (larger Ms), the optional kernels where they
     run); with `challengers` (optional kernels, CHALLENGERS, ALGO, CUBLAS or TILED): the shipped
     table's entry and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next
-    ALGO_NEXT_MS of `algo_ms`; CUBLAS: cuBLAS in every form; TILED: our tiled and split-K kernels on
+    ALGO_NEXT_MS of `algo_ms` and of the ALGO_PREV_MS before M; CUBLAS: cuBLAS in every form; TILED: our tiled and split-K kernels on
     every config a full sweep times)."""
     from ..ops import router
     from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
@@ -282,7 +290,7 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
         for kernel in challengers:
             if kernel == ALGO:
                 if cublas_ok:
-                    out.update(_algo_candidates(out, m, algo_ms, granularity, ALGO_NEXT_MS))
+                    out.update(_algo_candidates(out, m, algo_ms, granularity, ALGO_NEXT_MS, ALGO_PREV_MS))
             elif kernel == CUBLAS:
                 if cublas_ok:
                     out.update(_cublas_candidates(granularity))
@@ -546,7 +554,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO, CUBLAS, TILED), default=None,
                         help="time only the shipped entries against these optional kernels (CUTLASS: built; ws: the "
                              "warp-specialized kernel, Hopper), cuBLAS on the algorithms of the "
-                             f"next {ALGO_NEXT_MS} table Ms (algo), cuBLAS in every form (cublas) or our tiled and split-K "
+                             f"next {ALGO_NEXT_MS} and previous {ALGO_PREV_MS} table Ms (algo), cuBLAS in every form (cublas) or our tiled and split-K "
                              "kernels on every config (tiled), and update the table in --out (the shipped one "
                              "where --out has none) per (shape, M)")
 

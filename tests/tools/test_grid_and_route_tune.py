@@ -435,11 +435,12 @@ def test_cublas_algo_labels_round_trip(label):
             route_tune._entry_from_label(bad)
 
 
-def test_algo_challengers_borrow_the_next_ms_algorithms(monkeypatch):
+def test_algo_challengers_borrow_the_neighbouring_ms_algorithms(monkeypatch):
     """--challengers algo times the shipped entry against cuBLAS on the algorithms of the next
-    ALGO_NEXT_MS larger Ms, in the entry's cuBLAS form (its fallback's too), else the 32 MiB forms; none
-    below ALGO_MIN_M or at a larger M that pads to the same rows; a full sweep takes the next M's;
-    the fastest becomes the entry like any cuBLAS config."""
+    ALGO_NEXT_MS larger Ms and the ALGO_PREV_MS smaller ones from ALGO_MIN_M, in the entry's cuBLAS
+    form (its fallback's too), else the 32 MiB forms; none below ALGO_MIN_M or at an M that pads
+    to the same rows; a full sweep takes the next M's; the fastest becomes the entry like any cuBLAS
+    config."""
     from fp8linear.ops import cublas_gemm
     from fp8linear.ops.configs import GemmConfig
     from fp8linear.ops.cublas_gemm import CublasConfig
@@ -464,6 +465,12 @@ def test_algo_challengers_borrow_the_next_ms_algorithms(monkeypatch):
         "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a100", "cublas:ws32:a152"}
     assert set(route_tune.candidates(64, 7168, 2048, dev, "block", challengers=("algo",), algo_ms=[96])) == {
         "tiled:64x64x128w4s4g8"}
+    # the two smaller Ms from ALGO_MIN_M (64 is below it, 334 pads to 333's own 336 rows)
+    assert set(route_tune.candidates(333, 7168, 2048, dev, "row", challengers=("algo",),
+                                     algo_ms=[64, 96, 128, 256, 334, 384])) == {
+        "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a384", "cublas:ws32:a128", "cublas:ws32:a256"}
+    assert set(route_tune.candidates(333, 7168, 2048, dev, "row", challengers=("algo",), algo_ms=[64, 96])) == {
+        "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a96"}
     full = route_tune.candidates(320, 7168, 2048, dev, "block", algo_ms=[384, 512])
     assert {lab for lab in full if ":a" in lab} == {"cublas:ws1:a384", "cublas:ws32:a384", "cublas:ws1:row:a384",
                                                    "cublas:ws32:row:a384"}
