@@ -11,13 +11,13 @@ row-wise weights are measured apart (``--granularity``), each into its section o
 (with ``--merge-ms``, also a measured shape's entries at the Ms not measured now: how Ms are added).
 The optional kernels are candidates where they run: CUTLASS's where the library is built
 (``fp8linear build-cutlass``), the warp-specialized Gluon kernel on Hopper; an optional kernel's
-entry records the fastest other kernel as its fallback. cuBLAS is also timed on the algorithm
-cuBLASLt's heuristic picks for the next larger M, from ALGO_MIN_M rows (``CublasConfig.algo_m``:
-its choice is not monotonic in M; named only where it beats M's own by OPTIONAL_MIN_GAIN).
-``--challengers cutlass ws algo cublas`` times just the shipped table's entries against the named
-optional kernels (algo: cuBLAS on M's own algorithm and on those of the next two Ms and the two
-before; cublas: cuBLAS
-in every form a full sweep times), a few minutes instead of a full sweep, and merges per (shape, M).
+entry records the fastest other kernel as its fallback. cuBLAS is also timed on the algorithms
+cuBLASLt's heuristic picks for the next larger and the next smaller M, from ALGO_MIN_M rows
+(``CublasConfig.algo_m``: its choice is not monotonic in M; named only where it beats M's own by
+OPTIONAL_MIN_GAIN). ``--challengers cutlass ws algo cublas`` times just the shipped table's
+entries against the named optional kernels (algo: cuBLAS on M's own algorithm and on those of
+the next two Ms and the two before; cublas: cuBLAS in every form a full sweep times), a few
+minutes instead of a full sweep, and merges per (shape, M).
 cuBLAS candidates get the weight scale in cuBLAS's layout made once, as the linear layer holds it.
 Writes the table (JSON, by a temporary file and a rename) and every candidate's time
 (``route_sweep.json``) to ``--out``; copy the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
@@ -62,7 +62,8 @@ OPTIONAL_MIN_GAIN = 0.97
 CHALLENGERS = {"cutlass": "cutlass:", "ws": "ws:"}
 # --challengers may also name "algo": cuBLAS running the algorithm cuBLASLt's heuristic picks for
 # one of the next ALGO_NEXT_MS larger Ms or of the ALGO_PREV_MS smaller ones (CublasConfig.algo_m),
-# from ALGO_MIN_M rows (below, our kernels take most cases). A full sweep times the next M's. The
+# from ALGO_MIN_M rows (below, our kernels take most cases). A full sweep times the next M's and the
+# previous M's. The
 # smaller Ms' algorithms: H200, 1x128 weights 2112x7168, the heuristic's algorithm took 38.8 us at
 # M=640 and 38.3 at 768 where M=512's took 19.5 at 512 with 85 tiles (both one wave at 128x128).
 ALGO = "algo"
@@ -268,7 +269,7 @@ def _our_candidates(m: int, n: int, k: int, device: torch.device, granularity: s
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
                challengers: Sequence[str] = (), algo_ms: Sequence[int] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
-    also on the algorithm of the next of `algo_ms` (larger Ms), the optional kernels where they
+    also on the algorithms of the next larger and the next smaller of `algo_ms`, the optional kernels where they
     run); with `challengers` (optional kernels, CHALLENGERS, ALGO, CUBLAS or TILED): the shipped
     table's entry and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next
     ALGO_NEXT_MS of `algo_ms` and of the ALGO_PREV_MS before M; CUBLAS: cuBLAS in every form; TILED: our tiled and split-K kernels on
@@ -312,7 +313,7 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
             out.setdefault(label, cand)
     if cublas_ok:
         out.update(_algo_candidates({lab: c for lab, c in out.items() if c[0] == "cublas" and not
-                                     (c[1] is not None and c[1].algo_m)}, m, algo_ms, granularity, 1))
+                                     (c[1] is not None and c[1].algo_m)}, m, algo_ms, granularity, 1, 1))
     for make in optional.values():
         out.update(make(n, k, device, granularity))
     return out

@@ -439,8 +439,8 @@ def test_algo_challengers_borrow_the_neighbouring_ms_algorithms(monkeypatch):
     """--challengers algo times the shipped entry against cuBLAS on the algorithms of the next
     ALGO_NEXT_MS larger Ms and the ALGO_PREV_MS smaller ones from ALGO_MIN_M, in the entry's cuBLAS
     form (its fallback's too), else the 32 MiB forms; none below ALGO_MIN_M or at an M that pads
-    to the same rows; a full sweep takes the next M's; the fastest becomes the entry like any cuBLAS
-    config."""
+    to the same rows; a full sweep takes the next M's and the previous M's; the fastest becomes the
+    entry like any cuBLAS config."""
     from fp8linear.ops import cublas_gemm
     from fp8linear.ops.configs import GemmConfig
     from fp8linear.ops.cublas_gemm import CublasConfig
@@ -471,9 +471,9 @@ def test_algo_challengers_borrow_the_neighbouring_ms_algorithms(monkeypatch):
         "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a384", "cublas:ws32:a128", "cublas:ws32:a256"}
     assert set(route_tune.candidates(333, 7168, 2048, dev, "row", challengers=("algo",), algo_ms=[64, 96])) == {
         "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a96"}
-    full = route_tune.candidates(320, 7168, 2048, dev, "block", algo_ms=[384, 512])
-    assert {lab for lab in full if ":a" in lab} == {"cublas:ws1:a384", "cublas:ws32:a384", "cublas:ws1:row:a384",
-                                                   "cublas:ws32:row:a384"}
+    full = route_tune.candidates(320, 7168, 2048, dev, "block", algo_ms=[64, 128, 256, 384, 512])
+    assert {lab for lab in full if ":a" in lab} == {f"cublas:{form}:a{a}" for form in ("ws1", "ws32", "ws1:row", "ws32:row")
+                                                   for a in (256, 384)}
     def entries(times):
         rows = [{"n": 7168, "k": 2048, "m": 320, "heuristic": "cublas", "us": {"bf16": 30.0, "tiled:64x64x128w4s4g8": 45.0,
                                                                                **times}}]
