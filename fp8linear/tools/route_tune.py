@@ -269,11 +269,11 @@ def _our_candidates(m: int, n: int, k: int, device: torch.device, granularity: s
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
                challengers: Sequence[str] = (), algo_ms: Sequence[int] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
-    also on the algorithms of the next larger and the next smaller of `algo_ms`, the optional kernels where they
-    run); with `challengers` (optional kernels, CHALLENGERS, ALGO, CUBLAS or TILED): the shipped
-    table's entry and those kernels' candidates (ALGO: cuBLAS on the algorithms of the next
-    ALGO_NEXT_MS of `algo_ms` and of the ALGO_PREV_MS before M; CUBLAS: cuBLAS in every form; TILED: our tiled and split-K kernels on
-    every config a full sweep times)."""
+    also on the algorithms of the next larger and the next smaller of `algo_ms`; the optional
+    kernels where they run); with `challengers` (optional kernels, CHALLENGERS, ALGO, CUBLAS or
+    TILED): the shipped table's entry and those kernels' candidates (ALGO: cuBLAS on the algorithms
+    of the next ALGO_NEXT_MS of `algo_ms` and of the ALGO_PREV_MS before M; CUBLAS: cuBLAS in every
+    form; TILED: our tiled and split-K kernels on every config a full sweep times)."""
     from ..ops import router
     from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
 
@@ -555,7 +555,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--challengers", nargs="+", choices=tuple(CHALLENGERS) + (ALGO, CUBLAS, TILED), default=None,
                         help="time only the shipped entries against these optional kernels (CUTLASS: built; ws: the "
                              "warp-specialized kernel, Hopper), cuBLAS on the algorithms of the "
-                             f"next {ALGO_NEXT_MS} and previous {ALGO_PREV_MS} table Ms (algo), cuBLAS in every form (cublas) or our tiled and split-K "
+                             f"next {ALGO_NEXT_MS} and previous {ALGO_PREV_MS} table Ms (algo), cuBLAS in every "
+                             "form (cublas) or our tiled and split-K "
                              "kernels on every config (tiled), and update the table in --out (the shipped one "
                              "where --out has none) per (shape, M)")
 
