@@ -472,8 +472,8 @@ def test_algo_challengers_borrow_the_neighbouring_ms_algorithms(monkeypatch):
     assert set(route_tune.candidates(333, 7168, 2048, dev, "row", challengers=("algo",), algo_ms=[64, 96])) == {
         "tiled:64x64x128w4s4g8", "cublas:ws32", "cublas:ws32:a96"}
     full = route_tune.candidates(320, 7168, 2048, dev, "block", algo_ms=[64, 128, 256, 384, 512])
-    assert {lab for lab in full if ":a" in lab} == {f"cublas:{form}:a{a}" for form in ("ws1", "ws32", "ws1:row", "ws32:row")
-                                                   for a in (256, 384)}
+    forms = ("ws1", "ws32", "ws1:row", "ws32:row")
+    assert {lab for lab in full if ":a" in lab} == {f"cublas:{form}:a{a}" for form in forms for a in (256, 384)}
     def entries(times):
         rows = [{"n": 7168, "k": 2048, "m": 320, "heuristic": "cublas", "us": {"bf16": 30.0, "tiled:64x64x128w4s4g8": 45.0,
                                                                                **times}}]
