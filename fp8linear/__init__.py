@@ -14,12 +14,13 @@ from .functional import (
     quantize_activation,
     quantize_weight,
 )
-from .module import Fp8BlockLinear
+from .module import Fp8BlockLinear, share_input_quantization
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Fp8BlockLinear",
+    "share_input_quantization",
     "quantize_activation",
     "quantize_weight",
     "dequantize_weight",

@@ -13,7 +13,7 @@ from .ops import HAS_TRITON
 from .ops.router import cpu_fast_path, cublas_allowed, resolve_backend
 from .reference import weight_granularity, weight_scale_shape
 
-__all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin"]
+__all__ = ["Fp8BlockLinear", "QuantizedDtypesMixin", "share_input_quantization"]
 
 # Plans an Fp8BlockLinear keeps (one per input shape and dtype; the oldest is dropped to make room):
 # serving meets a few dozen shapes (decode batch sizes, prefill chunks), and transformers' DeepSeek
@@ -131,6 +131,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         self._plans: dict = {}
         self._seen: set = set()  # input signatures run once without a plan (GPU)
         self._cublas_linear = None  # the cuBLAS route for any M, shared by the cuBLAS plans (see _cublas_runner)
+        self._input_share = None  # its sibling group's SharedActivations (see set_input_share)
         self.init_split_k_counters()
 
     @property
@@ -221,7 +222,16 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def __getstate__(self):
         # Plans hold closures and compiled kernels: neither pickles nor deep-copies; a copy makes its own.
         state = super().__getstate__()
-        return {**state, "_plans": {}, "_seen": set(), "_cublas_linear": None, "_row_scale_n_major": None}
+        return {**state, "_plans": {}, "_seen": set(), "_cublas_linear": None, "_row_scale_n_major": None,
+                "_input_share": None}
+
+    def set_input_share(self, share) -> None:
+        """Join a group of linears that may be called on the same input tensor (the q / k / v
+        projections of one attention layer): their eager GPU plans quantize such an input once and
+        share it (:class:`fp8linear.ops.linear.SharedActivations`; None leaves the group).
+        :func:`share_input_quantization` groups a model's linears."""
+        self.__dict__["_input_share"] = share
+        self.clear_plans()
 
     def clear_plans(self) -> None:
         """Forget the launch plans (done on replacement, loading and moves; call it after changing
@@ -370,7 +380,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         m, k = args[1], args[3]
         return LinearPlan(route, x, self.weight, self._gemm_scale(w_s, granularity, m, k, route, capture), granularity,
                           self.bias, counters, capture_route=capture,
-                          cublas_linear=lambda: self._cublas_runner(w_s, granularity))
+                          cublas_linear=lambda: self._cublas_runner(w_s, granularity),
+                          share=self.__dict__.get("_input_share"))
 
     def _gemm_scale(self, w_s: torch.Tensor, granularity: str, m: int, k: int, *routes) -> torch.Tensor:
         """The weight scale our kernels on `routes` read: for 1x128 weights the N-major copy (see
@@ -413,3 +424,27 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             f"bias={self.bias is not None}, granularity={self.granularity}, "
             f"fp8_dtype={str(self.weight.dtype).removeprefix('torch.')}"
         )
+
+
+def share_input_quantization(model: nn.Module) -> int:
+    """Group the FP8 linears of `model` that may be called on one input tensor: the direct children
+    of one module with the same input width, FP8 dtype and device (an attention layer's q / k / v
+    projections, an MLP's gate and up projections). In eager GPU calls, a group's linears then
+    quantize an input they all receive once (the first of them; the others read its quantized
+    copy, the same bytes), where each would have quantized it again. Returns the number of groups.
+    Linears given to the wrong group only miss: sharing needs the very same input tensor."""
+    from .ops.linear import SharedActivations
+
+    groups = 0
+    for parent in model.modules():
+        siblings: dict[tuple, list[Fp8BlockLinear]] = {}
+        for child in parent.children():
+            if isinstance(child, Fp8BlockLinear):
+                siblings.setdefault((child.in_features, child.weight.dtype, child.weight.device), []).append(child)
+        for members in siblings.values():
+            if len(members) > 1:
+                share = SharedActivations()
+                for member in members:
+                    member.set_input_share(share)
+                groups += 1
+    return groups

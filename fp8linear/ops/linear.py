@@ -16,6 +16,7 @@ lookup, two allocations (the output and the scratch; one for the fused GEMV) and
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -33,11 +34,72 @@ from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outpu
 from .router import Route, act_quant_launch, dense_scale, route_linear, tma_ok
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
-__all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "fp8_linear_tokens", "run_linear_route"]
+__all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "SharedActivations", "fp8_linear_tokens",
+           "run_linear_route"]
 
 # Row counts a CublasLinear keeps a scratch layout for (the oldest is dropped), as many as the
 # cuBLASLt plans it keeps per M (fp8linear.ops.cublaslt).
 MAX_CUBLAS_SCRATCH_SHAPES = 512
+
+
+def _stream_of(x: torch.Tensor) -> int:
+    """The current stream of x's GPU as a raw handle (0 for CPU tensors: the interpreter's plans)."""
+    return torch._C._cuda_getCurrentRawStream(x.device.index) if x.device.type == "cuda" else 0
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether x's GPU's current stream is capturing a CUDA graph."""
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class SharedActivations:
+    """The quantized activations the last of a group of FP8 linears made from its input tensor, for
+    the group's other linears called on that same tensor: the q / k / v projections of an attention
+    layer, or the gate and up projections of an MLP, quantize their common input once instead of
+    once each (the same bytes: the quantization is deterministic).
+
+    An entry is the input tensor (weakly), its version counter, the current stream, a key naming
+    the layout (rows, K, FP8 dtype and scale layout) and the raw addresses of x_q and x_s with the
+    buffer holding them. It is found only for the very same tensor object, unmodified since, on the
+    same stream, outside CUDA-graph capture, and for the same key; it lives until the input tensor
+    is freed or the next entry replaces it (so the buffer outlives its linear's call by as long as
+    the input does: one quantized copy, half the size of a bf16 input). Inference tensors, which
+    carry no version counter, are not shared.
+    """
+
+    __slots__ = ("_ref", "_version", "_stream", "_key", "_value", "__weakref__")
+
+    def __init__(self) -> None:
+        self._ref = None
+        self._version = self._stream = -1
+        self._key = self._value = None
+
+    def lookup(self, x: torch.Tensor, key: tuple) -> tuple | None:
+        """(x_q address, x_s address) published for `x` under `key`, or None."""
+        ref = self._ref
+        if ref is None or ref() is not x or self._key != key or x._version != self._version:
+            return None
+        if _stream_of(x) != self._stream or _capturing(x):
+            return None
+        return self._value[:2]
+
+    def publish(self, x: torch.Tensor, key: tuple, q_addr: int, s_addr: int, keep: torch.Tensor) -> None:
+        """Offer the quantized activations of `x` (addresses inside `keep`) to the group."""
+        if x.is_inference() or _capturing(x):
+            self._drop()
+            return
+        self._ref = weakref.ref(x, self._expire)
+        self._version = x._version
+        self._stream = _stream_of(x)
+        self._key, self._value = key, (q_addr, s_addr, keep)
+
+    def _expire(self, ref) -> None:
+        if self._ref is ref:  # the input of the current entry was freed
+            self._drop()
+
+    def _drop(self) -> None:
+        self._ref = None
+        self._key = self._value = None
 
 
 def run_linear_route(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
@@ -152,11 +214,12 @@ class CublasLinear:
         return self.lts[key]
 
     def __call__(self, x: torch.Tensor, limit: int = LT_WORKSPACE_LIMIT, as_rows: bool | None = None,
-                 algo_m: int = 0) -> torch.Tensor:
+                 algo_m: int = 0, share: SharedActivations | None = None) -> torch.Tensor:
         """y (..., N) for x (..., K); `limit`: the route's cuBLASLt workspace limit in bytes, `as_rows`:
         128x128 weights as 1x128 weights (None: this weight's default form), `algo_m`: the rows whose
         heuristic algorithm runs (0: the call's own; :meth:`form` of the route's
-        :class:`~fp8linear.ops.cublas_gemm.CublasConfig` gives all three)."""
+        :class:`~fp8linear.ops.cublas_gemm.CublasConfig` gives all three); `share`: the layer's
+        group's :class:`SharedActivations` (with cuBLASLt called directly)."""
         k = self.k
         m = x.numel() // k
         rows = cublas_rows(m)
@@ -175,13 +238,20 @@ class CublasLinear:
                     buf = scratch.allocate(x.device)
                     y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
                     q_addr, s_addr, ws_addr = scratch.addresses(buf)
-                    quant = self.quant_calls.get((block_m, num_warps))
-                    if quant is not None and quant.direct:
-                        quant.launch(grid, x.data_ptr(), q_addr, s_addr, rows, m, rows)
+                    key = (rows, k, self.fp8_dtype, "m-major")
+                    shared = share.lookup(x, key) if share is not None else None
+                    if shared is not None:  # a sibling linear quantized this very input already
+                        q_addr, s_addr = shared
                     else:
-                        x_q, x_s_t, _ = scratch.views(buf)
-                        x_s = x_s_t.t()  # (rows, K/128), M-major
-                        (quant or self.quant_call(x, x_q, x_s)).launch(grid, x, x_q, x_s, rows, m, rows)
+                        quant = self.quant_calls.get((block_m, num_warps))
+                        if quant is not None and quant.direct:
+                            quant.launch(grid, x.data_ptr(), q_addr, s_addr, rows, m, rows)
+                        else:
+                            x_q, x_s_t, _ = scratch.views(buf)
+                            x_s = x_s_t.t()  # (rows, K/128), M-major
+                            (quant or self.quant_call(x, x_q, x_s)).launch(grid, x, x_q, x_s, rows, m, rows)
+                        if share is not None:
+                            share.publish(x, key, q_addr, s_addr, buf)
                     lt.run_locked(plan, q_addr, s_addr, y.data_ptr(), ws_addr)
                     return (y[:m] if rows != m else y).view(*x.shape[:-1], self.n)
         x_q, x_s = act_quant_outputs(m, k, self.fp8_dtype, x.device, cublas_layout=True)
@@ -226,17 +296,18 @@ class LinearPlan:
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, counters: torch.Tensor | None, capture_route: Route | None = None,
-                 cublas_linear: Callable[[], CublasLinear] | None = None) -> None:
+                 cublas_linear: Callable[[], CublasLinear] | None = None,
+                 share: SharedActivations | None = None) -> None:
         self.route = route
         if cublas_linear is None:
             def cublas_linear() -> CublasLinear:
                 return CublasLinear(w_q, w_s, granularity, bias)
-        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_linear)
+        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_linear, share)
         capture_calls: tuple[KernelCall, ...] = ()
         if capture_route is not None and capture_route != route and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
             capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters,
-                                                       cublas_linear)
+                                                       cublas_linear, None)
             eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
 
             def run(x: torch.Tensor) -> torch.Tensor:
@@ -254,7 +325,8 @@ class LinearPlan:
     @staticmethod
     def _prepare(route: Route, x_in: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, counters: torch.Tensor | None,
-                 cublas_linear: Callable[[], CublasLinear]) -> tuple[Callable, tuple[KernelCall, ...]]:
+                 cublas_linear: Callable[[], CublasLinear],
+                 share: SharedActivations | None) -> tuple[Callable, tuple[KernelCall, ...]]:
         k = x_in.shape[-1]
         x = x_in.reshape(-1, k)
         m, n = x.shape[0], w_q.shape[0]
@@ -271,7 +343,11 @@ class LinearPlan:
             runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
             form = runner.form(route.config)
-            run = runner if form == (LT_WORKSPACE_LIMIT, runner.row_scales, 0) else (lambda x: runner(x, *form))
+            if share is not None:
+                def run(x: torch.Tensor) -> torch.Tensor:
+                    return runner(x, *form, share)
+            else:
+                run = runner if form == (LT_WORKSPACE_LIMIT, runner.row_scales, 0) else (lambda x: runner(x, *form))
             return run, (runner.quant_call(x, x_q0, x_s0),)
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         groups = triton.cdiv(k, GROUP_SIZE)
@@ -318,7 +394,7 @@ class LinearPlan:
 
             return run_gemv, (gemv,)
         if route.kernel == "cutlass":
-            return LinearPlan._prepare_cutlass(route, x, w_q, w_s, granularity, bias, out_shape, quant_bufs)
+            return LinearPlan._prepare_cutlass(route, x, w_q, w_s, granularity, bias, out_shape, quant_bufs, share)
         split, count, part_shape = ((1, 0), None, None)
         if route.kernel == "splitk":
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, counters)
@@ -341,15 +417,23 @@ class LinearPlan:
             gemm = KernelCall(_block_fp8_gemm_kernel, grid, args, options, ("x_ptr", "xs_ptr") + out_slots)
             fill = 0 if bias is not None else 1
         nbytes = scratch.nbytes
+        key = (m, k, fp8_dtype, "row-major")
 
         def run_two(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(out_shape, dtype=out_dtype, device=device)
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             if gemm.direct and quant.direct:  # raw addresses: no per-buffer tensors, no driver query per pointer
                 yv, bufs, xv = y.data_ptr(), scratch.addresses(buf), x.data_ptr()
+                shared = share.lookup(x, key) if share is not None else None
+                if shared is not None:  # a sibling linear quantized this very input already
+                    gemm(*shared, yv, *(yv,) * fill, *bufs[2:])
+                    return y
+                quant(xv, bufs[0], bufs[1])
+                if share is not None:
+                    share.publish(x, key, bufs[0], bufs[1], buf)
             else:
                 yv, bufs, xv = y, scratch.views(buf), x
-            quant(xv, bufs[0], bufs[1])
+                quant(xv, bufs[0], bufs[1])
             gemm(bufs[0], bufs[1], yv, *(yv,) * fill, *bufs[2:])
             return y
 
@@ -357,8 +441,8 @@ class LinearPlan:
 
     @staticmethod
     def _prepare_cutlass(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
-                         bias: torch.Tensor | None, out_shape: tuple[int, ...],
-                         quant_bufs: list) -> tuple[Callable, tuple[KernelCall, ...]]:
+                         bias: torch.Tensor | None, out_shape: tuple[int, ...], quant_bufs: list,
+                         share: SharedActivations | None) -> tuple[Callable, tuple[KernelCall, ...]]:
         """act_quant (row-major scales), then the CUTLASS GEMM called on raw addresses; the quantized
         activations, their scales and CUTLASS's workspace share one allocation."""
         m, device = x.shape[0], x.device
@@ -368,16 +452,23 @@ class LinearPlan:
         grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
         quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
         nbytes, has_workspace = scratch.nbytes, gemm.workspace_bytes > 0
+        key = (m, x.shape[1], w_q.dtype, "row-major")
 
         def run_cutlass(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             q, s, ws = scratch.addresses(buf)
-            if quant.direct:
-                quant(x.data_ptr(), q, s)
+            shared = share.lookup(x, key) if share is not None else None
+            if shared is not None:  # a sibling linear quantized this very input already
+                q, s = shared
             else:
-                x_q, x_s, _ = scratch.views(buf)
-                quant(x, x_q, x_s)
+                if quant.direct:
+                    quant(x.data_ptr(), q, s)
+                else:
+                    x_q, x_s, _ = scratch.views(buf)
+                    quant(x, x_q, x_s)
+                if share is not None:
+                    share.publish(x, key, q, s, buf)
             gemm(q, s, y.data_ptr(), ws if has_workspace else None)
             return y
 

@@ -1,0 +1,207 @@
+"""Sibling FP8 linears quantizing their common input once (fp8linear.ops.linear.SharedActivations,
+fp8linear.share_input_quantization): the entry's rules on any device, the grouping, and on a GPU
+the same bits as ungrouped layers with fewer quantization launches."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from fp8linear import Fp8BlockLinear, share_input_quantization
+from fp8linear.ops import HAS_TRITON
+
+from _utils import same_bits
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+KEY = (4, 8, torch.float8_e4m3fn, "row-major")
+
+
+def _shared():
+    from fp8linear.ops.linear import SharedActivations
+
+    return SharedActivations()
+
+
+def test_an_entry_serves_only_the_same_unmodified_tensor():
+    share, x, keep = _shared(), torch.randn(4, 8), torch.empty(16)
+    share.publish(x, KEY, 100, 200, keep)
+    assert share.lookup(x, KEY) == (100, 200)
+    assert share.lookup(x.clone(), KEY) is None  # equal values, another tensor
+    assert share.lookup(x, (*KEY[:3], "m-major")) is None  # another layout
+    assert share.lookup(x.view(4, 8), KEY) is None  # a view is another tensor object
+    x.add_(1)  # modified in place since
+    assert share.lookup(x, KEY) is None
+
+
+def test_an_entry_lives_as_long_as_its_input():
+    share, x, keep = _shared(), torch.randn(4, 8), torch.empty(16)
+    share.publish(x, KEY, 100, 200, keep)
+    kept = weakref.ref(keep)
+    del keep
+    gc.collect()
+    assert kept() is not None  # held while x lives
+    del x
+    gc.collect()
+    assert kept() is None  # freed with x
+    y = torch.randn(4, 8)
+    assert share.lookup(y, KEY) is None
+
+
+def test_a_new_entry_replaces_the_last():
+    share, x, y = _shared(), torch.randn(4, 8), torch.randn(4, 8)
+    share.publish(x, KEY, 1, 2, torch.empty(1))
+    share.publish(y, KEY, 3, 4, torch.empty(1))
+    assert share.lookup(x, KEY) is None and share.lookup(y, KEY) == (3, 4)
+    del x
+    gc.collect()  # the replaced entry's input dying does not drop the current one
+    assert share.lookup(y, KEY) == (3, 4)
+
+
+def test_inference_tensors_and_other_streams_are_not_shared(monkeypatch):
+    from fp8linear.ops import linear
+
+    share = _shared()
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+    share.publish(x, KEY, 1, 2, torch.empty(1))  # no version counter: not offered
+    assert share.lookup(x, KEY) is None
+    y = torch.randn(4, 8)
+    share.publish(y, KEY, 1, 2, torch.empty(1))
+    monkeypatch.setattr(linear, "_stream_of", lambda t: 12345)
+    assert share.lookup(y, KEY) is None  # enqueued on another stream than the quantization
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q = Fp8BlockLinear(width, 256, bias=False)
+        self.k = Fp8BlockLinear(width, 128, bias=False)
+        self.v = Fp8BlockLinear(width, 128, bias=False)
+        self.o = Fp8BlockLinear(256, width, bias=False)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.attn = _Attention(width)
+        self.gate = Fp8BlockLinear(width, 384, bias=False)
+        self.up = Fp8BlockLinear(width, 384, bias=False)
+        self.down = Fp8BlockLinear(384, width, bias=False)
+        self.head = nn.Linear(width, 10)
+
+
+def test_share_input_quantization_groups_siblings_of_one_width():
+    block = _Block()
+    assert share_input_quantization(block) == 2
+    a = block.attn
+    assert a.q._input_share is a.k._input_share is a.v._input_share is not None
+    assert a.o._input_share is None  # 256 wide: alone
+    assert block.gate._input_share is block.up._input_share is not None
+    assert block.gate._input_share is not a.q._input_share and block.down._input_share is None
+    assert copy.deepcopy(block).gate._input_share is None  # a copy makes its own groups
+
+
+# ----------------------------------------------------------------------------- GPU
+def _count_quant_launches(monkeypatch) -> list[int]:
+    from fp8linear.ops import launch
+    from fp8linear.ops.quant import _act_quant_kernel
+
+    count, orig = [0], launch.KernelCall.launch
+
+    def spy(self, *args):
+        if self.kernel is _act_quant_kernel:
+            count[0] += 1
+        return orig(self, *args)
+
+    monkeypatch.setattr(launch.KernelCall, "launch", spy)
+    return count
+
+
+def _qkv(k: int, backend: str | None, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    parent = nn.Module()
+    for name, n in (("q", 2112), ("k", 576), ("v", 1536)):
+        lin = nn.Linear(k, n, bias=name == "k", device="cuda", dtype=torch.bfloat16)
+        setattr(parent, name, Fp8BlockLinear.from_linear(lin, "block", backend=backend))
+    return parent
+
+
+# Routes whose plans quantize x with a separate launch, and the scale layout each reads.
+_LAYOUT = {"cublas": "m-major", "tiled": "row-major", "splitk": "row-major", "cutlass": "row-major"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", None])
+@pytest.mark.parametrize("m", [96, 333, 1024, 2000])
+def test_a_group_gives_the_ungrouped_bits_with_fewer_quantizations(m, backend, monkeypatch):
+    """One quantization launch per scale layout among the members that quantize x apart (the
+    one-launch kernels quantize inside, and run as before); the bits of ungrouped layers."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    grouped, alone = _qkv(7168, backend, 0), _qkv(7168, backend, 0)
+    assert share_input_quantization(grouped) == 1
+    x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
+    names = ("q", "k", "v")
+    for _ in range(2):  # the first call of a shape is routed, the second makes the plans
+        for name in names:
+            getattr(grouped, name)(x)
+    count = _count_quant_launches(monkeypatch)
+    got = [getattr(grouped, name)(x) for name in names]
+    launched = count[0]
+    want = [getattr(alone, name)(x) for name in names]
+    assert all(same_bits(g, w) for g, w in zip(got, want))
+    kernels = [getattr(grouped, name)._plans[(x.shape, x.dtype, x.device)].route.kernel for name in names]
+    layouts = [_LAYOUT[kind] for kind in kernels if kind in _LAYOUT]
+    assert launched == len(set(layouts)), kernels
+    if backend == "triton" and m == 1024:
+        assert kernels.count("tiled") + kernels.count("splitk") == 3 and launched == 1  # shared by all three
+
+
+@pytest.mark.gpu
+def test_an_input_modified_in_place_is_quantized_again(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    grouped, alone = _qkv(7168, "triton", 1), _qkv(7168, "triton", 1)
+    share_input_quantization(grouped)
+    x = torch.randn(1024, 7168, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        grouped.q(x), grouped.k(x)
+    count = _count_quant_launches(monkeypatch)
+    grouped.q(x)
+    x.mul_(2)
+    y = grouped.k(x)
+    assert count[0] == 2
+    assert same_bits(y, alone.k(x))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_of_a_group_read_their_own_quantization():
+    """Captured calls share nothing (an eager entry's buffer is not the graph's): replays after x
+    changed give what ungrouped layers captured in the same graph give."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    grouped, alone = _qkv(7168, None, 2), _qkv(7168, None, 2)
+    share_input_quantization(grouped)
+    x = torch.randn(1024, 7168, device="cuda", dtype=torch.bfloat16)
+    names = ("q", "k", "v")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # plans made, and an eager entry published for x
+            for layers in (grouped, alone):
+                [getattr(layers, name)(x) for name in names]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = [getattr(grouped, name)(x) for name in names]
+        want = [getattr(alone, name)(x) for name in names]
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(same_bits(g, w) for g, w in zip(got, want))
