@@ -67,12 +67,20 @@ class SharedActivations:
     carry no version counter, are not shared.
     """
 
-    __slots__ = ("_ref", "_version", "_stream", "_key", "_value", "__weakref__")
+    __slots__ = ("_ref", "_version", "_stream", "_key", "_value", "_users", "__weakref__")
 
     def __init__(self) -> None:
         self._ref = None
         self._version = self._stream = -1
         self._key = self._value = None
+        self._users: dict[tuple, set[int]] = {}  # key -> the weights whose plans read that layout
+
+    def register(self, key: tuple, weight: torch.Tensor) -> None:
+        """A plan of the linear with this `weight` reads activations quantized under `key`: entries
+        are published only under keys two or more of the group's linears read (where the members'
+        routes read other layouts, publishing would only keep buffers alive: H100, eager, a cuBLAS
+        and a CUTLASS member at M=2048, 157.9 against 139.3 us)."""
+        self._users.setdefault(key, set()).add(id(weight))
 
     def lookup(self, x: torch.Tensor, key: tuple) -> tuple | None:
         """(x_q address, x_s address) published for `x` under `key`, or None."""
@@ -85,6 +93,8 @@ class SharedActivations:
 
     def publish(self, x: torch.Tensor, key: tuple, q_addr: int, s_addr: int, keep: torch.Tensor) -> None:
         """Offer the quantized activations of `x` (addresses inside `keep`) to the group."""
+        if len(self._users.get(key, ())) < 2:
+            return
         if x.is_inference() or _capturing(x):
             self._drop()
             return
@@ -344,6 +354,8 @@ class LinearPlan:
             x_q0, x_s0 = act_quant_outputs(m, k, fp8_dtype, device, cublas_layout=True)
             form = runner.form(route.config)
             if share is not None:
+                share.register((cublas_rows(m), k, fp8_dtype, "m-major"), w_q)
+
                 def run(x: torch.Tensor) -> torch.Tensor:
                     return runner(x, *form, share)
             else:
@@ -418,6 +430,8 @@ class LinearPlan:
             fill = 0 if bias is not None else 1
         nbytes = scratch.nbytes
         key = (m, k, fp8_dtype, "row-major")
+        if share is not None:
+            share.register(key, w_q)
 
         def run_two(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(out_shape, dtype=out_dtype, device=device)
@@ -453,6 +467,8 @@ class LinearPlan:
         quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
         nbytes, has_workspace = scratch.nbytes, gemm.workspace_bytes > 0
         key = (m, x.shape[1], w_q.dtype, "row-major")
+        if share is not None:
+            share.register(key, w_q)
 
         def run_cutlass(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(out_shape, dtype=torch.bfloat16, device=device)

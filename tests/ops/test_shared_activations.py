@@ -22,10 +22,37 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed"
 KEY = (4, 8, torch.float8_e4m3fn, "row-major")
 
 
-def _shared():
+def _shared(readers: int = 2):
+    """A group whose `readers` linears' plans read KEY's layout."""
     from fp8linear.ops.linear import SharedActivations
 
-    return SharedActivations()
+    share = SharedActivations()
+    weights = [torch.empty(1) for _ in range(readers)]
+    for w in weights:
+        share.register(KEY, w)
+    _WEIGHTS.append(weights)  # alive for the test, as a layer keeps its weight: ids stay distinct
+    return share
+
+
+_WEIGHTS: list = []
+
+
+def test_entries_only_for_layouts_two_linears_read():
+    from fp8linear.ops.linear import SharedActivations
+
+    share, x, w1, w2 = SharedActivations(), torch.randn(4, 8), torch.empty(1), torch.empty(1)
+    share.publish(x, KEY, 100, 200, torch.empty(1))
+    assert share.lookup(x, KEY) is None  # no linear reads it: nothing kept alive
+    share.register(KEY, w1)
+    share.register(KEY, w1)  # a second plan of the same linear counts once
+    share.publish(x, KEY, 100, 200, torch.empty(1))
+    assert share.lookup(x, KEY) is None
+    share.register((8, 8, torch.float8_e4m3fn, "row-major"), w2)  # another layout
+    share.publish(x, KEY, 100, 200, torch.empty(1))
+    assert share.lookup(x, KEY) is None
+    share.register(KEY, w2)
+    share.publish(x, KEY, 100, 200, torch.empty(1))
+    assert share.lookup(x, KEY) == (100, 200)
 
 
 def test_an_entry_serves_only_the_same_unmodified_tensor():
