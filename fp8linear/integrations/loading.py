@@ -31,7 +31,7 @@ from torch import nn
 from ..checkpoint_format import SCALE_SUFFIX, torch_dtype_from_safetensors
 from ..formats import GROUP_SIZE, SCALE_DTYPE, e4m3fn_to_e4m3fnuz, is_fp8_dtype, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
-from ..module import Fp8BlockLinear, share_input_quantization
+from ..module import Fp8BlockLinear
 from ..reference import weight_granularity, weight_scale_shape
 from .checkpoint_index import EXPERT_NAME_SETS, CheckpointIndex, TensorInfo, index_checkpoint
 from .replace import experts_api
@@ -534,7 +534,6 @@ def from_pretrained(
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
             module.init_split_k_counters()  # on the device its weight was placed on
-    share_input_quantization(model)  # q / k / v and gate / up quantize their common input once
     attach_save_hook_if_transformers(model)  # model.save_pretrained writes the checkpoint format
     model.eval()
     return model

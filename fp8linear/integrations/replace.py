@@ -27,7 +27,7 @@ from torch import nn
 from ..checkpoint_format import DEFAULT_SKIP_PATTERNS, checkpoint_quantization_config, compile_patterns
 from ..formats import check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..gptq import GPTQConfig
-from ..module import Fp8BlockLinear, share_input_quantization
+from ..module import Fp8BlockLinear
 from .calibration import check_calibration_data, gptq_replace_linears_, set_submodule
 
 __all__ = [
@@ -247,7 +247,6 @@ def quantize_model_(
     config = getattr(model, "config", None)
     if set_config and config is not None and plan:
         config.quantization_config = checkpoint_quantization_config(granularity, kept, chosen_dtype)
-    share_input_quantization(model)
     return report
 
 

@@ -134,6 +134,30 @@ def test_share_input_quantization_groups_siblings_of_one_width():
     assert copy.deepcopy(block).gate._input_share is None  # a copy makes its own groups
 
 
+def test_grouped_layers_on_the_interpreter_give_the_ungrouped_bits(monkeypatch):
+    """The plans of grouped layers (their layouts registered with the group) run as ungrouped ones
+    where the launches are not direct (the CPU interpreter: nothing is shared there)."""
+    from conftest import KERNEL_DEVICE
+    from fp8linear.ops import router
+
+    monkeypatch.setattr(router, "ONE_LAUNCH_MAX_MNK", 0)  # two launches: act_quant, then the GEMM
+
+    torch.manual_seed(3)
+    lins = [nn.Linear(256, n, bias=False, device=KERNEL_DEVICE, dtype=torch.bfloat16) for n in (130, 96)]
+    grouped = [Fp8BlockLinear.from_linear(lin, "block", backend="triton") for lin in lins]
+    alone = [Fp8BlockLinear.from_linear(lin, "block", backend="triton") for lin in lins]
+    parent = nn.Module()
+    parent.a, parent.b = grouped
+    assert share_input_quantization(parent) == 1
+    x = torch.randn(300, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    for _ in range(3):  # routed, then planned
+        got = [layer(x) for layer in grouped]
+    assert all(same_bits(g, layer(x)) for g, layer in zip(got, alone))
+    kinds = {layer._plans[(x.shape, x.dtype, x.device)].route.kernel for layer in grouped}
+    if kinds <= {"tiled", "splitk"}:  # both read the row-major layout: registered by both plans
+        assert list(map(len, parent.a._input_share._users.values())) == [2]
+
+
 # ----------------------------------------------------------------------------- GPU
 def _count_quant_launches(monkeypatch) -> list[int]:
     from fp8linear.ops import launch
