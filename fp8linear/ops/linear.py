@@ -63,8 +63,9 @@ class SharedActivations:
     buffer holding them. It is found only for the very same tensor object, unmodified since, on the
     same stream, outside CUDA-graph capture, and for the same key; it lives until the input tensor
     is freed or the next entry replaces it (so the buffer outlives its linear's call by as long as
-    the input does: one quantized copy, half the size of a bf16 input). Inference tensors, which
-    carry no version counter, are not shared.
+    the input does: one quantized copy, half the size of a bf16 input, in the call's scratch, which
+    for a cuBLAS route also holds up to 32 MiB of workspace). Inference tensors, which carry no
+    version counter, are not shared.
     """
 
     __slots__ = ("_ref", "_version", "_stream", "_key", "_value", "_users", "__weakref__")
