@@ -230,6 +230,11 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         projections of one attention layer): their eager GPU plans quantize such an input once and
         share it (:class:`fp8linear.ops.linear.SharedActivations`; None leaves the group).
         :func:`share_input_quantization` groups a model's linears."""
+        from .ops.linear import SharedActivations
+
+        if share is not None and not isinstance(share, SharedActivations):
+            raise TypeError(f"set_input_share takes a fp8linear.ops.linear.SharedActivations or None, "
+                            f"got {type(share).__name__}")
         self.__dict__["_input_share"] = share
         self.clear_plans()
 
@@ -435,6 +440,8 @@ def share_input_quantization(model: nn.Module) -> int:
     Linears given to the wrong group only miss: sharing needs the very same input tensor."""
     from .ops.linear import SharedActivations
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"share_input_quantization takes an nn.Module, got {type(model).__name__}")
     groups = 0
     for parent in model.modules():
         siblings: dict[tuple, list[Fp8BlockLinear]] = {}

@@ -249,8 +249,10 @@ class CublasLinear:
                     buf = scratch.allocate(x.device)
                     y = torch.empty((rows, self.n), dtype=torch.bfloat16, device=x.device)
                     q_addr, s_addr, ws_addr = scratch.addresses(buf)
-                    key = (rows, k, self.fp8_dtype, "m-major")
-                    shared = share.lookup(x, key) if share is not None else None
+                    shared = None
+                    if share is not None:
+                        key = (rows, k, self.fp8_dtype, "m-major")
+                        shared = share.lookup(x, key)
                     if shared is not None:  # a sibling linear quantized this very input already
                         q_addr, s_addr = shared
                     else:

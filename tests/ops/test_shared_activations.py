@@ -132,6 +132,10 @@ def test_share_input_quantization_groups_siblings_of_one_width():
     assert block.gate._input_share is block.up._input_share is not None
     assert block.gate._input_share is not a.q._input_share and block.down._input_share is None
     assert copy.deepcopy(block).gate._input_share is None  # a copy makes its own groups
+    with pytest.raises(TypeError, match="SharedActivations or None"):
+        block.gate.set_input_share(object())
+    with pytest.raises(TypeError, match="takes an nn.Module"):
+        share_input_quantization([block])
 
 
 def test_grouped_layers_on_the_interpreter_give_the_ungrouped_bits(monkeypatch):
