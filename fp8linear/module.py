@@ -221,9 +221,9 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
 
     def __getstate__(self):
         # Plans hold closures and compiled kernels: neither pickles nor deep-copies; a copy makes its own.
+        # A sibling group copies as a new empty group (SharedActivations.__reduce__), one per copy.
         state = super().__getstate__()
-        return {**state, "_plans": {}, "_seen": set(), "_cublas_linear": None, "_row_scale_n_major": None,
-                "_input_share": None}
+        return {**state, "_plans": {}, "_seen": set(), "_cublas_linear": None, "_row_scale_n_major": None}
 
     def set_input_share(self, share) -> None:
         """Join a group of linears that may be called on the same input tensor (the q / k / v

@@ -27,7 +27,7 @@ from torch import nn
 from ..checkpoint_format import DEFAULT_SKIP_PATTERNS, checkpoint_quantization_config, compile_patterns
 from ..formats import check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..gptq import GPTQConfig
-from ..module import Fp8BlockLinear
+from ..module import Fp8BlockLinear, share_input_quantization
 from .calibration import check_calibration_data, gptq_replace_linears_, set_submodule
 
 __all__ = [
@@ -138,6 +138,7 @@ def quantize_model_(
     set_config: bool = True,
     calibration_data: Sequence[Any] | None = None,
     gptq: GPTQConfig | None = None,
+    share_inputs: bool = True,
 ) -> QuantizeReport:
     """Replace eligible linear layers and fused experts of `model` with FP8 modules, in place.
 
@@ -159,6 +160,8 @@ def quantize_model_(
             (:mod:`fp8linear.integrations.calibration`): same format and kernels, lower output
             error. Fused experts are rounded to nearest (first, so the calibration sees them).
         gptq: GPTQ settings (:class:`fp8linear.gptq.GPTQConfig`); used with `calibration_data`.
+        share_inputs: group the new linears that take one input tensor (q / k / v, gate / up) so
+            that eager GPU calls quantize it once (:func:`fp8linear.share_input_quantization`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -167,6 +170,8 @@ def quantize_model_(
         raise TypeError(f"gptq must be a fp8linear.gptq.GPTQConfig, got {type(gptq).__name__}")
     if gptq is not None and calibration_data is None:
         raise ValueError("gptq settings were given without calibration_data; GPTQ needs calibration batches")
+    if not isinstance(share_inputs, bool):
+        raise TypeError(f"share_inputs must be a bool, got {type(share_inputs).__name__}")
     if calibration_data is not None:
         check_calibration_data(calibration_data)  # before anything is replaced
     patterns = compile_patterns(ignore, "ignore")
@@ -231,6 +236,8 @@ def quantize_model_(
         for _, module, _ in targets:
             replaced[type(module).__name__] += 1
     q_after = sum(module_state_bytes(model.get_submodule(name)) for name, _, _ in plan)
+    if share_inputs and plan:
+        share_input_quantization(model)
 
     chosen_dtype = chosen_dtype or resolve_fp8_dtype(fp8_dtype, None)
     report = QuantizeReport(

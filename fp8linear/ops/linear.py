@@ -76,6 +76,11 @@ class SharedActivations:
         self._key = self._value = None
         self._users: dict[tuple, set[int]] = {}  # key -> the weights whose plans read that layout
 
+    def __reduce__(self):
+        # A copy (deepcopy, pickle) is a new empty group: entries hold addresses of this group's
+        # buffers, and the copied layers make new plans, which register again.
+        return (SharedActivations, ())
+
     def register(self, key: tuple, weight: torch.Tensor) -> None:
         """A plan of the linear with this `weight` reads activations quantized under `key`: entries
         are published only under keys two or more of the group's linears read (where the members'

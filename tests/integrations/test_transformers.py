@@ -139,6 +139,27 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(x, y), f"{k} differs after reload"
 
 
+def grouped_names(model: nn.Module) -> list[list[str]]:
+    """The model's FP8 linears that share their input quantization, by group."""
+    groups: dict[int, list[str]] = {}
+    for n, m in model.named_modules():
+        if isinstance(m, Fp8BlockLinear) and m._input_share is not None:
+            groups.setdefault(id(m._input_share), []).append(n)
+    return sorted(groups.values())
+
+
+def sibling_names(model: nn.Module) -> list[list[str]]:
+    """The FP8 linears that are children of one module with one input width, by group of 2 or more."""
+    out = []
+    for pn, parent in model.named_modules():
+        by_width: dict[int, list[str]] = {}
+        for cn, child in parent.named_children():
+            if isinstance(child, Fp8BlockLinear):
+                by_width.setdefault(child.in_features, []).append(f"{pn}.{cn}" if pn else cn)
+        out += [g for g in by_width.values() if len(g) > 1]
+    return sorted(out)
+
+
 # ----------------------------------------------------------------------------- quantize_model_
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_replacement_counts_and_logits(name):
@@ -158,7 +179,20 @@ def test_replacement_counts_and_logits(name):
     assert report.quantized_bytes_after < 0.55 * report.quantized_bytes_before
     assert "replaced" in str(report) and "Linear" in str(report)
     assert model.config.quantization_config["quant_method"] == "fp8"
+    groups = grouped_names(model)  # q / k / v and gate / up quantize their common input once
+    assert groups and groups == sibling_names(model)
+    assert any(any(n.endswith("q_proj") or n.endswith("q_a_proj") for n in g) for g in groups)
     assert_close_logits(logits(model, x), ref)
+
+
+def test_share_inputs_off_and_bad():
+    model = build("llama")
+    quantize_model_(model, share_inputs=False)
+    assert grouped_names(model) == [] and sibling_names(model)
+    with pytest.raises(TypeError, match="share_inputs must be a bool"):
+        quantize_model_(build("llama"), share_inputs="yes")
+    with pytest.raises(TypeError, match="share_inputs must be a bool"):
+        from_pretrained(".", share_inputs=1)
 
 
 def test_routers_embeddings_head_kept_and_ignore():
@@ -323,6 +357,8 @@ def test_save_reload_identity(tmp_path, name, granularity):
     assert (tmp_path / "model.safetensors.index.json").is_file()  # sharded
     reloaded = from_pretrained(tmp_path)
     assert_same_state(model, reloaded)
+    assert grouped_names(reloaded) == grouped_names(model) == sibling_names(model) != []
+    assert grouped_names(from_pretrained(tmp_path, share_inputs=False)) == []
     x = ids()
     assert torch.equal(logits(model, x), logits(reloaded, x))
 
@@ -337,6 +373,7 @@ def test_hf_quantizer_quantizes_while_loading(tmp_path):
     quantize_model_(expected, granularity="row")
     assert isinstance(model.model.layers[1].mlp.experts, Fp8Experts)
     assert_same_state(model, expected)
+    assert grouped_names(model) == sibling_names(model) != []
     assert model.config.quantization_config["quant_method"] == "fp8"
     model.save_pretrained(tmp_path / "fp8")
     assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["weight_block_size"] == [1, 128]

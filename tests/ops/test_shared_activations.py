@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
+import pickle
 import weakref
 
 import pytest
@@ -123,6 +125,15 @@ class _Block(nn.Module):
         self.head = nn.Linear(width, 10)
 
 
+def test_a_copied_group_is_empty():
+    share = _shared()
+    x = torch.randn(4, 8)
+    share.publish(x, KEY, 1, 2, torch.empty(1))
+    assert share.lookup(x, KEY) == (1, 2)
+    for twin in (copy.deepcopy(share), pickle.loads(pickle.dumps(share))):
+        assert twin.lookup(x, KEY) is None and twin._users == {}
+
+
 def test_share_input_quantization_groups_siblings_of_one_width():
     block = _Block()
     assert share_input_quantization(block) == 2
@@ -131,7 +142,16 @@ def test_share_input_quantization_groups_siblings_of_one_width():
     assert a.o._input_share is None  # 256 wide: alone
     assert block.gate._input_share is block.up._input_share is not None
     assert block.gate._input_share is not a.q._input_share and block.down._input_share is None
-    assert copy.deepcopy(block).gate._input_share is None  # a copy makes its own groups
+    twin = copy.deepcopy(block)  # a copy keeps its grouping, in new empty groups of its own
+    assert twin.gate._input_share is twin.up._input_share is not None
+    assert twin.gate._input_share is not block.gate._input_share
+    assert twin.attn.q._input_share is twin.attn.k._input_share is not twin.gate._input_share
+    assert twin.attn.o._input_share is None and twin.down._input_share is None
+    buf = io.BytesIO()
+    torch.save(block, buf)
+    buf.seek(0)
+    thawed = torch.load(buf, weights_only=False)
+    assert thawed.gate._input_share is thawed.up._input_share is not None
     with pytest.raises(TypeError, match="SharedActivations or None"):
         block.gate.set_input_share(object())
     with pytest.raises(TypeError, match="takes an nn.Module"):
@@ -206,6 +226,8 @@ def test_a_group_gives_the_ungrouped_bits_with_fewer_quantizations(m, backend, m
     for _ in range(2):  # the first call of a shape is routed, the second makes the plans
         for name in names:
             getattr(grouped, name)(x)
+    # a new input: an entry published for x in the rounds above would still serve x
+    x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
     count = _count_quant_launches(monkeypatch)
     got = [getattr(grouped, name)(x) for name in names]
     launched = count[0]
