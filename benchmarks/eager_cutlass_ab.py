@@ -45,8 +45,23 @@ def _forced_layer(lin: nn.Linear, x: torch.Tensor, entry: RouteEntry | None,
     return layer
 
 
+def _host_us(call: CutlassCall, args: tuple, calls: int) -> float:
+    for _ in range(20):
+        call(*args)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls // 5):
+            call(*args)
+        samples.append((time.perf_counter() - t0) / (calls // 5) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def host_parts(n: int = 2112, k: int = 7168, m: int = 512, calls: int = 2000) -> None:
-    """Host us per call of the CUTLASS call alone (enqueue only, no quantization) per kernel."""
+    """Host us per call of the CUTLASS call alone (enqueue only, no quantization) per kernel; for the
+    data-parallel kernels also with the parameters built per call (the stream-K kernel's way)."""
     dev = torch.device("cuda")
     w_q = torch.randn(n, k, device=dev).clamp(-448, 448).to(torch.float8_e4m3fn)
     w_s = torch.rand(-(-n // 128), -(-k // 128), device=dev) + 0.5
@@ -57,18 +72,17 @@ def host_parts(n: int = 2112, k: int = 7168, m: int = 512, calls: int = 2000) ->
         call = CutlassCall(w_q, w_s, None, m, cfg)
         ws = torch.empty(max(call.workspace_bytes, 1), dtype=torch.uint8, device=dev)
         args = (x_q.data_ptr(), x_s.data_ptr(), y.data_ptr(), ws.data_ptr() if call.workspace_bytes else None)
-        for _ in range(20):
+        line = f"CutlassCall {cfg.name} {n}x{k} M={m}: host {_host_us(call, args, calls):.2f} us per call"
+        if call.prepared:
+            per_call = CutlassCall(w_q, w_s, None, m, cfg)
+            per_call.release(per_call.prepared)
+            per_call.prepared = None
+            line += f" prepared, {_host_us(per_call, args, calls):.2f} built per call"
             call(*args)
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls // 5):
-                call(*args)
-            samples.append((time.perf_counter() - t0) / (calls // 5) * 1e6)
-            torch.cuda.synchronize()
-        print(f"CutlassCall {cfg.name} {n}x{k} M={m}: host {statistics.median(samples):.2f} us per call "
-              f"(workspace {call.workspace_bytes} bytes)")
+            first = y.clone()
+            per_call(*args)
+            line += f" (same bits: {torch.equal(first.view(torch.int16), y.view(torch.int16))})"
+        print(line + f" (workspace {call.workspace_bytes} bytes)")
 
 
 def main() -> None:

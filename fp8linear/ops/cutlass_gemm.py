@@ -159,6 +159,7 @@ class _Library:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.run, self.workspace, self.probe = {}, {}, {}
+        self.prepare, self.run_prepared, self.release = {}, {}, {}
         for granularity in ("block", "row"):
             for cfg, bias in ((c, b) for c in configs_for(granularity) for b in (False, True)):
                 sym = _symbol(cfg, bias, granularity)
@@ -171,8 +172,18 @@ class _Library:
                 probe = getattr(lib, f"{sym}_probe")
                 probe.restype = ctypes.c_int
                 probe.argtypes = []
+                prepare = getattr(lib, f"{sym}_prepare")
+                prepare.restype = ctypes.c_void_p
+                prepare.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+                run_prepared = getattr(lib, f"{sym}_run_prepared")
+                run_prepared.restype = ctypes.c_int
+                run_prepared.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
+                release = getattr(lib, f"{sym}_release")
+                release.restype = None
+                release.argtypes = [ctypes.c_void_p]
                 key = (cfg, bias, granularity)
                 self.run[key], self.workspace[key], self.probe[key] = run, ws, probe
+                self.prepare[key], self.run_prepared[key], self.release[key] = prepare, run_prepared, release
 
 
 @lru_cache(maxsize=1)
@@ -246,9 +257,14 @@ class CutlassCall:
     w_q (N, K) e4m3fn, contiguous, on a device where :func:`cutlass_available`; w_s for
     `granularity` "block" (ceil(N/128), ceil(K/128)) fp32 contiguous, for "row" (N, ceil(K/128))
     fp32, read N-major (:func:`_row_scale`); the shape must pass :func:`cutlass_accepts`. The weight
-    tensors are held (their addresses stay valid while they are updated in place)."""
+    tensors are held (their addresses stay valid while they are updated in place).
 
-    __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape")
+    A data-parallel config's kernel parameters are made once here (``_prepare`` in the C source:
+    TMA descriptors encoded, scheduler set up), and a call only points them at its activations and
+    output; the stream-K kernel builds them per call (``_run``)."""
+
+    __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape", "prepared",
+                 "run_prepared", "release")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None, m: int,
                  config: CutlassConfig, granularity: str = "block") -> None:
@@ -295,18 +311,32 @@ class CutlassCall:
         self.held = (w_q, w_s, bias)
         self.several = _several_gpus()
         self.config, self.shape = config, (m, n, k)
+        self.run_prepared, self.release = lib.run_prepared[key], lib.release[key]
+        self.prepared = lib.prepare[key](w_q.data_ptr(), w_s.data_ptr(), self.args[1][0], m, n, k, self.index,
+                                         sms) if self.workspace_bytes == 0 else None
+
+    def __del__(self) -> None:
+        if getattr(self, "prepared", None):
+            self.release(self.prepared)
 
     def __call__(self, x_q: int, x_s: int, y: int, workspace: int | None) -> None:
         """Enqueue y = x_q @ w_q.T on the current stream: x_q (M, K) e4m3fn and x_s (M, ceil(K/128))
         fp32 row-major, y (M, N) bf16, `workspace` :attr:`workspace_bytes` long (None where that is
         0); raw device addresses, 16-byte aligned."""
-        w, tail = self.args
         stream = torch._C._cuda_getCurrentRawStream(self.index)
-        if self.several:  # the launch and CUTLASS's per-device kernel attributes go to the current device
+        prepared = self.prepared
+        if prepared and not self.several:
+            rc = self.run_prepared(prepared, x_q, x_s, y, self.index, stream)
+        elif prepared:  # the launch and CUTLASS's per-device kernel attributes go to the current device
             with torch.cuda.device(self.index):
-                rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
+                rc = self.run_prepared(prepared, x_q, x_s, y, self.index, stream)
         else:
-            rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
+            w, tail = self.args
+            if self.several:
+                with torch.cuda.device(self.index):
+                    rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
+            else:
+                rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
         if rc:
             m, n, k = self.shape
             raise RuntimeError(f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} failed with status {rc}")

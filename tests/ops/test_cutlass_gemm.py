@@ -108,6 +108,12 @@ class _FakeEntryPoints:
         keys = [(c, b, g) for g in ("block", "row") for c in cutlass_gemm.configs_for(g) for b in (False, True)]
         self.run = {key: None for key in keys}
         self.workspace = {key: (lambda *a, key=key: self.asked.append((key, a)) or 0) for key in keys}
+        # prepared GEMMs: the C side gives none for stream-K kernels (nullptr: None through ctypes)
+        self.prepared, self.launched, self.released = [], [], []
+        self.prepare = {key: (lambda *a, key=key: self.prepared.append((key, a))
+                              or (None if key[0].stream_k else 4096 + len(self.prepared))) for key in keys}
+        self.run_prepared = {key: (lambda *a: self.launched.append(a) or 0) for key in keys}
+        self.release = {key: self.released.append for key in keys}
 
 
 def test_cutlass_call_checks_its_inputs(monkeypatch):
@@ -154,6 +160,36 @@ def test_cutlass_call_checks_its_inputs(monkeypatch):
     assert row.args[0][1] == again.args[0][1] != k_major.data_ptr()
     held = row.held[1]
     assert held.shape == (4, 256) and held.is_contiguous() and torch.equal(held.t(), k_major)
+
+
+def test_cutlass_call_prepares_data_parallel_kernels(monkeypatch):
+    """A data-parallel config's parameters are prepared once, with the weight's addresses, and a call
+    passes only the activations', scales' and output's addresses to the prepared launch; stream-K
+    configs (no prepared GEMM from the C side) run the per-call entry point. Released with the call."""
+    fake = _FakeEntryPoints()
+    monkeypatch.setattr(cutlass_gemm, "_library", lambda: fake)
+    monkeypatch.setattr(cutlass_gemm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    w = torch.zeros(256, 512, dtype=torch.uint8).view(FP8)
+    w_s = torch.ones(2, 4)
+    call = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128))
+    assert fake.prepared == [((CutlassConfig(128), False, "block"),
+                              (w.data_ptr(), w_s.data_ptr(), None, 8, 256, 512, 0, 132))]
+    assert call.prepared == 4097
+    call(11, 22, 33, None)
+    assert fake.launched == [(4097, 11, 22, 33, 0, 77)]
+    del call
+    assert fake.released == [4097]
+    streamk = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128, stream_k=True))
+    assert streamk.prepared is None
+    ran = []
+    streamk.run = lambda *a: ran.append(a) or 0
+    streamk(11, 22, 33, None)
+    assert fake.launched == [(4097, 11, 22, 33, 0, 77)] and ran[0][:2] == (11, 22) and ran[0][-1] == 77
+    del streamk
+    assert fake.released == [4097]
 
 
 @pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [

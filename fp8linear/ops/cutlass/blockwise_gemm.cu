@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <new>
 
 // CUTLASS encodes three TMA descriptors per GEMM (A, B, y) through cuTensorMapEncodeTiled, and
 // without CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL asks the runtime for that driver entry point at
@@ -61,6 +62,27 @@ static CUresult fp8l_cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataTyp
   const fp8l_encode_fn encode = fp8l_encode_entry();
   if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
   return encode(map, type, rank, address, dims, strides, box, element_strides, interleave, swizzle, promotion, fill);
+}
+// cuTensorMapReplaceAddress, for the prepared GEMMs below (asked once, as the encoder is).
+using fp8l_replace_fn = CUresult (*)(CUtensorMap*, void*);
+
+static fp8l_replace_fn fp8l_replace_entry() {
+  static const fp8l_replace_fn replace = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+#if (__CUDACC_VER_MAJOR__ > 12)
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapReplaceAddress", &fn, 12000, cudaEnableDefault,
+                                                       &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapReplaceAddress", &fn, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<fp8l_replace_fn>(fn);
+  }();
+  return replace;
 }
 #define CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL 1
 #define cuTensorMapEncodeTiled fp8l_cuTensorMapEncodeTiled
@@ -216,11 +238,9 @@ extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k, int
 
 // Enqueue the GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status code (a
 // failed launch: kErrorInternal) or 1000 + the cudaError_t of raising the shared-memory limit.
-extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
-                                          const void* bias, int m, int n, int k, int device, int sm_count,
-                                          int splits, void* workspace, cudaStream_t stream) {
-  // The kernel's shared-memory limit is raised once per device (Gemm::initialize would do it at
-  // every call); the launch is Gemm::run on the parameters, as Gemm::initialize + run would make.
+// The kernel's shared-memory limit, raised once per device (Gemm::initialize would do it at every
+// call): 0, else 1000 + the cudaError_t.
+static int raise_smem_limit(int device) {
   static std::atomic<unsigned long long> smem_raised{0};  // bit d: done on device d (< 64)
   const unsigned long long bit = device >= 0 && device < 64 ? 1ull << device : 0;
   if (bit == 0 || (smem_raised.load(std::memory_order_acquire) & bit) == 0) {
@@ -235,9 +255,55 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const 
     }
     smem_raised.fetch_or(bit, std::memory_order_release);
   }
+  return 0;
+}
+
+extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
+                                          const void* bias, int m, int n, int k, int device, int sm_count,
+                                          int splits, void* workspace, cudaStream_t stream) {
+  // the launch is Gemm::run on the parameters, as Gemm::initialize + run would make
+  if (int rc = raise_smem_limit(device)) return rc;
   auto args = make_arguments(a, sfa, b, sfb, y, bias, m, n, k, device, sm_count, splits);
   cutlass::Status status = GemmKernel::initialize_workspace(args, workspace, stream, nullptr);
   if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
   typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
   return static_cast<int>(Gemm::run(params, stream));  // checks the launch (cudaGetLastError) itself
 }
+
+// A GEMM prepared for one weight and M: the kernel's parameters made once (TMA descriptors encoded,
+// scheduler set up), so that a call copies them, points the activations' and the output's TMA
+// descriptors at its own tensors (cuTensorMapReplaceAddress) and the activation scales' pointer,
+// and launches: no argument building, descriptor encoding or workspace setup per call. For the
+// data-parallel kernels, which need no workspace; elsewhere (stream-K) nullptr, and _run serves.
+using Params = typename GemmKernel::Params;
+
+extern "C" void* FP8L_JOIN(FP8L_NAME, _prepare)(const void* b, const void* sfb, const void* bias, int m, int n, int k,
+                                                int device, int sm_count) {
+#if FP8L_STREAMK
+  (void)b, (void)sfb, (void)bias, (void)m, (void)n, (void)k, (void)device, (void)sm_count;
+  return nullptr;
+#else
+  if (fp8l_replace_entry() == nullptr || fp8l_encode_entry() == nullptr) return nullptr;
+  // the weight's address stands in for the activations' and the output's: each call replaces them
+  auto args = make_arguments(b, sfb, b, sfb, const_cast<void*>(b), bias, m, n, k, device, sm_count, 1);
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess || Gemm::get_workspace_size(args) != 0) return nullptr;
+  return new (std::nothrow) Params(GemmKernel::to_underlying_arguments(args, nullptr));
+#endif
+}
+
+// Enqueue a prepared GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status
+// code, 1000 + a cudaError_t (the shared-memory limit) or 2000 + a CUresult (an address replaced).
+extern "C" int FP8L_JOIN(FP8L_NAME, _run_prepared)(const void* prepared, const void* a, const void* sfa, void* y,
+                                                   int device, cudaStream_t stream) {
+  if (int rc = raise_smem_limit(device)) return rc;
+  Params params = *static_cast<const Params*>(prepared);
+  const fp8l_replace_fn replace = fp8l_replace_entry();
+  auto* desc_a = const_cast<cute::TmaDescriptor*>(params.mainloop.tma_load_a.get_tma_descriptor());
+  auto* desc_d = const_cast<cute::TmaDescriptor*>(params.epilogue.tma_store_d.get_tma_descriptor());
+  if (CUresult r = replace(reinterpret_cast<CUtensorMap*>(desc_a), const_cast<void*>(a))) return 2000 + static_cast<int>(r);
+  if (CUresult r = replace(reinterpret_cast<CUtensorMap*>(desc_d), y)) return 2000 + static_cast<int>(r);
+  params.mainloop.ptr_SFA = static_cast<const float*>(sfa);
+  return static_cast<int>(Gemm::run(params, stream));
+}
+
+extern "C" void FP8L_JOIN(FP8L_NAME, _release)(void* prepared) { delete static_cast<Params*>(prepared); }
