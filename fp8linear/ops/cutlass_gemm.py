@@ -312,8 +312,14 @@ class CutlassCall:
         self.several = _several_gpus()
         self.config, self.shape = config, (m, n, k)
         self.run_prepared, self.release = lib.run_prepared[key], lib.release[key]
-        self.prepared = lib.prepare[key](w_q.data_ptr(), w_s.data_ptr(), self.args[1][0], m, n, k, self.index,
-                                         sms) if self.workspace_bytes == 0 else None
+        self.prepared = None
+        if self.workspace_bytes == 0:
+            prepare = lib.prepare[key]
+            if self.several:
+                with torch.cuda.device(self.index):
+                    self.prepared = prepare(w_q.data_ptr(), w_s.data_ptr(), self.args[1][0], m, n, k, self.index, sms)
+            else:
+                self.prepared = prepare(w_q.data_ptr(), w_s.data_ptr(), self.args[1][0], m, n, k, self.index, sms)
 
     def __del__(self) -> None:
         if getattr(self, "prepared", None):
