@@ -331,18 +331,19 @@ class CutlassCall:
         0); raw device addresses, 16-byte aligned."""
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         prepared = self.prepared
-        if prepared and not self.several:
+        if prepared and not self.several:  # the common case, without building an argument tuple
             rc = self.run_prepared(prepared, x_q, x_s, y, self.index, stream)
-        elif prepared:  # the launch and CUTLASS's per-device kernel attributes go to the current device
-            with torch.cuda.device(self.index):
-                rc = self.run_prepared(prepared, x_q, x_s, y, self.index, stream)
         else:
-            w, tail = self.args
-            if self.several:
-                with torch.cuda.device(self.index):
-                    rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
+            if prepared:
+                run, args = self.run_prepared, (prepared, x_q, x_s, y, self.index, stream)
             else:
-                rc = self.run(x_q, x_s, *w, y, *tail, workspace, stream)
+                w, tail = self.args
+                run, args = self.run, (x_q, x_s, *w, y, *tail, workspace, stream)
+            if self.several:  # the launch and CUTLASS's per-device kernel attributes go to the current device
+                with torch.cuda.device(self.index):
+                    rc = run(*args)
+            else:
+                rc = run(*args)
         if rc:
             m, n, k = self.shape
             raise RuntimeError(f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} failed with status {rc}")

@@ -236,8 +236,6 @@ extern "C" size_t FP8L_JOIN(FP8L_NAME, _workspace_size)(int m, int n, int k, int
                                                  device, sm_count, splits));
 }
 
-// Enqueue the GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status code (a
-// failed launch: kErrorInternal) or 1000 + the cudaError_t of raising the shared-memory limit.
 // The kernel's shared-memory limit, raised once per device (Gemm::initialize would do it at every
 // call): 0, else 1000 + the cudaError_t.
 static int raise_smem_limit(int device) {
@@ -258,6 +256,8 @@ static int raise_smem_limit(int device) {
   return 0;
 }
 
+// Enqueue the GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status code (a
+// failed launch: kErrorInternal) or 1000 + the cudaError_t of raising the shared-memory limit.
 extern "C" int FP8L_JOIN(FP8L_NAME, _run)(const void* a, const void* sfa, const void* b, const void* sfb, void* y,
                                           const void* bias, int m, int n, int k, int device, int sm_count,
                                           int splits, void* workspace, cudaStream_t stream) {
