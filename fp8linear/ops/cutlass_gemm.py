@@ -27,6 +27,7 @@ current stream, so they are CUDA-graph capturable; the bits are the same on ever
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -314,12 +315,9 @@ class CutlassCall:
         self.run_prepared, self.release = lib.run_prepared[key], lib.release[key]
         self.prepared = None
         if self.workspace_bytes == 0:
-            prepare = lib.prepare[key]
-            if self.several:
-                with torch.cuda.device(self.index):
-                    self.prepared = prepare(w_q.data_ptr(), w_s.data_ptr(), self.args[1][0], m, n, k, self.index, sms)
-            else:
-                self.prepared = prepare(w_q.data_ptr(), w_s.data_ptr(), self.args[1][0], m, n, k, self.index, sms)
+            bias_ptr = self.args[1][0]
+            with torch.cuda.device(self.index) if self.several else contextlib.nullcontext():
+                self.prepared = lib.prepare[key](*self.args[0], bias_ptr, m, n, k, self.index, sms)
 
     def __del__(self) -> None:
         if getattr(self, "prepared", None):
