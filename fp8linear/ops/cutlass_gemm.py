@@ -260,15 +260,16 @@ class CutlassCall:
     fp32, read N-major (:func:`_row_scale`); the shape must pass :func:`cutlass_accepts`. The weight
     tensors are held (their addresses stay valid while they are updated in place).
 
-    A data-parallel config's kernel parameters are made once here (``_prepare`` in the C source:
-    TMA descriptors encoded, scheduler set up), and a call only points them at its activations and
-    output; the stream-K kernel builds them per call (``_run``)."""
+    With `prepare` (for calls made many times: a plan's), a data-parallel config's kernel parameters
+    are made once here (``_prepare`` in the C source: TMA descriptors encoded, scheduler set up), and
+    a call only points them at its activations and output; otherwise, and for the stream-K kernel,
+    each call builds them (``_run``)."""
 
     __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape", "prepared",
                  "run_prepared", "release")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None, m: int,
-                 config: CutlassConfig, granularity: str = "block") -> None:
+                 config: CutlassConfig, granularity: str = "block", prepare: bool = True) -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
@@ -314,7 +315,7 @@ class CutlassCall:
         self.config, self.shape = config, (m, n, k)
         self.run_prepared, self.release = lib.run_prepared[key], lib.release[key]
         self.prepared = None
-        if self.workspace_bytes == 0:
+        if prepare and self.workspace_bytes == 0:
             bias_ptr = self.args[1][0]
             with torch.cuda.device(self.index) if self.several else contextlib.nullcontext():
                 self.prepared = lib.prepare[key](*self.args[0], bias_ptr, m, n, k, self.index, sms)
@@ -391,7 +392,7 @@ def cutlass_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_
         return y
     if k == 0:  # an empty sum
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    call = CutlassCall(w_q, w_s, bias, m, config, granularity)  # checks the weight side
+    call = CutlassCall(w_q, w_s, bias, m, config, granularity, prepare=False)  # one call: checks the weight side
     size = call.workspace_bytes
     workspace = torch.empty(size, dtype=torch.uint8, device=x_q.device) if size else None
     call(x_q.data_ptr(), x_s.data_ptr(), y.data_ptr(), None if workspace is None else workspace.data_ptr())

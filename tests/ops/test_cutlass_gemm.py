@@ -190,6 +190,8 @@ def test_cutlass_call_prepares_data_parallel_kernels(monkeypatch):
     assert fake.launched == [(4097, 11, 22, 33, 0, 77)] and ran[0][:2] == (11, 22) and ran[0][-1] == 77
     del streamk
     assert fake.released == [4097]
+    once = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128), prepare=False)  # the functional path's
+    assert once.prepared is None and len(fake.prepared) == 2  # the stream-K call asked, this one did not
 
 
 @pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [
