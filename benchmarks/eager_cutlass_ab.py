@@ -1,8 +1,9 @@
-"""Eager A/B: plans on the CUTLASS kernels (act_quant, then the CUTLASS call on raw addresses)
-against the router's eager choice and cuBLAS blockwise plans, with BF16 ``nn.Linear`` in the same
-interleaved bursts: wall and host (enqueue) us per call, and the GPU time under CUDA graphs, to
-place the router's eager cut for CUTLASS (``EAGER_CUTLASS_MIN_MNK``). Needs a Hopper GPU and
-``fp8linear build-cutlass``.
+"""Eager A/B: plans on the CUTLASS kernels against the router's eager choice and cuBLAS blockwise
+plans, with BF16 ``nn.Linear`` in the same interleaved bursts: wall and host (enqueue) us per call,
+and the GPU time under CUDA graphs, to place the router's eager cut for CUTLASS
+(``EAGER_CUTLASS_MIN_MNK``). A data-parallel kernel's plan quantizes its input in the library's
+call (``CutlassCall.with_quantization``); ``<config>-2`` columns run the same kernel after a
+separate act_quant launch. Needs a Hopper GPU and ``fp8linear build-cutlass``.
 
     python benchmarks/eager_cutlass_ab.py [--m 96 128 256 333 512 1024 2048] [--host]
 """
@@ -26,22 +27,26 @@ SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048), (1536, 7168), (7168, 18432)
 
 
 def _forced_layer(lin: nn.Linear, x: torch.Tensor, entry: RouteEntry | None,
-                  cutlass: bool = True) -> Fp8BlockLinear:
+                  cutlass: bool = True, fused: bool = True) -> Fp8BlockLinear:
     """An Fp8BlockLinear whose plan for x's shape runs `entry` eagerly (None: the router's own choice;
-    `cutlass=False`: the router's choice without the CUTLASS kernels)."""
+    `cutlass=False`: the router's choice without the CUTLASS kernels; `fused=False`: a CUTLASS plan
+    with a separate act_quant launch)."""
     layer = Fp8BlockLinear.from_linear(lin, "block")
-    real = (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK, router.cutlass_available)
+    real = (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK, router.cutlass_available,
+            CutlassCall.with_quantization)
     if entry is not None:
         router.lookup_route = lambda *a, **k: entry
         router.EAGER_CUTLASS_MIN_MNK = router.EAGER_CUBLAS_MIN_MNK = 0
     if not cutlass:
         router.cutlass_available = lambda device: False
+    if not fused:
+        CutlassCall.with_quantization = lambda self: None
     try:
         layer(x)
         layer(x)  # a shape's second call makes its plan
     finally:
-        (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK,
-         router.cutlass_available) = real
+        (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK, router.cutlass_available,
+         CutlassCall.with_quantization) = real
     return layer
 
 
@@ -96,12 +101,14 @@ def main() -> None:
     if args.host:
         host_parts()
     forced = {cfg.name: RouteEntry("cutlass", cfg) for cfg in CUTLASS_CONFIGS}
+    forced.update({f"{cfg.name}-2": RouteEntry("cutlass", cfg) for cfg in CUTLASS_CONFIGS if not cfg.stream_k})
     forced["cublas"] = RouteEntry("cublas")
     print(f"{torch.cuda.get_device_name()}; per method: eager wall us / host us / GPU us (CUDA graphs)")
     names = ["bf16", "auto", "no-cutlass", *forced]
     print(f"{'shape':>12s} {'M':>5s} " + " ".join(f"{n:>19s}" for n in names)
           + "  best-cutlass/auto  auto/no-cutlass  routes (auto, no-cutlass)")
     ratios, gains = [], []
+    one_call = {cfg.name: ([], []) for cfg in CUTLASS_CONFIGS if not cfg.stream_k}
     for n, k in SHAPES:
         lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         for m in args.m:
@@ -109,7 +116,7 @@ def main() -> None:
                   for _ in range(max(2, min(16, (100 << 20) // (m * k * 2))))]
             layers = {"auto": _forced_layer(lin, xs[0], None), "no-cutlass": _forced_layer(lin, xs[0], None, False)}
             for name, entry in forced.items():
-                layers[name] = _forced_layer(lin, xs[0], entry)
+                layers[name] = _forced_layer(lin, xs[0], entry, fused=not name.endswith("-2"))
             methods = {"bf16": lin, **layers}
             with torch.inference_mode():
                 times = _burst_times(methods, xs, dev)
@@ -120,6 +127,9 @@ def main() -> None:
                     if err > 0.05 * ref.abs().max().item():
                         raise SystemExit(f"{name} at {n}x{k} M={m} differs from cuBLAS by {err}")
             best = min(times[c.name][0] for c in CUTLASS_CONFIGS)
+            for name, (wall, host) in one_call.items():
+                wall.append(times[name][0] / times[f"{name}-2"][0])
+                host.append(times[name][1] / times[f"{name}-2"][1])
             ratios.append(best / times["auto"][0])
             gains.append(times["auto"][0] / times["no-cutlass"][0])
             cells = " ".join(f"{times[nm][0]:6.1f}/{times[nm][1]:5.1f}/{gpu[nm] or float('nan'):5.1f}" for nm in names)
@@ -127,6 +137,9 @@ def main() -> None:
             print(f"{n:>5d}x{k:<6d} {m:5d} {cells}  {ratios[-1]:6.3f}  {gains[-1]:6.3f}  {kinds}", flush=True)
     print(f"geomean best-cutlass / auto eager wall: {statistics.geometric_mean(ratios):.3f}; "
           f"auto / no-cutlass: {statistics.geometric_mean(gains):.3f}")
+    for name, (wall, host) in one_call.items():
+        print(f"geomean {name} / {name}-2 (one host call / two launches): eager wall "
+              f"{statistics.geometric_mean(wall):.3f}, host {statistics.geometric_mean(host):.3f}")
 
 
 if __name__ == "__main__":

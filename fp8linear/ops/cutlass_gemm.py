@@ -32,6 +32,7 @@ import ctypes
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -160,7 +161,7 @@ class _Library:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.run, self.workspace, self.probe = {}, {}, {}
-        self.prepare, self.run_prepared, self.release = {}, {}, {}
+        self.prepare, self.run_prepared, self.quant_run_prepared, self.release = {}, {}, {}, {}
         for granularity in ("block", "row"):
             for cfg, bias in ((c, b) for c in configs_for(granularity) for b in (False, True)):
                 sym = _symbol(cfg, bias, granularity)
@@ -179,12 +180,17 @@ class _Library:
                 run_prepared = getattr(lib, f"{sym}_run_prepared")
                 run_prepared.restype = ctypes.c_int
                 run_prepared.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
+                quant_run_prepared = getattr(lib, f"{sym}_quant_run_prepared")
+                quant_run_prepared.restype = ctypes.c_int
+                quant_run_prepared.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] + [ctypes.c_void_p] * 3
+                                               + [ctypes.c_int] * 3 + [ctypes.c_void_p])
                 release = getattr(lib, f"{sym}_release")
                 release.restype = None
                 release.argtypes = [ctypes.c_void_p]
                 key = (cfg, bias, granularity)
                 self.run[key], self.workspace[key], self.probe[key] = run, ws, probe
                 self.prepare[key], self.run_prepared[key], self.release[key] = prepare, run_prepared, release
+                self.quant_run_prepared[key] = quant_run_prepared
 
 
 @lru_cache(maxsize=1)
@@ -266,7 +272,7 @@ class CutlassCall:
     each call builds them (``_run``)."""
 
     __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape", "prepared",
-                 "run_prepared", "release")
+                 "run_prepared", "quant_run_prepared", "release")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None, m: int,
                  config: CutlassConfig, granularity: str = "block", prepare: bool = True) -> None:
@@ -314,6 +320,7 @@ class CutlassCall:
         self.several = _several_gpus()
         self.config, self.shape = config, (m, n, k)
         self.run_prepared, self.release = lib.run_prepared[key], lib.release[key]
+        self.quant_run_prepared = lib.quant_run_prepared[key]
         self.prepared = None
         if prepare and self.workspace_bytes == 0:
             bias_ptr = self.args[1][0]
@@ -346,6 +353,32 @@ class CutlassCall:
         if rc:
             m, n, k = self.shape
             raise RuntimeError(f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} failed with status {rc}")
+
+
+    def with_quantization(self) -> Callable[[int, int, int, int], None] | None:
+        """A call ``f(x, x_q, x_s, y)`` that quantizes x (M, K) bf16, contiguous, per token in 1x128
+        groups into x_q (M, K) e4m3fn and x_s (M, ceil(K/128)) fp32 row-major (the bytes and scales
+        of :func:`fp8linear.ops.quant.act_quant` on NVIDIA GPUs) and then runs this GEMM into y: two
+        kernels on the current stream from one host call, on raw device addresses (x 16-byte
+        aligned). None where the parameters are not prepared (the stream-K kernel, ``prepare=False``)."""
+        if not self.prepared:
+            return None
+        owner = self  # held by the call: its parameters are released when it goes
+        m, n, k = self.shape
+        fn, prepared, index, several = self.quant_run_prepared, self.prepared, self.index, self.several
+        current_stream = torch._C._cuda_getCurrentRawStream
+
+        def quantize_and_run(x: int, x_q: int, x_s: int, y: int) -> None:
+            if several:
+                with torch.cuda.device(index):
+                    rc = fn(prepared, x, k, x_q, x_s, y, m, k, index, current_stream(index))
+            else:
+                rc = fn(prepared, x, k, x_q, x_s, y, m, k, index, current_stream(index))
+            if rc:
+                raise RuntimeError(f"CUTLASS {owner.config.name} GEMM {m}x{n}x{k} with its input quantization "
+                                   f"failed with status {rc}")
+
+        return quantize_and_run
 
 
 def _row_scale(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:

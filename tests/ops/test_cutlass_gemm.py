@@ -113,6 +113,8 @@ class _FakeEntryPoints:
         self.prepare = {key: (lambda *a, key=key: self.prepared.append((key, a))
                               or (None if key[0].stream_k else 4096 + len(self.prepared))) for key in keys}
         self.run_prepared = {key: (lambda *a: self.launched.append(a) or 0) for key in keys}
+        self.quantized, self.quant_rc = [], 0
+        self.quant_run_prepared = {key: (lambda *a: self.quantized.append(a) or self.quant_rc) for key in keys}
         self.release = {key: self.released.append for key in keys}
 
 
@@ -192,6 +194,33 @@ def test_cutlass_call_prepares_data_parallel_kernels(monkeypatch):
     assert fake.released == [4097]
     once = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128), prepare=False)  # the functional path's
     assert once.prepared is None and len(fake.prepared) == 2  # the stream-K call asked, this one did not
+
+
+def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(monkeypatch):
+    """with_quantization gives a prepared GEMM's one-call form: the prepared parameters, x's address
+    and row length (K), the quantized buffers, the output, M, K, the device and the current stream go
+    to the C entry point; none for unprepared calls; a failed status is an error naming the GEMM."""
+    fake = _FakeEntryPoints()
+    monkeypatch.setattr(cutlass_gemm, "_library", lambda: fake)
+    monkeypatch.setattr(cutlass_gemm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    w = torch.zeros(256, 512, dtype=torch.uint8).view(FP8)
+    w_s = torch.ones(2, 4)
+    call = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64))
+    fused = call.with_quantization()
+    del call  # the fused call keeps the prepared parameters alive
+    assert fake.released == []
+    fused(10, 11, 12, 13)
+    assert fake.quantized == [(4097, 10, 512, 11, 12, 13, 8, 512, 0, 77)] and fake.launched == []
+    fake.quant_rc = 3001
+    with pytest.raises(RuntimeError, match=r"p64x128 GEMM 8x256x512 with its input quantization failed with status 3001"):
+        fused(10, 11, 12, 13)
+    del fused
+    assert fake.released == [4097]
+    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128, stream_k=True)).with_quantization() is None
+    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64), prepare=False).with_quantization() is None
 
 
 @pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [
@@ -333,7 +362,7 @@ def test_cutlass_row_weights_through_the_layer(monkeypatch):
     for _ in range(3):  # first call routed, then planned
         assert same_bits(layer(x), expected)
     plan = next(iter(layer._plans.values()))
-    assert plan.route.kernel == "cutlass" and plan.calls
+    assert plan.route.kernel == "cutlass" and plan.prepared and plan.calls == ()  # quantized in the library's call
     assert same_bits(torch.compile(layer, fullgraph=True)(x), expected)
 
 
@@ -389,7 +418,45 @@ def test_cutlass_through_the_router(monkeypatch):
     for _ in range(3):  # first call routed, then planned
         assert same_bits(layer(x), expected)
     plan = next(iter(layer._plans.values()))
-    assert plan.route.kernel == "cutlass" and plan.calls  # a prepared plan, not the unprepared route
+    assert plan.route.kernel == "cutlass" and plan.prepared  # a prepared plan, not the unprepared route
+    assert plan.calls == ()  # the data-parallel kernel quantizes its input in the library's call
+
+
+@pytest.mark.gpu
+@needs_cutlass
+@pytest.mark.parametrize("m,k,planted", [(40, 2048, True), (77, 576, True), (33, 2112, False), (1, 7168, False),
+                                         (1000, 7168, False)])
+def test_library_quantization_gives_act_quant_bytes(m, k, planted):
+    """The library's quantization (CutlassCall.with_quantization) writes act_quant's FP8 bytes and
+    scales bit for bit: on values over a wide range of magnitudes, on every bf16 bit pattern (NaN,
+    Inf, subnormals, ties: `planted`), in groups cut short by K (576, 2112); and the GEMM after it
+    gives the bits of the GEMM on act_quant's output."""
+    from fp8linear.ops.quant import act_quant
+
+    gen = torch.Generator(device="cuda").manual_seed(m * 31 + k)
+    n = 256
+    _, _, w_q, w_s, _ = _operands(1, n, k, False, gen)
+    x = torch.randn(m, k, generator=gen, device="cuda") * torch.exp2(
+        torch.randint(-30, 30, (m, 1), generator=gen, device="cuda").float())
+    x = x.to(BF16)
+    if planted:
+        patterns = torch.arange(-32768, 32768, dtype=torch.int32, device="cuda").to(torch.int16).view(BF16)
+        flat = x.view(-1)
+        count = min(flat.numel(), patterns.numel())
+        flat[:count] = patterns[torch.randperm(patterns.numel(), generator=gen, device="cuda")[:count]]
+        assert x.isnan().any() and x.isinf().any()
+    groups = -(-k // 128)
+    for cfg in (CutlassConfig(64), CutlassConfig(128)):
+        fused = cutlass_gemm.CutlassCall(w_q, w_s, None, m, cfg).with_quantization()
+        q = torch.empty(m, k, dtype=FP8, device="cuda")
+        s = torch.empty(m, groups, dtype=torch.float32, device="cuda")
+        y = torch.empty(m, n, dtype=BF16, device="cuda")
+        fused(x.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr())
+        ref_q, ref_s = act_quant(x, FP8)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+        assert torch.equal(s.view(torch.int32), ref_s.contiguous().view(torch.int32))
+        expected = cutlass_gemm.cutlass_fp8_gemm(ref_q, ref_s.contiguous(), w_q, w_s, None, cfg)
+        assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.gpu
@@ -399,9 +466,10 @@ def test_cutlass_through_the_router(monkeypatch):
 @pytest.mark.parametrize("n,k", [(2112, 576), (576, 2112), (7168, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cutlass_plan_matches_the_route(cfg, m, n, k, bias):
-    """A LinearPlan on a CUTLASS route (act_quant, then the CUTLASS call on one scratch buffer's raw
-    addresses; stream-K's workspace in it) gives run_linear_route's bits on new inputs, with leading
-    dimensions, and within the bf16 bound of the float64 product; the same under CUDA-graph capture."""
+    """A LinearPlan on a CUTLASS route (the library's quantization and GEMM in one call for the
+    data-parallel kernels; act_quant, then the call, for stream-K, whose workspace shares the scratch
+    buffer) gives run_linear_route's bits on new inputs, with leading dimensions, and within the
+    bf16 bound of the float64 product; the same under CUDA-graph capture."""
     from fp8linear.ops.linear import LinearPlan, run_linear_route
     from fp8linear.ops.router import Route
     from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref, quantize_activation_ref
@@ -411,7 +479,8 @@ def test_cutlass_plan_matches_the_route(cfg, m, n, k, bias):
     route = Route("cutlass", cfg)
     xs = [torch.randn(2, m, k, generator=gen, device="cuda").to(BF16) for _ in range(3)]
     plan = LinearPlan(route, xs[0], w_q, w_s, "block", b, None)
-    assert plan.calls
+    assert plan.prepared
+    assert len(plan.calls) == cfg.stream_k  # data-parallel kernels quantize in the library's call, stream-K on act_quant
     for x in xs:
         y = plan(x)
         assert y.shape == (2, m, n) and y.dtype == BF16

@@ -22,9 +22,12 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <new>
 
 // CUTLASS encodes three TMA descriptors per GEMM (A, B, y) through cuTensorMapEncodeTiled, and
@@ -205,11 +208,86 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
   return args;
 }
 
+// ---- Per-token 1x128 activation quantization, launched with the GEMM by _quant_run_prepared ----
+// The same bytes and scales as fp8linear/ops/quant.py's _act_quant_kernel on NVIDIA GPUs (its
+// hardware-rounding form, e4m3fn): per 128-wide group, amax = max |x| (NaN where the group holds
+// one) floored at kAmaxFloor, scale = amax / 448 correctly rounded, q = fp32(fp64(x) * fp64(1 /
+// scale)) clamped to +-448 (NaN kept), values of at most half the smallest subnormal set to +0,
+// then cvt.rn.satfinite. One warp per (row, group), four values per lane.
+constexpr float kQmax = 448.0f;           // fp8linear.formats.activation_max(e4m3fn)
+constexpr float kAmaxFloor = 1e-12f;      // fp8linear.reference.AMAX_FLOOR
+constexpr float kHalfTiny = 0.0009765625f;  // 2**-10: half of e4m3fn's smallest subnormal 2**-9
+constexpr int kQuantWarps = 4;            // warps (groups) per block
+
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
+__device__ __forceinline__ float clamp_keep_nan(float q) {
+  return q != q ? q : fminf(fmaxf(q, -kQmax), kQmax);
+}
+
+// x (m, k) bf16 with rows `x_stride` elements apart, k a multiple of 4 and rows 8-byte aligned;
+// q (m, k) e4m3fn and s (m, groups) fp32, row-major.
+__global__ void __launch_bounds__(kQuantWarps * 32) act_quant_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                    uint8_t* __restrict__ q, float* __restrict__ s,
+                                                                    int m, int k, int groups, long long x_stride) {
+  const long long item = static_cast<long long>(blockIdx.x) * kQuantWarps + threadIdx.x / 32;
+  if (item >= static_cast<long long>(m) * groups) return;
+  const int lane = threadIdx.x % 32;
+  const long long row = item / groups;
+  const int group = static_cast<int>(item % groups);
+  const int col = group * 128 + lane * 4;
+  const bool in_range = col < k;  // k % 4 == 0: a lane's four values are all in range or all out
+  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (in_range) load4(x + row * x_stride + col, v);
+  bool nan = false;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    nan |= v[i] != v[i];
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (__any_sync(0xffffffffu, nan)) amax = __int_as_float(0x7fc00000);  // NaN
+  amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
+  const float scale = __fdiv_rn(amax, kQmax);
+  const double inv_scale = 1.0 / static_cast<double>(scale);
+  if (lane == 0) s[row * groups + group] = scale;
+  if (!in_range) return;
+  float qv[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float t = clamp_keep_nan(__double2float_rn(static_cast<double>(v[i]) * inv_scale));
+    qv[i] = fabsf(t) <= kHalfTiny ? 0.0f : t;  // NaN compares false: kept
+  }
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(qv[2], qv[3]), __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<uint32_t*>(q + row * k + col) = lo | (hi << 16);
+}
+
+// 0, else 3000 + the cudaError_t of the launch.
+inline int launch_act_quant(const void* x, long long x_stride, void* q, void* s, int m, int k, cudaStream_t stream) {
+  const int groups = (k + 127) / 128;
+  const long long items = static_cast<long long>(m) * groups;
+  const unsigned blocks = static_cast<unsigned>((items + kQuantWarps - 1) / kQuantWarps);
+  act_quant_kernel<<<blocks, kQuantWarps * 32, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                            static_cast<uint8_t*>(q), static_cast<float*>(s), m, k,
+                                                            groups, x_stride);
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : 3000 + static_cast<int>(err);
+}
+
 }  // namespace FP8L_NAME
 
 using FP8L_NAME::Gemm;
 using FP8L_NAME::GemmKernel;
 using FP8L_NAME::make_arguments;
+using FP8L_NAME::launch_act_quant;
 
 #define FP8L_JOIN2(a, b) a##b
 #define FP8L_JOIN(a, b) FP8L_JOIN2(a, b)
@@ -307,3 +385,13 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _run_prepared)(const void* prepared, const v
 }
 
 extern "C" void FP8L_JOIN(FP8L_NAME, _release)(void* prepared) { delete static_cast<Params*>(prepared); }
+
+// Quantize x (m, k) bf16, rows x_stride elements apart, into q and s, as _run_prepared's a and
+// sfa, then enqueue the prepared GEMM: both on `stream`, from one host call. 0, else _run_prepared's
+// codes or 3000 + the cudaError_t of the quantization's launch.
+extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared)(const void* prepared, const void* x, long long x_stride,
+                                                         void* q, void* s, void* y, int m, int k, int device,
+                                                         cudaStream_t stream) {
+  if (int rc = launch_act_quant(x, x_stride, q, s, m, k, stream)) return rc;
+  return FP8L_JOIN(FP8L_NAME, _run_prepared)(prepared, q, s, y, device, stream);
+}
