@@ -184,17 +184,31 @@ def test_grouped_layers_on_the_interpreter_give_the_ungrouped_bits(monkeypatch):
 
 # ----------------------------------------------------------------------------- GPU
 def _count_quant_launches(monkeypatch) -> list[int]:
-    from fp8linear.ops import launch
+    """A counter of act_quant launches, and of the CUTLASS plans' quantizations in the library's call
+    (those of plans made after this call)."""
+    from fp8linear.ops import cutlass_gemm, launch
     from fp8linear.ops.quant import _act_quant_kernel
 
-    count, orig = [0], launch.KernelCall.launch
+    count, orig, orig_with = [0], launch.KernelCall.launch, cutlass_gemm.CutlassCall.with_quantization
 
     def spy(self, *args):
         if self.kernel is _act_quant_kernel:
             count[0] += 1
         return orig(self, *args)
 
+    def with_quantization(self):
+        fused = orig_with(self)
+        if fused is None:
+            return None
+
+        def counted(*args):
+            count[0] += 1
+            return fused(*args)
+
+        return counted
+
     monkeypatch.setattr(launch.KernelCall, "launch", spy)
+    monkeypatch.setattr(cutlass_gemm.CutlassCall, "with_quantization", with_quantization)
     return count
 
 
@@ -207,7 +221,8 @@ def _qkv(k: int, backend: str | None, seed: int) -> nn.Module:
     return parent
 
 
-# Routes whose plans quantize x with a separate launch, and the scale layout each reads.
+# Routes whose plans quantize x outside the GEMM kernel (a launch, or the CUTLASS library's call), and the
+# scale layout each reads.
 _LAYOUT = {"cublas": "m-major", "tiled": "row-major", "splitk": "row-major", "cutlass": "row-major"}
 
 
@@ -223,12 +238,13 @@ def test_a_group_gives_the_ungrouped_bits_with_fewer_quantizations(m, backend, m
     assert share_input_quantization(grouped) == 1
     x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
     names = ("q", "k", "v")
+    count = _count_quant_launches(monkeypatch)
     for _ in range(2):  # the first call of a shape is routed, the second makes the plans
         for name in names:
             getattr(grouped, name)(x)
     # a new input: an entry published for x in the rounds above would still serve x
     x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
-    count = _count_quant_launches(monkeypatch)
+    count[0] = 0
     got = [getattr(grouped, name)(x) for name in names]
     launched = count[0]
     want = [getattr(alone, name)(x) for name in names]
