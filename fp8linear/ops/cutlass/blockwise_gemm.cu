@@ -213,71 +213,84 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
 // hardware-rounding form, e4m3fn): per 128-wide group, amax = max |x| (NaN where the group holds
 // one) floored at kAmaxFloor, scale = amax / 448 correctly rounded, q = fp32(fp64(x) * fp64(1 /
 // scale)) clamped to +-448 (NaN kept), values of at most half the smallest subnormal set to +0,
-// then cvt.rn.satfinite. One warp per (row, group), four values per lane.
-constexpr float kQmax = 448.0f;           // fp8linear.formats.activation_max(e4m3fn)
-constexpr float kAmaxFloor = 1e-12f;      // fp8linear.reference.AMAX_FLOOR
+// then cvt.rn.satfinite. Half a warp per (row, group), eight values (one 16-byte load) per lane:
+// with 4-byte loads and one group per warp the kernel ran at about half of act_quant's bandwidth.
+constexpr float kQmax = 448.0f;             // fp8linear.formats.activation_max(e4m3fn)
+constexpr float kAmaxFloor = 1e-12f;        // fp8linear.reference.AMAX_FLOOR
 constexpr float kHalfTiny = 0.0009765625f;  // 2**-10: half of e4m3fn's smallest subnormal 2**-9
-constexpr int kQuantWarps = 4;            // warps (groups) per block
-
-__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-}
+constexpr int kQuantThreads = 256;          // 16 groups per block
 
 __device__ __forceinline__ float clamp_keep_nan(float q) {
   return q != q ? q : fminf(fmaxf(q, -kQmax), kQmax);
 }
 
-// x (m, k) bf16 with rows `x_stride` elements apart, k a multiple of 4 and rows 8-byte aligned;
+// x (m, k) bf16 with rows `x_stride` elements apart, k a multiple of 8 and rows 16-byte aligned;
 // q (m, k) e4m3fn and s (m, groups) fp32, row-major.
-__global__ void __launch_bounds__(kQuantWarps * 32) act_quant_kernel(const __nv_bfloat16* __restrict__ x,
-                                                                    uint8_t* __restrict__ q, float* __restrict__ s,
-                                                                    int m, int k, int groups, long long x_stride) {
-  const long long item = static_cast<long long>(blockIdx.x) * kQuantWarps + threadIdx.x / 32;
-  if (item >= static_cast<long long>(m) * groups) return;
-  const int lane = threadIdx.x % 32;
-  const long long row = item / groups;
-  const int group = static_cast<int>(item % groups);
-  const int col = group * 128 + lane * 4;
-  const bool in_range = col < k;  // k % 4 == 0: a lane's four values are all in range or all out
-  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if (in_range) load4(x + row * x_stride + col, v);
+__global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                 uint8_t* __restrict__ q, float* __restrict__ s,
+                                                                 int m, int k, int groups, long long x_stride) {
+  const long long item = (static_cast<long long>(blockIdx.x) * kQuantThreads + threadIdx.x) / 16;
+  const int lane16 = threadIdx.x % 16;
+  // every lane takes part in the shuffles below; lanes past the last group or K only load nothing
+  const bool active = item < static_cast<long long>(m) * groups;
+  const long long row = active ? item / groups : 0;
+  const int group = active ? static_cast<int>(item % groups) : 0;
+  const int col = group * 128 + lane16 * 8;
+  const bool in_range = active && col < k;  // k % 8 == 0: a lane's eight values are all in range or all out
+  float v[8];
+  if (in_range) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + row * x_stride + col);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+      v[2 * i] = pair.x, v[2 * i + 1] = pair.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+  }
   bool nan = false;
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 8; ++i) {
     nan |= v[i] != v[i];
     amax = fmaxf(amax, fabsf(v[i]));
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  if (__any_sync(0xffffffffu, nan)) amax = __int_as_float(0x7fc00000);  // NaN
+  for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const unsigned half_mask = (threadIdx.x % 32) < 16 ? 0x0000ffffu : 0xffff0000u;
+  if (__ballot_sync(0xffffffffu, nan) & half_mask) amax = __int_as_float(0x7fc00000);  // NaN
+  if (!active) return;
   amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
   const float scale = __fdiv_rn(amax, kQmax);
   const double inv_scale = 1.0 / static_cast<double>(scale);
-  if (lane == 0) s[row * groups + group] = scale;
+  if (lane16 == 0) s[row * groups + group] = scale;
   if (!in_range) return;
-  float qv[4];
+  uint32_t packed[2];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float t = clamp_keep_nan(__double2float_rn(static_cast<double>(v[i]) * inv_scale));
-    qv[i] = fabsf(t) <= kHalfTiny ? 0.0f : t;  // NaN compares false: kept
+  for (int w = 0; w < 2; ++w) {
+    float qv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float t = clamp_keep_nan(__double2float_rn(static_cast<double>(v[4 * w + i]) * inv_scale));
+      qv[i] = fabsf(t) <= kHalfTiny ? 0.0f : t;  // NaN compares false: kept
+    }
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(qv[2], qv[3]), __NV_SATFINITE, __NV_E4M3);
+    packed[w] = lo | (hi << 16);
   }
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(qv[2], qv[3]), __NV_SATFINITE, __NV_E4M3);
-  *reinterpret_cast<uint32_t*>(q + row * k + col) = lo | (hi << 16);
+  *reinterpret_cast<uint2*>(q + row * k + col) = make_uint2(packed[0], packed[1]);
 }
 
 // 0, else 3000 + the cudaError_t of the launch.
 inline int launch_act_quant(const void* x, long long x_stride, void* q, void* s, int m, int k, cudaStream_t stream) {
   const int groups = (k + 127) / 128;
-  const long long items = static_cast<long long>(m) * groups;
-  const unsigned blocks = static_cast<unsigned>((items + kQuantWarps - 1) / kQuantWarps);
-  act_quant_kernel<<<blocks, kQuantWarps * 32, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                            static_cast<uint8_t*>(q), static_cast<float*>(s), m, k,
-                                                            groups, x_stride);
+  const long long threads = static_cast<long long>(m) * groups * 16;
+  const unsigned blocks = static_cast<unsigned>((threads + kQuantThreads - 1) / kQuantThreads);
+  act_quant_kernel<<<blocks, kQuantThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                         static_cast<uint8_t*>(q), static_cast<float*>(s), m, k,
+                                                         groups, x_stride);
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? 0 : 3000 + static_cast<int>(err);
 }
