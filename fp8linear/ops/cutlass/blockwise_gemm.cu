@@ -261,11 +261,16 @@ __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfl
   for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   const unsigned half_mask = (threadIdx.x % 32) < 16 ? 0x0000ffffu : 0xffff0000u;
   if (__ballot_sync(0xffffffffu, nan) & half_mask) amax = __int_as_float(0x7fc00000);  // NaN
-  if (!active) return;
-  amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
-  const float scale = __fdiv_rn(amax, kQmax);
-  const double inv_scale = 1.0 / static_cast<double>(scale);
-  if (lane16 == 0) s[row * groups + group] = scale;
+  // the scale and its fp64 reciprocal once per group (its first lane), then shared: a division per
+  // lane cost more than the group's loads
+  double inv_scale = 0.0;
+  if (lane16 == 0 && active) {
+    amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
+    const float scale = __fdiv_rn(amax, kQmax);
+    inv_scale = 1.0 / static_cast<double>(scale);
+    s[row * groups + group] = scale;
+  }
+  inv_scale = __shfl_sync(0xffffffffu, inv_scale, threadIdx.x & 16);
   if (!in_range) return;
   uint32_t packed[2];
 #pragma unroll
