@@ -213,85 +213,98 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
 // hardware-rounding form, e4m3fn): per 128-wide group, amax = max |x| (NaN where the group holds
 // one) floored at kAmaxFloor, scale = amax / 448 correctly rounded, q = fp32(fp64(x) * fp64(1 /
 // scale)) clamped to +-448 (NaN kept), values of at most half the smallest subnormal set to +0,
-// then cvt.rn.satfinite. Half a warp per (row, group), eight values (one 16-byte load) per lane:
-// with 4-byte loads and one group per warp the kernel ran at about half of act_quant's bandwidth.
+// then cvt.rn.satfinite. Eight values (one 16-byte load) per lane and group, a group per half warp.
 constexpr float kQmax = 448.0f;             // fp8linear.formats.activation_max(e4m3fn)
 constexpr float kAmaxFloor = 1e-12f;        // fp8linear.reference.AMAX_FLOOR
 constexpr float kHalfTiny = 0.0009765625f;  // 2**-10: half of e4m3fn's smallest subnormal 2**-9
-constexpr int kQuantThreads = 256;          // 16 groups per block
+constexpr int kQuantThreads = 256;          // 16 half warps per block
+constexpr int kGroupsPerHalfWarp = 4;       // loads in flight per lane before the first reduction
 
 __device__ __forceinline__ float clamp_keep_nan(float q) {
   return q != q ? q : fminf(fmaxf(q, -kQmax), kQmax);
 }
 
 // x (m, k) bf16 with rows `x_stride` elements apart, k a multiple of 8 and rows 16-byte aligned;
-// q (m, k) e4m3fn and s (m, groups) fp32, row-major.
+// q (m, k) e4m3fn and s (m, groups) fp32, row-major. Half a warp takes kGroupsPerHalfWarp
+// consecutive groups, all their loads issued before any group is reduced.
 __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  uint8_t* __restrict__ q, float* __restrict__ s,
                                                                  int m, int k, int groups, long long x_stride) {
-  const long long item = (static_cast<long long>(blockIdx.x) * kQuantThreads + threadIdx.x) / 16;
+  // m * groups < 2**31 (launch_act_quant checks): 32-bit indices, and 32-bit divisions below
+  const int first =
+      static_cast<int>((static_cast<long long>(blockIdx.x) * kQuantThreads + threadIdx.x) / 16) * kGroupsPerHalfWarp;
+  const int items = m * groups;
   const int lane16 = threadIdx.x % 16;
-  // every lane takes part in the shuffles below; lanes past the last group or K only load nothing
-  const bool active = item < static_cast<long long>(m) * groups;
-  const long long row = active ? item / groups : 0;
-  const int group = active ? static_cast<int>(item % groups) : 0;
-  const int col = group * 128 + lane16 * 8;
-  const bool in_range = active && col < k;  // k % 8 == 0: a lane's eight values are all in range or all out
-  float v[8];
-  if (in_range) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + row * x_stride + col);
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  const unsigned half_mask = (threadIdx.x % 32) < 16 ? 0x0000ffffu : 0xffff0000u;
+  uint4 raw[kGroupsPerHalfWarp];
+#pragma unroll
+  for (int j = 0; j < kGroupsPerHalfWarp; ++j) {
+    const int item = first + j;
+    const long long row = item / groups;
+    const int col = (item % groups) * 128 + lane16 * 8;
+    // k % 8 == 0: a lane's eight values are all in range or all out
+    raw[j] = item < items && col < k ? *reinterpret_cast<const uint4*>(x + row * x_stride + col)
+                                     : make_uint4(0u, 0u, 0u, 0u);  // bf16 zeros
+  }
+#pragma unroll
+  for (int j = 0; j < kGroupsPerHalfWarp; ++j) {
+    // every lane takes part in the shuffles; lanes past the last group or K store nothing
+    const int item = first + j;
+    const bool active = item < items;
+    const long long row = item / groups;
+    const int group = item % groups;
+    const int col = group * 128 + lane16 * 8;
+    const uint32_t words[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+    float v[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
       v[2 * i] = pair.x, v[2 * i + 1] = pair.y;
     }
-  } else {
+    bool nan = false;
+    float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-  }
-  bool nan = false;
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    nan |= v[i] != v[i];
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-#pragma unroll
-  for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const unsigned half_mask = (threadIdx.x % 32) < 16 ? 0x0000ffffu : 0xffff0000u;
-  if (__ballot_sync(0xffffffffu, nan) & half_mask) amax = __int_as_float(0x7fc00000);  // NaN
-  // the scale and its fp64 reciprocal once per group (its first lane), then shared: a division per
-  // lane cost more than the group's loads
-  double inv_scale = 0.0;
-  if (lane16 == 0 && active) {
-    amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
-    const float scale = __fdiv_rn(amax, kQmax);
-    inv_scale = 1.0 / static_cast<double>(scale);
-    s[row * groups + group] = scale;
-  }
-  inv_scale = __shfl_sync(0xffffffffu, inv_scale, threadIdx.x & 16);
-  if (!in_range) return;
-  uint32_t packed[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    float qv[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float t = clamp_keep_nan(__double2float_rn(static_cast<double>(v[4 * w + i]) * inv_scale));
-      qv[i] = fabsf(t) <= kHalfTiny ? 0.0f : t;  // NaN compares false: kept
+    for (int i = 0; i < 8; ++i) {
+      nan |= v[i] != v[i];
+      amax = fmaxf(amax, fabsf(v[i]));
     }
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(qv[2], qv[3]), __NV_SATFINITE, __NV_E4M3);
-    packed[w] = lo | (hi << 16);
+#pragma unroll
+    for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (__ballot_sync(0xffffffffu, nan) & half_mask) amax = __int_as_float(0x7fc00000);  // NaN
+    // the scale and its fp64 reciprocal (correctly rounded, as 1.0 / scale) once per group, on its
+    // first lane, then shared with the others
+    double inv_scale = 0.0;
+    if (lane16 == 0 && active) {
+      amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
+      const float scale = __fdiv_rn(amax, kQmax);
+      inv_scale = __drcp_rn(static_cast<double>(scale));
+      s[row * groups + group] = scale;
+    }
+    inv_scale = __shfl_sync(0xffffffffu, inv_scale, threadIdx.x & 16);
+    if (!active || col >= k) continue;
+    uint32_t packed[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      float qv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float t = clamp_keep_nan(__double2float_rn(static_cast<double>(v[4 * w + i]) * inv_scale));
+        qv[i] = fabsf(t) <= kHalfTiny ? 0.0f : t;  // NaN compares false: kept
+      }
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(qv[2], qv[3]), __NV_SATFINITE, __NV_E4M3);
+      packed[w] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint2*>(q + row * k + col) = make_uint2(packed[0], packed[1]);
   }
-  *reinterpret_cast<uint2*>(q + row * k + col) = make_uint2(packed[0], packed[1]);
 }
 
 // 0, else 3000 + the cudaError_t of the launch.
 inline int launch_act_quant(const void* x, long long x_stride, void* q, void* s, int m, int k, cudaStream_t stream) {
   const int groups = (k + 127) / 128;
-  const long long threads = static_cast<long long>(m) * groups * 16;
+  const long long items = static_cast<long long>(m) * groups;
+  if (items + kGroupsPerHalfWarp > (1ll << 31) - 1) return 3000 + static_cast<int>(cudaErrorInvalidValue);
+  const long long threads = (items + kGroupsPerHalfWarp - 1) / kGroupsPerHalfWarp * 16;
   const unsigned blocks = static_cast<unsigned>((threads + kQuantThreads - 1) / kQuantThreads);
   act_quant_kernel<<<blocks, kQuantThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
                                                          static_cast<uint8_t*>(q), static_cast<float*>(s), m, k,
