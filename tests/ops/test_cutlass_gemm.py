@@ -461,6 +461,39 @@ def test_library_quantization_gives_act_quant_bytes(m, k, planted):
 
 @pytest.mark.gpu
 @needs_cutlass
+def test_library_quantization_matches_act_quant_on_every_bf16_value_under_many_scales():
+    """Every finite bf16 value, quantized in groups whose amax sets 160 scales from 2**-130 to 2**127
+    (random mantissas and signs): the library's quantization gives act_quant's bytes and scales."""
+    from fp8linear.ops.quant import act_quant
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    values = torch.arange(-32768, 32768, dtype=torch.int32, device="cuda").to(torch.int16).view(BF16).float()
+    values = values[values.isfinite()]
+    exponents = torch.linspace(-130, 126, 160, device="cuda")
+    amaxes = (torch.exp2(exponents) * (1 + torch.rand(160, generator=gen, device="cuda"))).to(BF16).float()
+    groups = []
+    for amax in amaxes.tolist():
+        fit = values[values.abs() <= amax]
+        fit = torch.cat([fit, fit.new_zeros(-fit.numel() % 127)]).view(-1, 127)
+        lead = torch.full((fit.shape[0], 1), amax, device="cuda")
+        lead = lead * (torch.randint(0, 2, lead.shape, generator=gen, device="cuda") * 2 - 1)
+        groups.append(torch.cat([lead, fit], 1))
+    x = torch.cat(groups)
+    x = torch.cat([x, x.new_zeros(-x.shape[0] % 16, 128)]).view(-1, 2048).to(BF16)
+    m, k = x.shape
+    _, _, w_q, w_s, _ = _operands(1, 128, k, False, gen)
+    fused = cutlass_gemm.CutlassCall(w_q, w_s, None, m, CutlassConfig(128)).with_quantization()
+    q = torch.empty(m, k, dtype=FP8, device="cuda")
+    s = torch.empty(m, k // 128, dtype=torch.float32, device="cuda")
+    y = torch.empty(m, 128, dtype=BF16, device="cuda")
+    fused(x.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr())
+    ref_q, ref_s = act_quant(x, FP8)
+    assert torch.equal(s.view(torch.int32), ref_s.contiguous().view(torch.int32))
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@needs_cutlass
 @pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CANDIDATES, ids=lambda c: c.name)
 @pytest.mark.parametrize("m", [1, 77, 130, 1000])
 @pytest.mark.parametrize("n,k", [(2112, 576), (576, 2112), (7168, 2048)])

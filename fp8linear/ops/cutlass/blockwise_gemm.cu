@@ -211,14 +211,26 @@ typename Gemm::Arguments make_arguments(const void* a, const void* sfa, const vo
 // ---- Per-token 1x128 activation quantization, launched with the GEMM by _quant_run_prepared ----
 // The same bytes and scales as fp8linear/ops/quant.py's _act_quant_kernel on NVIDIA GPUs (its
 // hardware-rounding form, e4m3fn): per 128-wide group, amax = max |x| (NaN where the group holds
-// one) floored at kAmaxFloor, scale = amax / 448 correctly rounded, q = fp32(fp64(x) * fp64(1 /
-// scale)) clamped to +-448 (NaN kept), values of at most half the smallest subnormal set to +0,
-// then cvt.rn.satfinite. Eight values (one 16-byte load) per lane and group, a group per half warp.
+// one) floored at kAmaxFloor, scale = amax / 448 correctly rounded, q = x / scale correctly rounded
+// (divide below) clamped to +-448 (NaN kept), values of at most half the smallest subnormal set to
+// +0, then cvt.rn.satfinite. Eight values (one 16-byte load) per lane and group, a group per half warp.
 constexpr float kQmax = 448.0f;             // fp8linear.formats.activation_max(e4m3fn)
 constexpr float kAmaxFloor = 1e-12f;        // fp8linear.reference.AMAX_FLOOR
 constexpr float kHalfTiny = 0.0009765625f;  // 2**-10: half of e4m3fn's smallest subnormal 2**-9
 constexpr int kQuantThreads = 256;          // 16 half warps per block
 constexpr int kGroupsPerHalfWarp = 4;       // loads in flight per lane before the first reduction
+
+// x / scale correctly rounded, from inv = RN(1 / scale): q = RN(x * inv) is within an ulp of the
+// quotient, the remainder x - q * scale is exact in one fma, and RN(q + remainder * inv) is the
+// correctly rounded quotient (Markstein's theorem, for quotients in fp32's normal range; smaller
+// ones, below 2**-126, become FP8 zeros either way). That is act_quant's value: it rounds the fp64
+// product fp64(x) * fp64(1 / scale) to fp32, which it shows to be the correctly rounded quotient. An
+// infinite scale (a group holding an Inf) gives x * 0, as act_quant's product does (NaN for the Inf).
+__device__ __forceinline__ float divide(float x, float scale, float inv) {
+  const float q = __fmul_rn(x, inv);
+  if (isinf(scale)) return q;
+  return __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
+}
 
 __device__ __forceinline__ float clamp_keep_nan(float q) {
   return q != q ? q : fminf(fmaxf(q, -kQmax), kQmax);
@@ -271,16 +283,15 @@ __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfl
 #pragma unroll
     for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     if (__ballot_sync(0xffffffffu, nan) & half_mask) amax = __int_as_float(0x7fc00000);  // NaN
-    // the scale and its fp64 reciprocal (correctly rounded, as 1.0 / scale) once per group, on its
-    // first lane, then shared with the others
-    double inv_scale = 0.0;
+    // the scale and its correctly rounded reciprocal once per group, on its first lane, then shared
+    float scale = 0.0f;
     if (lane16 == 0 && active) {
       amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
-      const float scale = __fdiv_rn(amax, kQmax);
-      inv_scale = __drcp_rn(static_cast<double>(scale));
+      scale = __fdiv_rn(amax, kQmax);
       s[row * groups + group] = scale;
     }
-    inv_scale = __shfl_sync(0xffffffffu, inv_scale, threadIdx.x & 16);
+    scale = __shfl_sync(0xffffffffu, scale, threadIdx.x & 16);
+    const float inv_scale = __frcp_rn(scale);
     if (!active || col >= k) continue;
     uint32_t packed[2];
 #pragma unroll
@@ -288,7 +299,7 @@ __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfl
       float qv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float t = clamp_keep_nan(__double2float_rn(static_cast<double>(v[4 * w + i]) * inv_scale));
+        const float t = clamp_keep_nan(divide(v[4 * w + i], scale, inv_scale));
         qv[i] = fabsf(t) <= kHalfTiny ? 0.0f : t;  // NaN compares false: kept
       }
       const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);
