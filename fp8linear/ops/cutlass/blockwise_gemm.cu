@@ -258,48 +258,51 @@ __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfl
     raw[j] = item < items && col < k ? *reinterpret_cast<const uint4*>(x + row * x_stride + col)
                                      : make_uint4(0u, 0u, 0u, 0u);  // bf16 zeros
   }
+  // the groups side by side at every step (independent chains: their latencies overlap)
+  float v[kGroupsPerHalfWarp][8], amax[kGroupsPerHalfWarp];
+  bool nan[kGroupsPerHalfWarp];
 #pragma unroll
   for (int j = 0; j < kGroupsPerHalfWarp; ++j) {
-    // every lane takes part in the shuffles; lanes past the last group or K store nothing
-    const int item = first + j;
-    const bool active = item < items;
-    const long long row = item / groups;
-    const int group = item % groups;
-    const int col = group * 128 + lane16 * 8;
     const uint32_t words[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
-    float v[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-      v[2 * i] = pair.x, v[2 * i + 1] = pair.y;
+      v[j][2 * i] = pair.x, v[j][2 * i + 1] = pair.y;
     }
-    bool nan = false;
-    float amax = 0.0f;
+    nan[j] = false;
+    amax[j] = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      nan |= v[i] != v[i];
-      amax = fmaxf(amax, fabsf(v[i]));
+      nan[j] |= v[j][i] != v[j][i];
+      amax[j] = fmaxf(amax[j], fabsf(v[j][i]));
     }
+  }
 #pragma unroll
-    for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (__ballot_sync(0xffffffffu, nan) & half_mask) amax = __int_as_float(0x7fc00000);  // NaN
-    // the scale and its correctly rounded reciprocal once per group, on its first lane, then shared
-    float scale = 0.0f;
-    if (lane16 == 0 && active) {
-      amax = amax != amax ? amax : fmaxf(amax, kAmaxFloor);
-      scale = __fdiv_rn(amax, kQmax);
-      s[row * groups + group] = scale;
-    }
-    scale = __shfl_sync(0xffffffffu, scale, threadIdx.x & 16);
+  for (int offset = 8; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerHalfWarp; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], offset));
+  }
+#pragma unroll
+  for (int j = 0; j < kGroupsPerHalfWarp; ++j) {
+    // every lane takes part in the shuffles above; lanes past the last group or K store nothing
+    if (__ballot_sync(0xffffffffu, nan[j]) & half_mask) amax[j] = __int_as_float(0x7fc00000);  // NaN
+    const int item = first + j;
+    if (item >= items) continue;
+    const long long row = item / groups;
+    const int group = item % groups;
+    const int col = group * 128 + lane16 * 8;
+    // every lane of the group computes its scale and the scale's correctly rounded reciprocal
+    const float scale = __fdiv_rn(amax[j] != amax[j] ? amax[j] : fmaxf(amax[j], kAmaxFloor), kQmax);
     const float inv_scale = __frcp_rn(scale);
-    if (!active || col >= k) continue;
+    if (lane16 == 0) s[row * groups + group] = scale;
+    if (col >= k) continue;
     uint32_t packed[2];
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       float qv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float t = clamp_keep_nan(divide(v[4 * w + i], scale, inv_scale));
+        const float t = clamp_keep_nan(divide(v[j][4 * w + i], scale, inv_scale));
         qv[i] = fabsf(t) <= kHalfTiny ? 0.0f : t;  // NaN compares false: kept
       }
       const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);
