@@ -31,7 +31,7 @@ from .fused_gemv import _fused_fp8_gemv_kernel, fused_fp8_gemv, fused_gemv_args
 from .gemm import _block_fp8_gemm_kernel, run_gemm_route, tiled_args
 from .launch import KernelCall, Scratch, aligned
 from .quant import _act_quant_kernel, act_quant, act_quant_args, act_quant_outputs, cublas_rows
-from .router import Route, act_quant_launch, dense_scale, route_linear, tma_ok
+from .router import Route, act_quant_launch, dense_scale, route_linear, tma_ok, use_library_quantization
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
 __all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "SharedActivations", "fp8_linear_tokens",
@@ -310,7 +310,7 @@ class LinearPlan:
     cuBLAS's layout, one prepared quantization launch); without it a cuBLAS plan makes its own.
     """
 
-    __slots__ = ("route", "run", "prepared", "calls", "capture_calls")
+    __slots__ = ("route", "run", "calls", "capture_calls")
 
     def __init__(self, route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, counters: torch.Tensor | None, capture_route: Route | None = None,
@@ -324,18 +324,15 @@ class LinearPlan:
         capture_calls: tuple[KernelCall, ...] = ()
         if capture_route is not None and capture_route != route and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
-            capture_run, prepared_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters,
-                                                        cublas_linear, None)
-            capture_calls = prepared_calls or ()
+            capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters,
+                                                       cublas_linear, None)
             eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
 
             def run(x: torch.Tensor) -> torch.Tensor:
                 return capture_run(x) if is_capturing() else eager_run(x)
 
         self.run: Callable[[torch.Tensor], torch.Tensor] = run
-        self.prepared = calls is not None  # whether the eager route runs a prepared form (else run_linear_route)
-        # its prepared Triton launches (none: unprepared, or a CUTLASS plan quantizing in the library's call)
-        self.calls: tuple[KernelCall, ...] = calls or ()
+        self.calls: tuple[KernelCall, ...] = calls  # the prepared launches of the eager route (none: unprepared)
         self.capture_calls = capture_calls  # those run under CUDA-graph capture, where the route differs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,9 +344,7 @@ class LinearPlan:
     def _prepare(route: Route, x_in: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, counters: torch.Tensor | None,
                  cublas_linear: Callable[[], CublasLinear],
-                 share: SharedActivations | None) -> tuple[Callable, tuple[KernelCall, ...] | None]:
-        """(run, the prepared Triton launches), or (a call of run_linear_route, None) where the route
-        has no prepared form."""
+                 share: SharedActivations | None) -> tuple[Callable, tuple[KernelCall, ...]]:
         k = x_in.shape[-1]
         x = x_in.reshape(-1, k)
         m, n = x.shape[0], w_q.shape[0]
@@ -360,7 +355,7 @@ class LinearPlan:
             return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, counters).reshape(out_shape)
 
         if m == 0 or n == 0 or k == 0 or route.kernel in ("persistent", "ws") or not aligned(x):
-            return unprepared, None
+            return unprepared, ()
         fp8_dtype = w_q.dtype
         if route.kernel == "cublas":
             runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
@@ -381,7 +376,7 @@ class LinearPlan:
             tile_counters, sync = split_counters(counters, m, n, route.config, device)
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, tile_counters)
             if tile_counters is None:
-                return unprepared, None  # no counters to count in: fresh counters per call, as unprepared
+                return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
             scratch = Scratch(quant_bufs + ([(part_shape, torch.float32)] if part_shape else []))
             x_q0, x_s0, *part0 = scratch.views(scratch.allocate(device))
             grid, args, options = fused_decode_args(x, x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
@@ -424,7 +419,7 @@ class LinearPlan:
         if route.kernel == "splitk":
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, counters)
             if part_shape is not None and count is not counters:
-                return unprepared, None  # no counters to count in: fresh counters per call, as unprepared
+                return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
         scratch = Scratch(quant_bufs + ([(part_shape, torch.float32)] if part_shape else []))
         x_q0, x_s0, *part0 = scratch.views(scratch.allocate(device))
         grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
@@ -471,18 +466,17 @@ class LinearPlan:
                          bias: torch.Tensor | None, out_shape: tuple[int, ...], quant_bufs: list,
                          share: SharedActivations | None) -> tuple[Callable, tuple[KernelCall, ...]]:
         """act_quant (row-major scales), then the CUTLASS GEMM called on raw addresses; the quantized
-        activations, their scales and CUTLASS's workspace share one allocation. Where the GEMM's
-        parameters are prepared (data-parallel kernels), one host call launches both: the library's
-        own quantization kernel (act_quant's bytes and scales), then the GEMM."""
+        activations, their scales and CUTLASS's workspace share one allocation. Eagerly, on inputs
+        the router gives to it (:func:`fp8linear.ops.router.use_library_quantization`), a prepared
+        GEMM's call quantizes x itself: both kernels from one host call (act_quant's bytes)."""
         m, device = x.shape[0], x.device
         gemm = CutlassCall(w_q, w_s, bias, m, route.config, granularity)
-        fused = gemm.with_quantization() if x.dtype == torch.bfloat16 else None
+        fused = gemm.with_quantization() if use_library_quantization(m, x.shape[1], x.dtype) else None
+        capturing = torch.cuda.is_current_stream_capturing
         scratch = Scratch(quant_bufs + [((max(gemm.workspace_bytes, 1),), torch.uint8)])
-        quant = None
-        if fused is None:
-            x_q0, x_s0, _ = scratch.views(scratch.allocate(device))
-            grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
-            quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
+        x_q0, x_s0, _ = scratch.views(scratch.allocate(device))
+        grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
+        quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
         nbytes, has_workspace = scratch.nbytes, gemm.workspace_bytes > 0
         key = (m, x.shape[1], w_q.dtype, "row-major")
         if share is not None:
@@ -495,7 +489,7 @@ class LinearPlan:
             shared = share.lookup(x, key) if share is not None else None
             if shared is not None:  # a sibling linear quantized this very input already
                 q, s = shared
-            elif fused is not None:
+            elif fused is not None and not capturing():  # eager: host time, not GPU time, sets the pace
                 fused(x.data_ptr(), q, s, y.data_ptr())
                 if share is not None:
                     share.publish(x, key, q, s, buf)
@@ -511,4 +505,4 @@ class LinearPlan:
             gemm(q, s, y.data_ptr(), ws if has_workspace else None)
             return y
 
-        return run_cutlass, (() if quant is None else (quant,))
+        return run_cutlass, (quant,)

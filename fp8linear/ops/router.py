@@ -111,6 +111,7 @@ __all__ = [
     "FUSED_GEMV_MAX_WEIGHT",
     "GROUPED_WIDE_TILE_MAX_ROWS",
     "KERNELS",
+    "LIB_QUANT_MAX_ELEMENTS",
     "LONG_SPLITK_K",
     "MID_M_CONFIG",
     "MID_SPLIT_TILE",
@@ -160,6 +161,7 @@ __all__ = [
     "use_cpu_half_gemv",
     "use_cpu_native",
     "use_fused_gemv",
+    "use_library_quantization",
     "use_n_major_scales",
     "use_pdl",
     "use_persistent",
@@ -423,6 +425,14 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # 16-19 us of host time). H100, same script, M 96-2048: the router's choice 0.977x its time without
 # CUTLASS, the fastest forced CUTLASS config 0.992x the router's: the same rule holds there.
 EAGER_CUTLASS_MIN_MNK = 6 * 10**9
+# Eager CUTLASS plans quantize inputs of at most this many elements in the library's own call
+# (fp8linear.ops.cutlass_gemm.CutlassCall.with_quantization): one host call instead of act_quant's
+# Triton launch and the GEMM's, 12-16% less host time per call (H200, benchmarks/eager_cutlass_ab.py,
+# geomean over 18 cases), for 1.2-1.4x act_quant's GPU time (benchmarks/library_quant_probe.py,
+# CUDA graphs: 512x7168 6.5 against 5.6 us, 1024x7168 10.0 against 7.9, 2048x18432 42.5 against
+# 31.1). Up to 2**22 elements (512x7168) the GPU pays under a microsecond for 3-4 us of host time;
+# above it the GEMM's GPU time sets the eager pace (2112x7168 M=1024: 53 us of GPU time, 25 of host).
+LIB_QUANT_MAX_ELEMENTS = 1 << 22
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -867,6 +877,12 @@ def _one_split(cfg: GemmConfig) -> SplitKConfig | None:
         return None
     return SplitKConfig(block_m=cfg.block_m, block_n=cfg.block_n, split_k=1, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)
+
+
+def use_library_quantization(m: int, k: int, x_dtype: torch.dtype) -> bool:
+    """Whether an eager CUTLASS plan for an (m, k) input quantizes it in the library's call
+    (bf16 inputs of at most LIB_QUANT_MAX_ELEMENTS; CUDA-graph capture always takes act_quant)."""
+    return x_dtype == torch.bfloat16 and m * k <= LIB_QUANT_MAX_ELEMENTS
 
 
 def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:

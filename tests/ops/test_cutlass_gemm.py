@@ -362,7 +362,7 @@ def test_cutlass_row_weights_through_the_layer(monkeypatch):
     for _ in range(3):  # first call routed, then planned
         assert same_bits(layer(x), expected)
     plan = next(iter(layer._plans.values()))
-    assert plan.route.kernel == "cutlass" and plan.prepared and plan.calls == ()  # quantized in the library's call
+    assert plan.route.kernel == "cutlass" and plan.calls
     assert same_bits(torch.compile(layer, fullgraph=True)(x), expected)
 
 
@@ -418,8 +418,7 @@ def test_cutlass_through_the_router(monkeypatch):
     for _ in range(3):  # first call routed, then planned
         assert same_bits(layer(x), expected)
     plan = next(iter(layer._plans.values()))
-    assert plan.route.kernel == "cutlass" and plan.prepared  # a prepared plan, not the unprepared route
-    assert plan.calls == ()  # the data-parallel kernel quantizes its input in the library's call
+    assert plan.route.kernel == "cutlass" and plan.calls  # a prepared plan, not the unprepared route
 
 
 @pytest.mark.gpu
@@ -494,15 +493,68 @@ def test_library_quantization_matches_act_quant_on_every_bf16_value_under_many_s
 
 @pytest.mark.gpu
 @needs_cutlass
+def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypatch):
+    """An eager CUTLASS plan on a bf16 input of at most LIB_QUANT_MAX_ELEMENTS quantizes it in the
+    library's call (one per forward), a larger one and every CUDA-graph capture through act_quant;
+    the bits are run_linear_route's either way."""
+    from fp8linear.ops import router
+    from fp8linear.ops.linear import LinearPlan, run_linear_route
+    from fp8linear.ops.router import Route
+
+    calls, real = [], cutlass_gemm.CutlassCall.with_quantization
+
+    def counting(self):
+        fused = real(self)
+        if fused is None:
+            return None
+
+        def run(*args):
+            calls.append(args)
+            return fused(*args)
+
+        return run
+
+    monkeypatch.setattr(cutlass_gemm.CutlassCall, "with_quantization", counting)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    n, k = 576, 2112
+    route = Route("cutlass", CutlassConfig(64))
+    _, _, w_q, w_s, _ = _operands(1, n, k, False, gen)
+    cut = router.LIB_QUANT_MAX_ELEMENTS // k
+    for m, in_library in ((100, True), (cut, True), (cut + 1, False)):
+        x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+        plan = LinearPlan(route, x, w_q, w_s, "block", None, None)
+        calls.clear()
+        y = plan(x)
+        assert len(calls) == in_library
+        assert same_bits(y, run_linear_route(route, x, w_q, w_s, "block", None))
+        graph, out = capture_graph(plan, x)  # a warm-up call, then the capture
+        assert len(calls) == 2 * in_library
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same_bits(out, y)
+
+
+def test_library_quantization_rule():
+    from fp8linear.ops import router
+
+    cut = router.LIB_QUANT_MAX_ELEMENTS
+    assert router.use_library_quantization(cut // 7168, 7168, BF16)
+    assert not router.use_library_quantization(cut // 7168 + 1, 7168, BF16)
+    assert not router.use_library_quantization(1, 7168, torch.float16)  # the library reads bf16 only
+
+
+@pytest.mark.gpu
+@needs_cutlass
 @pytest.mark.parametrize("cfg", cutlass_gemm.CUTLASS_CANDIDATES, ids=lambda c: c.name)
 @pytest.mark.parametrize("m", [1, 77, 130, 1000])
 @pytest.mark.parametrize("n,k", [(2112, 576), (576, 2112), (7168, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cutlass_plan_matches_the_route(cfg, m, n, k, bias):
-    """A LinearPlan on a CUTLASS route (the library's quantization and GEMM in one call for the
-    data-parallel kernels; act_quant, then the call, for stream-K, whose workspace shares the scratch
-    buffer) gives run_linear_route's bits on new inputs, with leading dimensions, and within the
-    bf16 bound of the float64 product; the same under CUDA-graph capture."""
+    """A LinearPlan on a CUTLASS route (eagerly, the library's quantization and GEMM in one call for
+    the data-parallel kernels on inputs up to LIB_QUANT_MAX_ELEMENTS; else, and under CUDA-graph
+    capture, act_quant, then the call, stream-K's workspace in the scratch buffer) gives
+    run_linear_route's bits on new inputs, with leading dimensions, and within the bf16 bound of the
+    float64 product; the same under CUDA-graph capture."""
     from fp8linear.ops.linear import LinearPlan, run_linear_route
     from fp8linear.ops.router import Route
     from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref, quantize_activation_ref
@@ -512,8 +564,7 @@ def test_cutlass_plan_matches_the_route(cfg, m, n, k, bias):
     route = Route("cutlass", cfg)
     xs = [torch.randn(2, m, k, generator=gen, device="cuda").to(BF16) for _ in range(3)]
     plan = LinearPlan(route, xs[0], w_q, w_s, "block", b, None)
-    assert plan.prepared
-    assert len(plan.calls) == cfg.stream_k  # data-parallel kernels quantize in the library's call, stream-K on act_quant
+    assert plan.calls
     for x in xs:
         y = plan(x)
         assert y.shape == (2, m, n) and y.dtype == BF16
