@@ -164,18 +164,24 @@ def test_cutlass_call_checks_its_inputs(monkeypatch):
     assert held.shape == (4, 256) and held.is_contiguous() and torch.equal(held.t(), k_major)
 
 
-def test_cutlass_call_prepares_data_parallel_kernels(monkeypatch):
-    """A data-parallel config's parameters are prepared once, with the weight's addresses, and a call
-    passes only the activations', scales' and output's addresses to the prepared launch; stream-K
-    configs (no prepared GEMM from the C side) run the per-call entry point. Released with the call."""
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """(fake entry points, a 256x512 e4m3fn weight, its scales): CPU tensors that say they are on
+    GPU 0 of one, 132 SMs, current stream 77."""
     fake = _FakeEntryPoints()
     monkeypatch.setattr(cutlass_gemm, "_library", lambda: fake)
     monkeypatch.setattr(cutlass_gemm, "sm_count", lambda device: 132)
     monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
-    w = torch.zeros(256, 512, dtype=torch.uint8).view(FP8)
-    w_s = torch.ones(2, 4)
+    return fake, torch.zeros(256, 512, dtype=torch.uint8).view(FP8), torch.ones(2, 4)
+
+
+def test_cutlass_call_prepares_data_parallel_kernels(fake_gpu):
+    """A data-parallel config's parameters are prepared once, with the weight's addresses, and a call
+    passes only the activations', scales' and output's addresses to the prepared launch; stream-K
+    configs (no prepared GEMM from the C side) run the per-call entry point. Released with the call."""
+    fake, w, w_s = fake_gpu
     call = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128))
     assert fake.prepared == [((CutlassConfig(128), False, "block"),
                               (w.data_ptr(), w_s.data_ptr(), None, 8, 256, 512, 0, 132))]
@@ -196,18 +202,11 @@ def test_cutlass_call_prepares_data_parallel_kernels(monkeypatch):
     assert once.prepared is None and len(fake.prepared) == 2  # the stream-K call asked, this one did not
 
 
-def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(monkeypatch):
+def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     """with_quantization gives a prepared GEMM's one-call form: the prepared parameters, x's address
     and row length (K), the quantized buffers, the output, M, K, the device and the current stream go
     to the C entry point; none for unprepared calls; a failed status is an error naming the GEMM."""
-    fake = _FakeEntryPoints()
-    monkeypatch.setattr(cutlass_gemm, "_library", lambda: fake)
-    monkeypatch.setattr(cutlass_gemm, "sm_count", lambda device: 132)
-    monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
-    w = torch.zeros(256, 512, dtype=torch.uint8).view(FP8)
-    w_s = torch.ones(2, 4)
+    fake, w, w_s = fake_gpu
     call = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64))
     fused = call.with_quantization()
     del call  # the fused call keeps the prepared parameters alive
