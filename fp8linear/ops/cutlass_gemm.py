@@ -354,7 +354,6 @@ class CutlassCall:
             m, n, k = self.shape
             raise RuntimeError(f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} failed with status {rc}")
 
-
     def with_quantization(self) -> Callable[[int, int, int, int], None] | None:
         """A call ``f(x, x_q, x_s, y)`` that quantizes x (M, K) bf16, contiguous, per token in 1x128
         groups into x_q (M, K) e4m3fn and x_s (M, ceil(K/128)) fp32 row-major (the bytes and scales

@@ -427,8 +427,9 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 EAGER_CUTLASS_MIN_MNK = 6 * 10**9
 # Eager CUTLASS plans quantize inputs of at most this many elements in the library's own call
 # (fp8linear.ops.cutlass_gemm.CutlassCall.with_quantization): one host call instead of act_quant's
-# Triton launch and the GEMM's, 12-16% less host time per call (H200, benchmarks/eager_cutlass_ab.py,
-# geomean over 18 cases), for 1.2-1.4x act_quant's GPU time (benchmarks/library_quant_probe.py,
+# Triton launch and the GEMM's, 11-16% less host time per call (H200, benchmarks/eager_cutlass_ab.py,
+# geomean over 18 cases, five runs; an H100 host, with this cut: eager wall 0.92-0.94x at M 256-512),
+# for 1.2-1.4x act_quant's GPU time (benchmarks/library_quant_probe.py,
 # CUDA graphs: 512x7168 6.5 against 5.6 us, 1024x7168 10.0 against 7.9, 2048x18432 42.5 against
 # 31.1). Up to 2**22 elements (512x7168) the GPU pays under a microsecond for 3-4 us of host time;
 # above it the GEMM's GPU time sets the eager pace (2112x7168 M=1024: 53 us of GPU time, 25 of host).
