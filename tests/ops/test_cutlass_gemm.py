@@ -426,9 +426,9 @@ def test_cutlass_through_the_router(monkeypatch):
                                          (1000, 7168, False)])
 def test_library_quantization_gives_act_quant_bytes(m, k, planted):
     """The library's quantization (CutlassCall.with_quantization) writes act_quant's FP8 bytes and
-    scales bit for bit: on values over a wide range of magnitudes, on every bf16 bit pattern (NaN,
-    Inf, subnormals, ties: `planted`), in groups cut short by K (576, 2112); and the GEMM after it
-    gives the bits of the GEMM on act_quant's output."""
+    scales bit for bit: on values over a wide range of magnitudes, on bf16 bit patterns drawn from
+    all 65536 (NaN, Inf, subnormals: `planted`; 40x2048 holds every one), in groups cut short by K
+    (576, 2112); and the GEMM after it gives the bits of the GEMM on act_quant's output."""
     from fp8linear.ops.quant import act_quant
 
     gen = torch.Generator(device="cuda").manual_seed(m * 31 + k)
