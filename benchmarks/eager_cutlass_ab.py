@@ -2,8 +2,10 @@
 plans, with BF16 ``nn.Linear`` in the same interleaved bursts: wall and host (enqueue) us per call,
 and the GPU time under CUDA graphs, to place the router's eager cut for CUTLASS
 (``EAGER_CUTLASS_MIN_MNK``). A data-parallel kernel's plan quantizes its input in the library's
-call (``CutlassCall.with_quantization``); ``<config>-2`` columns run the same kernel after a
-separate act_quant launch. Needs a Hopper GPU and ``fp8linear build-cutlass``.
+call (``CutlassCall.with_quantization``), allocating its output and scratch in the same C++ call where
+the plan-call module is built (``CutlassCall.allocating_call``; the ``ctypes`` column: the router's
+choice without it); ``<config>-2`` columns run the same kernel after a separate act_quant launch.
+Needs a Hopper GPU and ``fp8linear build-cutlass``.
 
     python benchmarks/eager_cutlass_ab.py [--m 96 128 256 333 512 1024 2048] [--host]
 """
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from fp8linear import Fp8BlockLinear
-from fp8linear.ops import router
+from fp8linear.ops import cutlass_gemm, router
 from fp8linear.ops.cutlass_gemm import CUTLASS_CONFIGS, CutlassCall, cutlass_available
 from fp8linear.ops.route_table import RouteEntry
 from fp8linear.tools.bench_eager import _burst_times, _gpu_us
@@ -27,13 +29,13 @@ SHAPES = ((2112, 7168), (24576, 1536), (7168, 2048), (1536, 7168), (7168, 18432)
 
 
 def _forced_layer(lin: nn.Linear, x: torch.Tensor, entry: RouteEntry | None,
-                  cutlass: bool = True, fused: bool = True) -> Fp8BlockLinear:
+                  cutlass: bool = True, fused: bool = True, plan_call: bool = True) -> Fp8BlockLinear:
     """An Fp8BlockLinear whose plan for x's shape runs `entry` eagerly (None: the router's own choice;
     `cutlass=False`: the router's choice without the CUTLASS kernels; `fused=False`: a CUTLASS plan
-    with a separate act_quant launch)."""
+    with a separate act_quant launch; `plan_call=False`: without the plan-call module)."""
     layer = Fp8BlockLinear.from_linear(lin, "block")
     real = (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK, router.cutlass_available,
-            CutlassCall.with_quantization)
+            CutlassCall.with_quantization, cutlass_gemm._plan_call)
     if entry is not None:
         router.lookup_route = lambda *a, **k: entry
         router.EAGER_CUTLASS_MIN_MNK = router.EAGER_CUBLAS_MIN_MNK = 0
@@ -41,12 +43,14 @@ def _forced_layer(lin: nn.Linear, x: torch.Tensor, entry: RouteEntry | None,
         router.cutlass_available = lambda device: False
     if not fused:
         CutlassCall.with_quantization = lambda self: None
+    if not plan_call:
+        cutlass_gemm._plan_call = lambda: None
     try:
         layer(x)
         layer(x)  # a shape's second call makes its plan
     finally:
         (router.lookup_route, router.EAGER_CUTLASS_MIN_MNK, router.EAGER_CUBLAS_MIN_MNK, router.cutlass_available,
-         CutlassCall.with_quantization) = real
+         CutlassCall.with_quantization, cutlass_gemm._plan_call) = real
     return layer
 
 
@@ -104,17 +108,18 @@ def main() -> None:
     forced.update({f"{cfg.name}-2": RouteEntry("cutlass", cfg) for cfg in CUTLASS_CONFIGS if not cfg.stream_k})
     forced["cublas"] = RouteEntry("cublas")
     print(f"{torch.cuda.get_device_name()}; per method: eager wall us / host us / GPU us (CUDA graphs)")
-    names = ["bf16", "auto", "no-cutlass", *forced]
+    names = ["bf16", "auto", "ctypes", "no-cutlass", *forced]
     print(f"{'shape':>12s} {'M':>5s} " + " ".join(f"{n:>19s}" for n in names)
-          + "  best-cutlass/auto  auto/no-cutlass  routes (auto, no-cutlass)")
-    ratios, gains = [], []
+          + "  best-cutlass/auto  auto/no-cutlass  auto/ctypes  routes (auto, no-cutlass)")
+    ratios, gains, plan_calls = [], [], []
     one_call = {cfg.name: ([], []) for cfg in CUTLASS_CONFIGS if not cfg.stream_k}
     for n, k in SHAPES:
         lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         for m in args.m:
             xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                   for _ in range(max(2, min(16, (100 << 20) // (m * k * 2))))]
-            layers = {"auto": _forced_layer(lin, xs[0], None), "no-cutlass": _forced_layer(lin, xs[0], None, False)}
+            layers = {"auto": _forced_layer(lin, xs[0], None), "ctypes": _forced_layer(lin, xs[0], None, plan_call=False),
+                      "no-cutlass": _forced_layer(lin, xs[0], None, False)}
             for name, entry in forced.items():
                 layers[name] = _forced_layer(lin, xs[0], entry, fused=not name.endswith("-2"))
             methods = {"bf16": lin, **layers}
@@ -132,11 +137,18 @@ def main() -> None:
                 host.append(times[name][1] / times[f"{name}-2"][1])
             ratios.append(best / times["auto"][0])
             gains.append(times["auto"][0] / times["no-cutlass"][0])
+            kinds = [next(iter(layers[nm]._plans.values())).route.kernel for nm in ("auto", "no-cutlass")]
+            if kinds[0] == "cutlass":
+                plan_calls.append((times["auto"][0] / times["ctypes"][0], times["auto"][1] / times["ctypes"][1]))
             cells = " ".join(f"{times[nm][0]:6.1f}/{times[nm][1]:5.1f}/{gpu[nm] or float('nan'):5.1f}" for nm in names)
-            kinds = ",".join(next(iter(layers[nm]._plans.values())).route.kernel for nm in ("auto", "no-cutlass"))
-            print(f"{n:>5d}x{k:<6d} {m:5d} {cells}  {ratios[-1]:6.3f}  {gains[-1]:6.3f}  {kinds}", flush=True)
+            print(f"{n:>5d}x{k:<6d} {m:5d} {cells}  {ratios[-1]:6.3f}  {gains[-1]:6.3f}  "
+                  f"{times['auto'][0] / times['ctypes'][0]:6.3f}  {','.join(kinds)}", flush=True)
     print(f"geomean best-cutlass / auto eager wall: {statistics.geometric_mean(ratios):.3f}; "
           f"auto / no-cutlass: {statistics.geometric_mean(gains):.3f}")
+    if plan_calls:
+        print(f"geomean auto / ctypes where auto is CUTLASS ({len(plan_calls)} cases; with / without the plan-call "
+              f"module): eager wall {statistics.geometric_mean(w for w, _ in plan_calls):.3f}, "
+              f"host {statistics.geometric_mean(h for _, h in plan_calls):.3f}")
     for name, (wall, host) in one_call.items():
         print(f"geomean {name} / {name}-2 (one host call / two launches): eager wall "
               f"{statistics.geometric_mean(wall):.3f}, host {statistics.geometric_mean(host):.3f}")

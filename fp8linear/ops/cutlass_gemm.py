@@ -30,8 +30,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
+import sys
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -44,7 +47,8 @@ from .configs import sm_count
 from .cublas_gemm import held_weight_scale
 
 __all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS",
-           "CutlassConfig", "SOURCE", "BUILD_FLAGS", "library_path",
+           "CutlassConfig", "SOURCE", "BUILD_FLAGS", "PLAN_CALL_SOURCE", "PLAN_CALL_MODULE", "library_path",
+           "plan_call_path",
            "CutlassCall", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm",
            "variants"]
 
@@ -56,6 +60,10 @@ BUILD_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xc
                "-gencode=arch=compute_90a,code=sm_90a")
 CUTLASS_ENV = "FP8LINEAR_CUTLASS"  # "0" turns the backend off (read once per process)
 _LIBRARY_NAME = "libfp8linear_cutlass.so"
+# The eager plans' one-call host side (allocations and the library call from C++), a Python
+# extension module built against the installed torch by ``fp8linear build-cutlass``.
+PLAN_CALL_SOURCE = SOURCE.with_name("plan_call.cpp")
+PLAN_CALL_MODULE = "fp8linear_plan_call"
 # TMA: 16-byte aligned bases and rows (K a multiple of 16 FP8 values, N of 8 bf16 outputs).
 _ALIGN_BYTES = 16
 _ALIGN_K, _ALIGN_N = 16, 8
@@ -153,6 +161,39 @@ def library_path(root: Path | None = None) -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(repr((BUILD_FLAGS, variants())).encode())
     return (root or cache_dir()) / "cutlass" / digest.hexdigest()[:16] / _LIBRARY_NAME
+
+
+def plan_call_path(root: Path | None = None) -> Path:
+    """The plan-call module built from this package's source for the installed torch and Python,
+    under `root` (default: the package's cache folder): a new source, torch or Python gets a new file."""
+    digest = hashlib.sha256(PLAN_CALL_SOURCE.read_bytes())
+    digest.update(repr((torch.__version__, sys.version_info[:2], torch.compiled_with_cxx11_abi())).encode())
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return (root or cache_dir()) / "cutlass-plan-call" / digest.hexdigest()[:16] / f"{PLAN_CALL_MODULE}{suffix}"
+
+
+@lru_cache(maxsize=1)
+def _plan_call():
+    """The built plan-call module, loaded once per process; None (with a log line) where it is not built
+    or does not load: eager plans then allocate in Python and call the library through ``ctypes``."""
+    try:
+        path = plan_call_path()
+    except OSError as e:
+        log.warning("fp8linear: CUTLASS plan-call source not readable (%s); eager plans call the library "
+                    "through ctypes", e)
+        return None
+    if not path.is_file():
+        log.info("fp8linear: CUTLASS plan call not built (no %s); `fp8linear build-cutlass` builds it", path)
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(PLAN_CALL_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (ImportError, OSError) as e:
+        log.warning("fp8linear: CUTLASS plan call %s not usable (%s); eager plans call the library through "
+                    "ctypes", path, e)
+        return None
 
 
 class _Library:
@@ -378,6 +419,35 @@ class CutlassCall:
                                    f"failed with status {rc}")
 
         return quantize_and_run
+
+    def allocating_call(self, out_shape: tuple[int, ...], scratch_bytes: int,
+                        scale_offset: int) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None:
+        """A call ``f(x, keep=False)`` that runs :meth:`with_quantization`'s two kernels on buffers it
+        allocates in the same C++ call (the plan-call module, :func:`plan_call_path`): y (`out_shape`,
+        x's dtype, bf16) and a scratch of `scratch_bytes` bytes holding the quantized x at its start and
+        its scales at `scale_offset` (16-byte aligned). Returns y, with `keep` (y, scratch). None where
+        the parameters are not prepared, the module is not built or does not load, or several GPUs are
+        visible (the launch must follow the weight's GPU: :meth:`with_quantization` sets it)."""
+        module = _plan_call()
+        if not self.prepared or module is None or self.several:
+            return None
+        if scale_offset % _ALIGN_BYTES or not 0 < scale_offset < scratch_bytes:
+            raise ValueError(f"CutlassCall.allocating_call: the scales' offset must be 16-byte aligned inside the "
+                             f"{scratch_bytes}-byte scratch, got {scale_offset}")
+        owner = self  # read per call: keeps the prepared parameters alive as long as the call
+        m, n, k = self.shape
+        entry = ctypes.cast(self.quant_run_prepared, ctypes.c_void_p).value
+        index, shape = self.index, list(out_shape)
+        what = f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} with its input quantization"
+        run, run_kept = module.quantize_and_run, module.quantize_and_run_kept
+        current_stream = torch._C._cuda_getCurrentRawStream
+
+        def allocate_quantize_and_run(x: torch.Tensor, keep: bool = False):
+            call = run_kept if keep else run
+            return call(x, shape, entry, owner.prepared, scratch_bytes, scale_offset, m, k, index,
+                        current_stream(index), what)
+
+        return allocate_quantize_and_run
 
 
 def _row_scale(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:

@@ -468,7 +468,9 @@ class LinearPlan:
         """act_quant (row-major scales), then the CUTLASS GEMM called on raw addresses; the quantized
         activations, their scales and CUTLASS's workspace share one allocation. Eagerly, on inputs
         the router gives to it (:func:`fp8linear.ops.router.use_library_quantization`), a prepared
-        GEMM's call quantizes x itself: both kernels from one host call (act_quant's bytes)."""
+        GEMM's call quantizes x itself: both kernels from one host call (act_quant's bytes), which
+        also allocates the output and the scratch where the plan-call module is built
+        (:meth:`~fp8linear.ops.cutlass_gemm.CutlassCall.allocating_call`)."""
         m, device = x.shape[0], x.device
         gemm = CutlassCall(w_q, w_s, bias, m, route.config, granularity)
         fused = gemm.with_quantization() if use_library_quantization(m, x.shape[1], x.dtype) else None
@@ -478,22 +480,32 @@ class LinearPlan:
         grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
         quant = KernelCall(_act_quant_kernel, grid, args, options, ("x_ptr", "q_ptr", "s_ptr"))
         nbytes, has_workspace = scratch.nbytes, gemm.workspace_bytes > 0
+        allocating = None if fused is None else gemm.allocating_call(out_shape, nbytes, scratch.offsets[1])
         key = (m, x.shape[1], w_q.dtype, "row-major")
         if share is not None:
             share.register(key, w_q)
 
         def run_cutlass(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            q, s, ws = scratch.addresses(buf)
             shared = share.lookup(x, key) if share is not None else None
-            if shared is not None:  # a sibling linear quantized this very input already
-                q, s = shared
-            elif fused is not None and not capturing():  # eager: host time, not GPU time, sets the pace
-                fused(x.data_ptr(), q, s, y.data_ptr())
+            if shared is None and fused is not None and not capturing():  # eager: host time sets the pace
+                if allocating is not None:  # the allocations too, in the same C++ call
+                    if share is None:
+                        return allocating(x)
+                    y, buf = allocating(x, True)
+                    q, s, _ = scratch.addresses(buf)
+                else:
+                    y = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                    q, s, _ = scratch.addresses(buf)
+                    fused(x.data_ptr(), q, s, y.data_ptr())
                 if share is not None:
                     share.publish(x, key, q, s, buf)
                 return y
+            y = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            q, s, ws = scratch.addresses(buf)
+            if shared is not None:  # a sibling linear quantized this very input already
+                q, s = shared
             else:
                 if quant.direct:
                     quant(x.data_ptr(), q, s)

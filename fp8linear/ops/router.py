@@ -30,7 +30,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   warp-specialized blockwise kernel fastest and its library is built
   (:mod:`fp8linear.ops.cutlass_gemm`; else the entry's fallback, the kernel measured next);
   eager callers from EAGER_CUTLASS_MIN_MNK, where above SMALL_M_MAX rows it also runs in place of
-  our tiled kernel when no table entry chose that kernel (:func:`eager_cutlass_config`);
+  our tiled kernel when no table entry chose that kernel (:func:`eager_cutlass_config`), and in
+  place of cuBLAS where its tiles fill their waves (:func:`eager_cutlass_over_cublas`);
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
@@ -107,6 +108,8 @@ __all__ = [
     "CUBLAS_ROW_FORM_MAX_TILES_PER_SM",
     "EAGER_CUBLAS_MIN_MNK",
     "EAGER_CUTLASS_MIN_MNK",
+    "EAGER_CUTLASS_MIN_WAVE_FILL",
+    "EAGER_CUTLASS_OVER_CUBLAS_MAX_M",
     "EAGER_GEMV_MAX_WEIGHT",
     "FUSED_GEMV_MAX_WEIGHT",
     "GROUPED_WIDE_TILE_MAX_ROWS",
@@ -146,6 +149,7 @@ __all__ = [
     "decode_tile_counters",
     "dense_scale",
     "eager_cutlass_config",
+    "eager_cutlass_over_cublas",
     "gemv_config",
     "grouped_config",
     "heuristic_config",
@@ -425,6 +429,16 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # 16-19 us of host time). H100, same script, M 96-2048: the router's choice 0.977x its time without
 # CUTLASS, the fastest forced CUTLASS config 0.992x the router's: the same rule holds there.
 EAGER_CUTLASS_MIN_MNK = 6 * 10**9
+# Eager callers also run CUTLASS in place of cuBLAS blockwise (128x128 weights, above SMALL_M_MAX
+# rows, up to EAGER_CUTLASS_OVER_CUBLAS_MAX_M) where the CUTLASS kernel's tiles fill at least
+# EAGER_CUTLASS_MIN_WAVE_FILL of their waves (eager_cutlass_over_cublas). There its GPU time is
+# cuBLAS's, and its host time a fraction of cuBLAS's. H100, benchmarks/eager_cutlass_ab.py (eager
+# wall us, cuBLAS against the 128x128 kernel): 24576x1536 M=512 84.2 against 45.6 (768 tiles, 0.97
+# of 6 waves; BF16 61.1), 7168x2048 M=2048 77.6 against 70.0 (0.97), 7168x18432 M 256-2048 within 1%
+# (0.85-0.97); where the tiles leave more of their last wave idle cuBLAS's GPU time is shorter:
+# 2112x7168 M=2048 (272 tiles, 0.69) 86.6 against 93.2 us.
+EAGER_CUTLASS_OVER_CUBLAS_MAX_M = 2048
+EAGER_CUTLASS_MIN_WAVE_FILL = 0.8
 # Eager CUTLASS plans quantize inputs of at most this many elements in the library's own call
 # (fp8linear.ops.cutlass_gemm.CutlassCall.with_quantization): one host call instead of act_quant's
 # Triton launch and the GEMM's, 11-16% less host time per call (H200, benchmarks/eager_cutlass_ab.py,
@@ -896,6 +910,17 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
     return CutlassConfig(64) if _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sm_count(device) else CutlassConfig(128)
 
 
+def eager_cutlass_over_cublas(device: torch.device, m: int, n: int) -> bool:
+    """Whether an eager call runs CUTLASS (:func:`eager_cutlass_config`) where the router chose cuBLAS:
+    up to EAGER_CUTLASS_OVER_CUBLAS_MAX_M rows, where that kernel's tiles fill at least
+    EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take."""
+    if m > EAGER_CUTLASS_OVER_CUBLAS_MAX_M:
+        return False
+    sms = sm_count(device)
+    tiles = _cdiv(m, eager_cutlass_config(device, m, n).tile_m) * _cdiv(n, CUTLASS_TILE_N)
+    return tiles >= EAGER_CUTLASS_MIN_WAVE_FILL * _cdiv(tiles, sms) * sms
+
+
 def _eager_gemv(m: int, n: int, k: int) -> bool:
     """Whether an eager call takes the fused GEMV past FUSED_GEMV_MAX_WEIGHT (EAGER_GEMV_MAX_WEIGHT;
     measured on NVIDIA only)."""
@@ -944,8 +969,9 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
         cfg = route.config if route.kernel == "splitk" else _one_split(route.config)
         if cfg is not None and counters_fit(m, n, cfg):
             return Route("decode", cfg)
-    if (eager and route.kernel == "tiled" and m > SMALL_M_MAX and cutlass_ok and granularity == "block"
-            and not _table_tiled(device, m, n, k, granularity)):  # measured on 128x128 weights
+    if eager and m > SMALL_M_MAX and cutlass_ok and granularity == "block" and (  # measured on 128x128 weights
+            route.kernel == "tiled" and not _table_tiled(device, m, n, k, granularity)
+            or route.kernel == "cublas" and eager_cutlass_over_cublas(device, m, n)):
         return Route("cutlass", eager_cutlass_config(device, m, n))
     if eager:  # eager plans keep the tiled kernel's prepared launch (see WS_MIN_M)
         return route

@@ -11,6 +11,11 @@ Needs nvcc (``--nvcc``, else ``$CUDA_HOME/bin/nvcc``, else the PATH) and CUTLASS
 (``--cutlass``, else ``$CUTLASS_PATH``, else the ``nvidia-cutlass`` package, 4.2 or newer:
 ``pip install 'nvidia-cutlass>=4.2'``). No GPU is needed to build. A build stopped midway leaves a
 ``.build-*`` folder beside the library, which the next build does not reuse (delete it).
+
+Then a C++ compiler (``--cxx``, else ``$CXX``, else the PATH's ``c++``) builds the eager plans'
+one-call host side, ``fp8linear/ops/cutlass/plan_call.cpp``, against the installed torch's headers
+(:func:`fp8linear.ops.cutlass_gemm.plan_call_path`, the same temporary folder and rename). Without
+it the library works as well; eager plans then allocate in Python and call it through ``ctypes``.
 """
 
 from __future__ import annotations
@@ -20,17 +25,20 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..ops.cutlass_gemm import BUILD_FLAGS, SOURCE, library_path, variants
+from ..ops.cutlass_gemm import (BUILD_FLAGS, PLAN_CALL_MODULE, PLAN_CALL_SOURCE, SOURCE, library_path, plan_call_path,
+                                variants)
 
 # What the source needs of a CUTLASS tree: the Hopper blockwise-scaling layouts came in CUTLASS 4.x.
 _HEADERS = ("include/cutlass/cutlass.h", "include/cutlass/detail/blockwise_scale_layout.hpp",
             "tools/util/include/cutlass/util/packed_stride.hpp")
 
-__all__ = ["find_nvcc", "find_cutlass", "compile_command", "link_command", "build_library", "add_arguments", "run"]
+__all__ = ["find_nvcc", "find_cutlass", "find_cxx", "compile_command", "link_command", "plan_call_command",
+           "build_library", "build_plan_call", "add_arguments", "run"]
 
 
 def find_nvcc(explicit: str | None = None) -> str:
@@ -71,6 +79,17 @@ def find_cutlass(explicit: str | None = None) -> Path:
                             "`pip install 'nvidia-cutlass>=4.2'`, or pass --cutlass or set CUTLASS_PATH")
 
 
+def find_cxx(explicit: str | None = None) -> str:
+    """The C++ compiler's path: `explicit` (only), else $CXX, else the PATH's c++ or g++;
+    FileNotFoundError naming what was tried."""
+    cands = [explicit] if explicit else [c for c in (os.environ.get("CXX"), "c++", "g++") if c]
+    for cand in cands:
+        found = shutil.which(cand)
+        if found:
+            return found
+    raise FileNotFoundError(f"no C++ compiler found (tried {cands}); install g++ or pass --cxx")
+
+
 def compile_command(nvcc: str, cutlass: Path, symbol: str, macros: dict[str, int], out: Path) -> list[str]:
     """The nvcc command that compiles one variant of the source into object `out`."""
     defines = [f"-DFP8L_NAME={symbol}"] + [f"-D{k}={v}" for k, v in sorted(macros.items())]
@@ -82,6 +101,21 @@ def link_command(nvcc: str, objects: list[Path], out: Path) -> list[str]:
     """The shared library of the objects; the CUDA runtime linked statically, the driver reached
     through it (no libcuda at build time: a machine without a GPU driver builds too)."""
     return [nvcc, "-shared", "-o", str(out), *map(str, objects)]
+
+
+def plan_call_command(cxx: str, out: Path) -> list[str]:
+    """The command that builds the plan-call module `out` against the installed torch (its headers
+    and libraries, its C++ ABI, Python's headers); no CUDA headers needed."""
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    abi = int(torch.compiled_with_cxx11_abi())
+    libs = library_paths()
+    return [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-DFP8L_MODULE={PLAN_CALL_MODULE}", *(f"-I{p}" for p in includes), str(PLAN_CALL_SOURCE),
+            "-o", str(out), *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs),
+            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
 
 
 def _run(cmd: list[str]) -> None:
@@ -126,10 +160,31 @@ def build_library(nvcc: str | None = None, cutlass: str | None = None, jobs: int
     return target
 
 
+def build_plan_call(cxx: str | None = None, root: Path | None = None, force: bool = False, log=print) -> Path:
+    """Compile the plan-call module into the cache (`root`: the cache root); returns its path. An
+    existing module is kept unless `force`. A failure leaves no module and no temporary folder."""
+    target = plan_call_path(root)
+    if target.is_file() and not force:
+        log(f"fp8linear build-cutlass: already built: {target}")
+        return target
+    cxx_path = find_cxx(cxx)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        tmp = work / target.name
+        _run(plan_call_command(cxx_path, tmp))
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"fp8linear build-cutlass: built {target}")
+    return target
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvcc", default=None, help="nvcc to use (default: $CUDA_HOME/bin/nvcc, else the PATH's)")
     parser.add_argument("--cutlass", default=None,
                         help="CUTLASS source root (default: $CUTLASS_PATH, else the nvidia-cutlass package)")
+    parser.add_argument("--cxx", default=None, help="C++ compiler for the eager plans' call (default: $CXX, else c++)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the library exists")
     parser.add_argument("--print-path", action="store_true", help="print where the library goes, build nothing")
@@ -147,4 +202,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as e:  # OSError: no nvcc / headers, or the cache folder not writable
         print(f"fp8linear build-cutlass: {e}", file=sys.stderr)
         return 1
+    try:
+        build_plan_call(args.cxx, force=args.force)
+    except (OSError, RuntimeError) as e:  # the library works without it
+        print(f"fp8linear build-cutlass: the eager plans' C++ call was not built, so they call the library "
+              f"through ctypes: {e}", file=sys.stderr)
     return 0

@@ -3,6 +3,9 @@ Hopper GPU where `fp8linear build-cutlass` has built the library (skipped elsewh
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import pytest
 import torch
 
@@ -222,6 +225,78 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64), prepare=False).with_quantization() is None
 
 
+@pytest.fixture(scope="module")
+def plan_call_cache(tmp_path_factory):
+    """A cache folder holding the plan-call module, compiled here for the installed torch (about 10 s);
+    skipped where no C++ compiler is found."""
+    from fp8linear.tools import cutlass_build
+
+    try:
+        cxx = cutlass_build.find_cxx()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FP8LINEAR_CACHE_DIR", str(root))
+        cutlass_build.build_plan_call(cxx, log=lambda line: None)
+    return root
+
+
+# blockwise_gemm.cu's _quant_run_prepared, for a Python stand-in the C++ call can call
+_QUANT_RUN_PREPARED = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                                       *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3, ctypes.c_void_p)
+
+
+def test_an_allocating_call_allocates_and_quantizes_in_one_cpp_call(fake_gpu, plan_call_cache, monkeypatch):
+    """allocating_call (the plan-call module, compiled and run on CPU tensors here) returns a new
+    output of the plan's shape in x's dtype, after calling the library's entry point once with the
+    prepared parameters, x's address and row length, the scratch it allocated (x_q at its start, x_s
+    at the offset), the output, M, K, the device and the stream; with `keep` it returns the scratch
+    too; a failed status is an error naming the GEMM; it keeps the prepared parameters alive; None
+    where nothing is prepared, the module is missing or several GPUs are visible."""
+    fake, w, w_s = fake_gpu
+    monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(plan_call_cache))
+    monkeypatch.setattr(cutlass_gemm, "_plan_call", cutlass_gemm._plan_call.__wrapped__)  # no cached module
+    seen, status = [], [0]
+
+    def entry(*args):
+        seen.append(args)
+        return status[0]
+
+    c_entry = _QUANT_RUN_PREPARED(entry)
+    fake.quant_run_prepared = {key: c_entry for key in fake.quant_run_prepared}
+    call = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64))
+    run = call.allocating_call((2, 4, 256), 8192, 4096)
+    del call
+    assert fake.released == []  # held by the call
+    x = torch.randn(8, 512, dtype=BF16)
+    y = run(x)
+    assert y.shape == (2, 4, 256) and y.dtype == BF16 and y.is_contiguous()
+    (prepared, x_ptr, stride, q, s, y_ptr, m, k, device, stream), = seen
+    assert (prepared, x_ptr, stride, s - q, y_ptr, m, k, device, stream) == (
+        4097, x.data_ptr(), 512, 4096, y.data_ptr(), 8, 512, 0, 77)
+    y2, scratch = run(x, True)
+    assert scratch.dtype == torch.uint8 and scratch.numel() == 8192 and seen[-1][3] == scratch.data_ptr()
+    assert seen[-1][5] == y2.data_ptr() != y.data_ptr() and len(seen) == 2
+    status[0] = 3002
+    with pytest.raises(RuntimeError, match=r"p64x128 GEMM 8x256x512 with its input quantization failed with status 3002"):
+        run(x)
+    del run
+    assert fake.released == [4097]
+    with pytest.raises(ValueError, match="16-byte aligned inside the 8192-byte scratch, got 4100"):
+        cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4100)
+    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128, stream_k=True)).allocating_call(
+        (8, 256), 8192, 4096) is None
+    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64), prepare=False).allocating_call(
+        (8, 256), 8192, 4096) is None
+    monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096) is None
+    monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
+    monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(plan_call_cache / "empty"))  # not built there
+    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096) is None
+
+
 @pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [
     ((9, 0), None, None, 0, True),
     ((10, 0), None, None, 0, False),  # sm_90a code does not run on Blackwell
@@ -232,8 +307,6 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
 ])
 def test_device_check(monkeypatch, capability, env, hip, probe_rc, ok):
     """CUTLASS runs on an sm_90 GPU where the library's kernels load, unless FP8LINEAR_CUTLASS=0."""
-    import contextlib
-
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.version, "hip", hip)
@@ -494,26 +567,35 @@ def test_library_quantization_matches_act_quant_on_every_bf16_value_under_many_s
 @needs_cutlass
 def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypatch):
     """An eager CUTLASS plan on a bf16 input of at most LIB_QUANT_MAX_ELEMENTS quantizes it in the
-    library's call (one per forward), a larger one and every CUDA-graph capture through act_quant;
+    library's call (one per forward; with the output and scratch allocated in the same C++ call where
+    the plan-call module is built), a larger one and every CUDA-graph capture through act_quant;
     the bits are run_linear_route's either way."""
     from fp8linear.ops import router
     from fp8linear.ops.linear import LinearPlan, run_linear_route
     from fp8linear.ops.router import Route
 
-    calls, real = [], cutlass_gemm.CutlassCall.with_quantization
+    calls, allocating = [], []
 
-    def counting(self):
-        fused = real(self)
-        if fused is None:
-            return None
+    def counting(method, log):
+        real = getattr(cutlass_gemm.CutlassCall, method)
 
-        def run(*args):
-            calls.append(args)
-            return fused(*args)
+        def make(self, *args):
+            fused = real(self, *args)
+            if fused is None:
+                return None
 
-        return run
+            def run(*args):
+                calls.append(args)
+                log.append(method)
+                return fused(*args)
 
-    monkeypatch.setattr(cutlass_gemm.CutlassCall, "with_quantization", counting)
+            return run
+
+        monkeypatch.setattr(cutlass_gemm.CutlassCall, method, make)
+
+    counting("with_quantization", [])
+    counting("allocating_call", allocating)
+    built = cutlass_gemm._plan_call() is not None
     gen = torch.Generator(device="cuda").manual_seed(11)
     n, k = 576, 2112
     route = Route("cutlass", CutlassConfig(64))
@@ -523,8 +605,9 @@ def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypa
         x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
         plan = LinearPlan(route, x, w_q, w_s, "block", None, None)
         calls.clear()
+        allocating.clear()
         y = plan(x)
-        assert len(calls) == in_library
+        assert len(calls) == in_library and len(allocating) == (in_library and built)
         assert same_bits(y, run_linear_route(route, x, w_q, w_s, "block", None))
         graph, out = capture_graph(plan, x)  # a warm-up call, then the capture
         assert len(calls) == 2 * in_library

@@ -335,6 +335,39 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
     assert route().kernel == "splitk"
 
 
+@pytest.mark.parametrize("m,n,k,replaced", [
+    (512, 24576, 1536, True),  # 4 x 192 = 768 tiles of 128x128: 0.97 of 6 waves of 132 SMs
+    (2048, 7168, 2048, True),  # 896 tiles: 0.97 of 7 waves
+    (256, 7168, 18432, True),  # 112 tiles: 0.85 of one wave
+    (2048, 1536, 7168, False),  # 192 tiles: 0.73 of 2 waves
+    (2048, 2112, 7168, False),  # 272 tiles: 0.69 of 3 waves
+    (1024, 2112, 7168, False),  # 136 tiles: 0.52 of 2 waves
+    (4096, 24576, 1536, False),  # above EAGER_CUTLASS_OVER_CUBLAS_MAX_M: cuBLAS's GPU time
+])
+def test_eager_calls_run_cutlass_in_place_of_cublas_where_its_tiles_fill_their_waves(monkeypatch, m, n, k, replaced):
+    """An eager call routed to cuBLAS (128x128 weights, SMALL_M_MAX < M <= EAGER_CUTLASS_OVER_CUBLAS_MAX_M)
+    runs eager_cutlass_config's kernel where its tiles fill EAGER_CUTLASS_MIN_WAVE_FILL of their waves;
+    graph/compiled calls, 1x128 weights and a library not built keep cuBLAS."""
+    monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas"))
+    monkeypatch.setattr(router, "cutlass_available", lambda device: True)
+    monkeypatch.setattr(router, "cublas_device_ok", lambda device: True)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert m * n * k >= router.EAGER_CUBLAS_MIN_MNK
+
+    def route(eager=True, granularity="block"):
+        return router.route_linear(CPU, m, n, k, granularity, fp8, bf16, None, True, True, eager=eager,
+                                   weight_contiguous=True)
+
+    assert router.eager_cutlass_over_cublas(CPU, m, n) is replaced
+    assert route() == (router.Route("cutlass", router.eager_cutlass_config(CPU, m, n)) if replaced
+                       else router.Route("cublas"))
+    assert route(eager=False).kernel == "cublas"
+    assert route(granularity="row").kernel == "cublas"
+    monkeypatch.setattr(router, "cutlass_available", lambda device: False)
+    assert route().kernel == "cublas"
+
+
 def test_eager_cutlass_entries_start_at_the_eager_cut(monkeypatch):
     """A table's CUTLASS entry runs eagerly from EAGER_CUTLASS_MIN_MNK (below it the one-launch decode
     kernel or the fallback runs), and at any size under graphs."""

@@ -189,26 +189,32 @@ def _count_quant_launches(monkeypatch) -> list[int]:
     from fp8linear.ops import cutlass_gemm, launch
     from fp8linear.ops.quant import _act_quant_kernel
 
-    count, orig, orig_with = [0], launch.KernelCall.launch, cutlass_gemm.CutlassCall.with_quantization
+    count, orig = [0], launch.KernelCall.launch
 
     def spy(self, *args):
         if self.kernel is _act_quant_kernel:
             count[0] += 1
         return orig(self, *args)
 
-    def with_quantization(self):
-        fused = orig_with(self)
-        if fused is None:
-            return None
+    def counting(method):
+        real = getattr(cutlass_gemm.CutlassCall, method)
 
-        def counted(*args):
-            count[0] += 1
-            return fused(*args)
+        def make(self, *args):
+            fused = real(self, *args)
+            if fused is None:
+                return None
 
-        return counted
+            def counted(*args):
+                count[0] += 1
+                return fused(*args)
+
+            return counted
+
+        monkeypatch.setattr(cutlass_gemm.CutlassCall, method, make)
 
     monkeypatch.setattr(launch.KernelCall, "launch", spy)
-    monkeypatch.setattr(cutlass_gemm.CutlassCall, "with_quantization", with_quantization)
+    counting("with_quantization")
+    counting("allocating_call")  # (the plan-call module's form of the same call, where it is built)
     return count
 
 

@@ -9,6 +9,7 @@ import stat
 import sys
 
 import pytest
+import torch
 
 from fp8linear.cli import main as cli_main
 from fp8linear.ops import cutlass_gemm
@@ -40,6 +41,7 @@ def toolchain(tmp_path, monkeypatch):
         (cutlass / header).parent.mkdir(parents=True, exist_ok=True)
         (cutlass / header).write_text("// headers\n")
     monkeypatch.setenv("FAKE_NVCC_LOG", str(tmp_path / "nvcc.log"))
+    monkeypatch.setenv("CXX", str(nvcc))  # the stand-in compiles the plan call too
     monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(tmp_path / "cache"))
     return nvcc, cutlass, tmp_path
 
@@ -95,6 +97,52 @@ def test_a_failed_compile_leaves_no_library(toolchain, monkeypatch):
     assert not cutlass_gemm.library_path().exists() and list(folder.iterdir()) == []
 
 
+def test_plan_call_command_builds_a_torch_extension(toolchain):
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    nvcc, _, tmp_path = toolchain
+    cmd = cutlass_build.plan_call_command("c++", tmp_path / "m.so")
+    assert cmd[0] == "c++" and "-shared" in cmd and "-fPIC" in cmd and str(cutlass_gemm.PLAN_CALL_SOURCE) in cmd
+    assert cmd[cmd.index("-o") + 1] == str(tmp_path / "m.so")
+    assert f"-DFP8L_MODULE={cutlass_gemm.PLAN_CALL_MODULE}" in cmd
+    assert f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}" in cmd
+    assert {f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]} <= set(cmd)
+    assert {f"-L{p}" for p in library_paths()} <= set(cmd) and "-ltorch_python" in cmd and "-lc10" in cmd
+    assert cutlass_build.find_cxx() == str(nvcc)  # $CXX
+    with pytest.raises(FileNotFoundError, match="no C.. compiler found.*--cxx"):
+        cutlass_build.find_cxx(str(tmp_path / "missing"))
+
+
+def test_plan_call_build_installs_one_complete_module(toolchain, monkeypatch):
+    _, _, tmp_path = toolchain
+    lines = []
+    path = cutlass_build.build_plan_call(log=lines.append)
+    assert path == cutlass_gemm.plan_call_path() and path.read_bytes() == b"library"
+    assert path.name.startswith(cutlass_gemm.PLAN_CALL_MODULE) and path.parent.parent.name == "cutlass-plan-call"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert cutlass_build.build_plan_call(log=lines.append) == path and "already built" in lines[-1]
+    assert len((tmp_path / "nvcc.log").read_text().splitlines()) == 1  # kept, not rebuilt
+    path.unlink()
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "plan_call.cpp")
+    with pytest.raises(RuntimeError, match="planted failure"):
+        cutlass_build.build_plan_call(log=lines.append)
+    assert list(path.parent.iterdir()) == []  # no module, no temporary folder
+
+
+def test_plan_call_path_follows_its_source_torch_and_python(tmp_path, monkeypatch):
+    source = tmp_path / "plan_call.cpp"
+    source.write_text("// one\n")
+    monkeypatch.setattr(cutlass_gemm, "PLAN_CALL_SOURCE", source)
+    first = cutlass_gemm.plan_call_path(tmp_path)
+    assert first.parent.parent == tmp_path / "cutlass-plan-call" and first == cutlass_gemm.plan_call_path(tmp_path)
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    other_torch = cutlass_gemm.plan_call_path(tmp_path)
+    source.write_text("// two\n")
+    assert len({first, other_torch, cutlass_gemm.plan_call_path(tmp_path)}) == 3
+
+
 def test_cli(toolchain, capsys, monkeypatch):
     nvcc, cutlass, _ = toolchain
     assert cli_main(["build-cutlass", "--print-path"]) == 0
@@ -104,6 +152,9 @@ def test_cli(toolchain, capsys, monkeypatch):
     assert cli_main(["build-cutlass", "--nvcc", str(nvcc), "--cutlass", str(cutlass)]) == 1
     assert "failed" in capsys.readouterr().err
     assert list(cutlass_gemm.library_path().parent.iterdir()) == []  # no objects or temp folder left
-    monkeypatch.delenv("FAKE_NVCC_FAIL")
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "plan_call.cpp")  # the library builds, the plan call does not
     assert cli_main(["build-cutlass", "--nvcc", str(nvcc), "--cutlass", str(cutlass)]) == 0
-    assert os.path.isfile(cutlass_gemm.library_path())
+    assert "C++ call was not built" in capsys.readouterr().err and not cutlass_gemm.plan_call_path().exists()
+    monkeypatch.delenv("FAKE_NVCC_FAIL")
+    assert cli_main(["build-cutlass", "--nvcc", str(nvcc), "--cutlass", str(cutlass), "--force"]) == 0
+    assert os.path.isfile(cutlass_gemm.library_path()) and os.path.isfile(cutlass_gemm.plan_call_path())
