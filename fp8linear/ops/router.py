@@ -109,7 +109,7 @@ __all__ = [
     "EAGER_CUBLAS_MIN_MNK",
     "EAGER_CUTLASS_MIN_MNK",
     "EAGER_CUTLASS_MIN_WAVE_FILL",
-    "EAGER_CUTLASS_OVER_CUBLAS_MAX_M",
+    "EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK",
     "EAGER_GEMV_MAX_WEIGHT",
     "FUSED_GEMV_MAX_WEIGHT",
     "GROUPED_WIDE_TILE_MAX_ROWS",
@@ -430,14 +430,17 @@ EAGER_CUBLAS_MIN_MNK = 12 * 10**9
 # CUTLASS, the fastest forced CUTLASS config 0.992x the router's: the same rule holds there.
 EAGER_CUTLASS_MIN_MNK = 6 * 10**9
 # Eager callers also run CUTLASS in place of cuBLAS blockwise (128x128 weights, above SMALL_M_MAX
-# rows, up to EAGER_CUTLASS_OVER_CUBLAS_MAX_M) where the CUTLASS kernel's tiles fill at least
-# EAGER_CUTLASS_MIN_WAVE_FILL of their waves (eager_cutlass_over_cublas). There its GPU time is
-# cuBLAS's, and its host time a fraction of cuBLAS's. H100, benchmarks/eager_cutlass_ab.py (eager
-# wall us, cuBLAS against the 128x128 kernel): 24576x1536 M=512 84.2 against 45.6 (768 tiles, 0.97
-# of 6 waves; BF16 61.1), 7168x2048 M=2048 77.6 against 70.0 (0.97), 7168x18432 M 256-2048 within 1%
-# (0.85-0.97); where the tiles leave more of their last wave idle cuBLAS's GPU time is shorter:
-# 2112x7168 M=2048 (272 tiles, 0.69) 86.6 against 93.2 us.
-EAGER_CUTLASS_OVER_CUBLAS_MAX_M = 2048
+# rows, GEMMs up to EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK) where the CUTLASS kernel's tiles fill at least
+# EAGER_CUTLASS_MIN_WAVE_FILL of their waves (eager_cutlass_over_cublas): there its GPU time is
+# cuBLAS's (within 2%, or 6% at K=18432), and its host time 20-50 us less (cuBLASLt's call, and the
+# split-K algorithms a 32 MiB workspace admits launching more kernels). H100,
+# benchmarks/eager_cutlass_ab.py, eager wall us, the router's choice with / without this rule, on
+# two hosts: 24576x1536 M=512 48.4 / 63.3 and 45.6 / 84.2 (768 tiles of 128x128, 0.97 of 6 waves;
+# BF16 65.6 and 61.1), 7168x2048 M=1024 40.4 / 69.5, M=2048 70.5 / 71.8 and 70.0 / 77.6 (0.97),
+# 24576x1536 M=1024 89.7 / 90.1. Where the tiles leave more of their last wave idle cuBLAS's GPU
+# time is shorter (2112x7168 M=2048, 272 tiles, 0.69: 82 against 89 us), and above the cut the GPU
+# sets the pace (7168x18432 M 512-2048: CUTLASS 1.02-1.06x cuBLAS's GPU time).
+EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK = 4 * 10**10
 EAGER_CUTLASS_MIN_WAVE_FILL = 0.8
 # Eager CUTLASS plans quantize inputs of at most this many elements in the library's own call
 # (fp8linear.ops.cutlass_gemm.CutlassCall.with_quantization): one host call instead of act_quant's
@@ -910,11 +913,11 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
     return CutlassConfig(64) if _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sm_count(device) else CutlassConfig(128)
 
 
-def eager_cutlass_over_cublas(device: torch.device, m: int, n: int) -> bool:
+def eager_cutlass_over_cublas(device: torch.device, m: int, n: int, k: int) -> bool:
     """Whether an eager call runs CUTLASS (:func:`eager_cutlass_config`) where the router chose cuBLAS:
-    up to EAGER_CUTLASS_OVER_CUBLAS_MAX_M rows, where that kernel's tiles fill at least
+    GEMMs up to EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK whose kernel tiles fill at least
     EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take."""
-    if m > EAGER_CUTLASS_OVER_CUBLAS_MAX_M:
+    if m * n * k > EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK:
         return False
     sms = sm_count(device)
     tiles = _cdiv(m, eager_cutlass_config(device, m, n).tile_m) * _cdiv(n, CUTLASS_TILE_N)
@@ -971,7 +974,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
             return Route("decode", cfg)
     if eager and m > SMALL_M_MAX and cutlass_ok and granularity == "block" and (  # measured on 128x128 weights
             route.kernel == "tiled" and not _table_tiled(device, m, n, k, granularity)
-            or route.kernel == "cublas" and eager_cutlass_over_cublas(device, m, n)):
+            or route.kernel == "cublas" and eager_cutlass_over_cublas(device, m, n, k)):
         return Route("cutlass", eager_cutlass_config(device, m, n))
     if eager:  # eager plans keep the tiled kernel's prepared launch (see WS_MIN_M)
         return route

@@ -342,11 +342,13 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
     (2048, 1536, 7168, False),  # 192 tiles: 0.73 of 2 waves
     (2048, 2112, 7168, False),  # 272 tiles: 0.69 of 3 waves
     (1024, 2112, 7168, False),  # 136 tiles: 0.52 of 2 waves
-    (4096, 24576, 1536, False),  # above EAGER_CUTLASS_OVER_CUBLAS_MAX_M: cuBLAS's GPU time
+    (2048, 24576, 1536, False),  # above EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK: the GPU sets the pace
+    (512, 7168, 18432, False),
 ])
 def test_eager_calls_run_cutlass_in_place_of_cublas_where_its_tiles_fill_their_waves(monkeypatch, m, n, k, replaced):
-    """An eager call routed to cuBLAS (128x128 weights, SMALL_M_MAX < M <= EAGER_CUTLASS_OVER_CUBLAS_MAX_M)
-    runs eager_cutlass_config's kernel where its tiles fill EAGER_CUTLASS_MIN_WAVE_FILL of their waves;
+    """An eager call routed to cuBLAS (128x128 weights, above SMALL_M_MAX rows, M*N*K at most
+    EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK) runs eager_cutlass_config's kernel where its tiles fill
+    EAGER_CUTLASS_MIN_WAVE_FILL of their waves;
     graph/compiled calls, 1x128 weights and a library not built keep cuBLAS."""
     monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas"))
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
@@ -359,7 +361,7 @@ def test_eager_calls_run_cutlass_in_place_of_cublas_where_its_tiles_fill_their_w
         return router.route_linear(CPU, m, n, k, granularity, fp8, bf16, None, True, True, eager=eager,
                                    weight_contiguous=True)
 
-    assert router.eager_cutlass_over_cublas(CPU, m, n) is replaced
+    assert router.eager_cutlass_over_cublas(CPU, m, n, k) is replaced
     assert route() == (router.Route("cutlass", router.eager_cutlass_config(CPU, m, n)) if replaced
                        else router.Route("cublas"))
     assert route(eager=False).kernel == "cublas"
