@@ -228,13 +228,18 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
 @pytest.fixture(scope="module")
 def plan_call_cache(tmp_path_factory):
     """A cache folder holding the plan-call module, compiled here for the installed torch (about 10 s);
-    skipped where no C++ compiler is found."""
+    skipped where no C++ compiler or no Python headers are found."""
+    import sysconfig
+    from pathlib import Path
+
     from fp8linear.tools import cutlass_build
 
     try:
         cxx = cutlass_build.find_cxx()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        pytest.skip("no Python headers (Python.h) to build an extension module against")
     root = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FP8LINEAR_CACHE_DIR", str(root))
