@@ -348,8 +348,8 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
 def test_eager_calls_run_cutlass_in_place_of_cublas_where_its_tiles_fill_their_waves(monkeypatch, m, n, k, replaced):
     """An eager call routed to cuBLAS (128x128 weights, above SMALL_M_MAX rows, M*N*K at most
     EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK) runs eager_cutlass_config's kernel where its tiles fill
-    EAGER_CUTLASS_MIN_WAVE_FILL of their waves;
-    graph/compiled calls, 1x128 weights and a library not built keep cuBLAS."""
+    EAGER_CUTLASS_MIN_WAVE_FILL of their waves; graph/compiled calls, 1x128 weights and a library
+    not built keep cuBLAS."""
     monkeypatch.setattr(router, "lookup_route", lambda *a: route_table.RouteEntry("cublas"))
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
     monkeypatch.setattr(router, "cublas_device_ok", lambda device: True)
