@@ -85,6 +85,27 @@ def measure(model, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
             "decode_tok_s": b * (new_tokens - 1) / max(full - prefill, 1e-9)}
 
 
+@torch.no_grad()
+def sensitivity(model, prompt: torch.Tensor, logits: torch.Tensor) -> float:
+    """Max |logit change| of the model when its input embeddings move by about one unit in the
+    last place of their dtype (relative noise of the dtype's epsilon, seeded): the size of
+    difference that rounding and summation order alone can cause. FP8 activation quantization
+    rounds to 1/8 steps, so a last-bit change that crosses a rounding boundary moves a value by up
+    to 6%, and random-weight models amplify that from layer to layer."""
+    g = torch.Generator(device=prompt.device).manual_seed(3)
+
+    def perturb(module, args, out):
+        noise = torch.randn(out.shape, generator=g, device=out.device, dtype=torch.float32)
+        return (out.float() * (1 + torch.finfo(out.dtype).eps * noise)).to(out.dtype)
+
+    handle = model.get_input_embeddings().register_forward_hook(perturb)
+    try:
+        moved = model(prompt).logits.float().cpu()
+    finally:
+        handle.remove()
+    return float((moved - logits).abs().max())
+
+
 def memory_gib(model, device: torch.device) -> float:
     """GPU: peak allocated on this rank; CPU: bytes of this rank's parameters and buffers."""
     if device.type == "cuda":
@@ -142,6 +163,7 @@ def main() -> None:
             model = from_pretrained(path, device_map=device, dtype=dtype)
             ref = measure(model, prompt, args.new_tokens, args.repeats)
             ref["mem"] = memory_gib(model, device)
+            ref["sensitivity"] = sensitivity(model, prompt, ref["logits"])
             del model
             if cuda:
                 torch.cuda.empty_cache()
@@ -167,6 +189,8 @@ def main() -> None:
         same = torch.equal(res["tokens"], ref["tokens"])
         log(f"max |logits tp={tp} - tp=1| = {diff:.4g} (logits up to {scale:.3g}); "
             f"greedy tokens {'identical' if same else 'differ'}")
+        log(f"the tp=1 model's own max logit change when its embeddings move by one {args.dtype} ulp: "
+            f"{ref['sensitivity']:.4g} (tp={tp} {'within' if diff <= ref['sensitivity'] else 'ABOVE'} that)")
     dist.barrier()
     if tmp is not None and rank == 0:
         import shutil

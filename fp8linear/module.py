@@ -277,7 +277,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
             return None
         from .ops.splitk_gemm import splitk_counters
 
-        self._split_k_counters = ws = splitk_counters(self.out_features, device)
+        self._split_k_counters = ws = splitk_counters(self.weight.shape[0], device)
         _mark_static_address(ws)
         return ws
 
@@ -331,7 +331,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         from .ops.cpu_linear import cpu_fp8_linear, native_linear_plan
 
         weight, scale, bias = self.weight, self.weight_scale_inv, self.bias
-        k, out_shape = x.shape[-1], (*x.shape[:-1], self.out_features)
+        k, out_shape = x.shape[-1], (*x.shape[:-1], self.weight.shape[0])
         m = x.numel() // k
         native = native_linear_plan(weight, scale, granularity, bias, m, x.dtype)
 
@@ -354,7 +354,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         weight, granularity = self.weight, self.granularity
         w_s = self.weight_scale_inv.reshape(()) if granularity == "tensor" else self.weight_scale_inv
         k = x.shape[-1]
-        args = (x.device, x.numel() // k, self.out_features, k, granularity, weight.dtype, x.dtype, self.bias,
+        args = (x.device, x.numel() // k, weight.shape[0], k, granularity, weight.dtype, x.dtype, self.bias,
                 cublas_allowed(self.backend), tma_ok(weight))
         return args, w_s, granularity, weight.is_contiguous() and w_s.is_contiguous()
 
@@ -372,7 +372,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         k = x.shape[-1]
         w_s = self._gemm_scale(w_s, granularity, x.numel() // k, k, route)
         y = run_linear_route(route, x.reshape(-1, k), self.weight, w_s, granularity, self.bias, counters)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
     def _make_plan(self, x: torch.Tensor, counters: torch.Tensor | None):
         from .ops.linear import LinearPlan

@@ -350,3 +350,26 @@ def test_cpu_layer_compiles_into_one_graph(monkeypatch):
     assert explain.graph_count == 1 and explain.graph_break_count == 0
     compiled = torch.compile(layer, fullgraph=True)
     assert same_bits(compiled(x), layer(x))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_layer_runs_the_weight_it_holds_when_parameters_are_swapped(backend, granularity):
+    """Tensor parallelism runs a layer with its parameters swapped for this rank's shards (the
+    layer's in/out_features stay the full model's): every call, first, routed and planned, computes
+    with the weight it holds and returns that weight's N columns."""
+    torch.manual_seed(0)
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
+    layer = Fp8BlockLinear.from_linear(nn.Linear(256, 512, bias=True, device=device, dtype=torch.bfloat16),
+                                       granularity=granularity, backend=backend)
+    rows = 256  # the first rank's half of N (two 128-row scale blocks)
+    scale_rows = rows // 128 if granularity == "block" else rows
+    layer._parameters.update(weight=layer.weight[:rows].contiguous(), bias=layer.bias[:rows].contiguous(),
+                             weight_scale_inv=layer.weight_scale_inv[:scale_rows].contiguous())
+    x = torch.randn(3, 5, 256, device=device, dtype=torch.bfloat16)
+    expected = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, backend=backend)
+    for call in range(3):
+        y = layer(x)
+        assert y.shape == (3, 5, rows), f"call {call}"
+        assert torch.equal(y, expected), f"call {call}"

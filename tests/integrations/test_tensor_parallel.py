@@ -75,7 +75,7 @@ def input_ids() -> torch.Tensor:
 
 @torch.no_grad()
 def run_model(model: nn.Module) -> dict:
-    x = input_ids()
+    x = input_ids().to(next(model.parameters()).device)
     logits = model(x).logits.float()
     gen = model.generate(x, max_new_tokens=GEN_TOKENS, do_sample=False, pad_token_id=0)
     return {"logits": logits.tolist(), "tokens": gen[:, x.shape[1]:].tolist()}
@@ -277,19 +277,41 @@ def _worker(cases: list[dict], out_dir: Path) -> None:
     dist.destroy_process_group()
 
 
+def _gpu_worker(cases: list[dict], out_dir: Path) -> None:
+    """One GPU per rank, NCCL, the default backend (our kernels): each case loaded with tp_plan."""
+    import torch.distributed as dist
+
+    from fp8linear.integrations.transformers import from_pretrained
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    results = {}
+    for case in cases:
+        model = from_pretrained(case["path"], dtype=getattr(torch, case["dtype"]), tp_plan="auto")
+        results[case["name"]] = run_model(model)
+        del model
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    _worker(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    worker = _gpu_worker if sys.argv[3:] == ["gpu"] else _worker
+    worker(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
     sys.exit(0)
 
 
 # ----------------------------------------------------------------------------- tests
-def _torchrun(cases: list[dict], tmp: Path, nproc: int = 2) -> list[dict]:
+def _torchrun(cases: list[dict], tmp: Path, nproc: int = 2, gpu: bool = False) -> list[dict]:
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if gpu:  # NVLink multicast off: NCCL's NVLS can take a shared host's GPUs out of service
+        env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           __file__, str(spec), str(tmp)]
+           __file__, str(spec), str(tmp)] + (["gpu"] if gpu else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -440,6 +462,25 @@ def test_plan_memory_cli(dsv3, capsys):
     assert "tp=32: cannot shard" in out
     with pytest.raises(ValueError, match="config.json"):
         main(["plan-memory", str(path.parent / "missing.json")])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp2_on_two_gpus_matches_one_gpu(tmp_path, kind):
+    """tp=2 over NCCL on two GPUs with the default backend (our kernels, the same routes a user
+    gets) against the same FP8 model on one GPU: float32 activations, so only the rowwise K-sums'
+    reassociation separates them (the CPU test's tolerance), and greedy tokens match."""
+    from fp8linear.integrations.transformers import from_pretrained
+
+    path = write_case(tmp_path, kind)
+    ref = run_model(from_pretrained(path, dtype=torch.float32, device_map="cuda:0"))
+    case = {"name": kind, "path": str(path), "dtype": "float32"}
+    tol = 1e-5 * float(torch.tensor(ref["logits"]).abs().max())
+    for rank, res in enumerate(_torchrun([case], tmp_path, gpu=True)):
+        diffs = _position_diffs(res[kind]["logits"], ref["logits"])
+        assert float(diffs.max()) <= tol, f"{kind} rank {rank}: max logit difference {float(diffs.max()):.3g} > {tol:.3g}"
+        assert res[kind]["tokens"] == ref["tokens"], f"{kind} rank {rank}: greedy tokens differ"
 
 
 def test_tp2_torch_parallelize_module_layers(tp_results):
