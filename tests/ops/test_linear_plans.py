@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8linear import Fp8BlockLinear, block_fp8_matmul, dequantize_weight, fp8_linear, quantize_activation
+from fp8linear import Fp8BlockLinear, dequantize_weight, fp8_linear, quantize_activation
 from fp8linear.ops import HAS_TRITON
 
 from _utils import FP8_LINEAR_TOL, GEMM_TOL, rel_err, same_bits
@@ -137,7 +137,7 @@ def test_one_launch_decode_is_an_eager_nvidia_choice(monkeypatch):
 def test_eager_single_tokens_take_the_gemv_on_larger_weights(monkeypatch, n, k):
     """Between FUSED_GEMV_MAX_WEIGHT and EAGER_GEMV_MAX_WEIGHT one eager token runs the fused GEMV;
     graphs, larger weights and ROCm keep their routes."""
-    from fp8linear.ops import fused_gemv, router
+    from fp8linear.ops import router
 
     dev = torch.device(KERNEL_DEVICE)
     assert router.FUSED_GEMV_MAX_WEIGHT <= n * k < router.EAGER_GEMV_MAX_WEIGHT
