@@ -26,6 +26,7 @@ under "auto" run each hit expert's rows through the CPU FP8 linear
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -437,11 +438,15 @@ class Fp8Experts(QuantizedDtypesMixin):
             del plans[next(iter(plans))]
         dtype = x.dtype
         up = self.up_name
+        # the plan reaches this module through a weak reference: a strong one would make a cycle
+        # (module -> plans -> plan -> module) that keeps the experts' weights allocated after the
+        # model is deleted, until Python's cyclic garbage collector happens to run
+        module = weakref.ref(self)
         plan = plans[key] = ExpertsPlan(
             x.view(-1, self.hidden_dim), top_k_index, top_k_weights,
             getattr(self, up), getattr(self, f"{up}_scale_inv"), getattr(self, f"{up}_bias"),
             self.down_proj, self.down_proj_scale_inv, self.down_proj_bias, self.granularity,
-            lambda h: self._gate(h).to(dtype))
+            lambda h: module()._gate(h).to(dtype))
         return plan
 
     def _forward_checked(

@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -285,44 +287,61 @@ def _distribute_(module: nn.Module, shards: dict[str, ParamShard], mesh: Any, lo
         dt = DTensor.from_local(lt, mesh, [spec.placement()], run_check=False, shape=shape,
                                 stride=torch.empty(shape, device="meta").stride())
         module._parameters[pname] = nn.Parameter(dt, requires_grad=False)
+    clear = getattr(module, "clear_plans", None)
+    if clear is not None:  # plans made before hold the full tensors (and a rowwise layer's bias)
+        clear()
+
+
+def _own_forward(module: nn.Module) -> tuple[Callable[[], nn.Module | None], Callable[..., Any]]:
+    """(a weak reference to `module`, ``call(module, *args)`` running its forward as it stands).
+    The TP wrappers installed as ``module.forward`` reach the module only through these: a bound
+    method or the module itself in their closures would make a cycle (module -> forward -> module)
+    that keeps a deleted model's shards allocated until Python's cyclic garbage collector runs."""
+    installed = module.__dict__.get("forward")  # an instance-level forward someone set before us
+    if installed is not None:
+        return weakref.ref(module), lambda m, *args: installed(*args)
+    return weakref.ref(module), type(module).forward
 
 
 def _install_linear(module: nn.Module, mesh: Any, kind: str, input_rep: bool, output_rep: bool) -> None:
-    original = module.forward
+    ref, original = _own_forward(module)
     _, _, group = _mesh_info(mesh)
     n_full = module.out_features
     k_full = module.in_features
 
     if kind == "colwise":
         def forward(x: torch.Tensor) -> torch.Tensor:
+            m = ref()
             x = _input_local(x, mesh, "replicate", k_full)
-            with _local_params(module):
-                y = original(x)
+            with _local_params(m):
+                y = original(m, x)
             return _gather_last(y, mesh, n_full) if output_rep else y
     else:
         def forward(x: torch.Tensor) -> torch.Tensor:
             from torch.distributed.tensor import DTensor
 
+            m = ref()
             want = "shard_from_full" if input_rep and not isinstance(x, DTensor) else "shard"
             x = _input_local(x, mesh, want, k_full)
-            with _local_params(module, hide=("bias",)):
-                y = original(x)
+            with _local_params(m, hide=("bias",)):
+                y = original(m, x)
             y = all_reduce_sum_(y, group)
-            bias = module._parameters.get("bias")
+            bias = m._parameters.get("bias")
             return y if bias is None else y + _local(bias).to(y.dtype)
 
     module.forward = forward
 
 
 def _install_experts(module: nn.Module, mesh: Any) -> None:
-    original = module.forward
+    ref, original = _own_forward(module)
     rank, _, group = _mesh_info(mesh)
     hide = () if rank == 0 else ("down_proj_bias",)  # the down bias is added once
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        m = ref()
         hidden_states, top_k_weights = _local(hidden_states), _local(top_k_weights)
-        with _local_params(module, hide=hide):
-            y = original(hidden_states, top_k_index, top_k_weights)
+        with _local_params(m, hide=hide):
+            y = original(m, hidden_states, top_k_index, top_k_weights)
         return all_reduce_sum_(y, group)
 
     module.forward = forward

@@ -373,3 +373,30 @@ def test_layer_runs_the_weight_it_holds_when_parameters_are_swapped(backend, gra
         y = layer(x)
         assert y.shape == (3, 5, rows), f"call {call}"
         assert torch.equal(y, expected), f"call {call}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("m", [1, 8, 200])
+def test_layer_with_plans_is_freed_when_deleted(backend, m):
+    """Plans hold the weights, not the layer: deleting a planned layer frees its weights at once,
+    without Python's cyclic garbage collector (GPU memory a deleted model still holds is memory
+    `torch.cuda.empty_cache` cannot hand back)."""
+    import gc
+    import weakref
+
+    device = KERNEL_DEVICE if backend == "triton" else DEV
+    layer = Fp8BlockLinear.from_linear(nn.Linear(256, 384, bias=True, device=device, dtype=torch.bfloat16),
+                                       backend=backend)
+    x = torch.randn(m, 256, device=device, dtype=torch.bfloat16)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            layer(x)
+        assert layer._plans
+        weight, module = weakref.ref(layer.weight), weakref.ref(layer)
+        del layer
+        assert module() is None and weight() is None
+    finally:
+        gc.enable()

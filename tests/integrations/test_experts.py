@@ -606,6 +606,32 @@ def test_kernel_path_plans_give_the_same_bits(name, t, dtype, kernel_align, monk
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"], ids=["ds", "gpt_oss-custom-gate"])
+def test_module_with_plans_is_freed_when_deleted(name):
+    """A planned module holds no reference cycle: deleting it frees its weights at once, without
+    Python's cyclic garbage collector (whose timing is unknown: GPU memory a deleted model still
+    holds is memory `torch.cuda.empty_cache` cannot hand back)."""
+    import gc
+    import weakref
+
+    ex = _experts(name).to(KERNEL_DEVICE)
+    f = Fp8Experts.from_experts(ex, backend="triton")
+    x, idx, w = (v.to(KERNEL_DEVICE) for v in _inputs(ex, t=3, top_k=_top_k(name)))
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                f(x, idx, w)
+        assert f._plans
+        weight, module = weakref.ref(f.down_proj), weakref.ref(f)
+        del f
+        assert module() is None and weight() is None
+    finally:
+        gc.enable()
+
+
+@needs_kernel
 def test_kernel_path_torch_compile_fullgraph():
     """The custom op's fake implementation and the routing ops trace without graph breaks."""
     ex = _experts("deepseek_v3").to(KERNEL_DEVICE)

@@ -544,3 +544,52 @@ def test_resolve_tp_plan_styles():
         resolve_tp_plan(model, "auto")
     with pytest.raises(TypeError, match="tp_plan must be 'auto' or a dict"):
         resolve_tp_plan(model, ["colwise"])
+
+
+def test_tp_wrapped_modules_are_freed_when_deleted(tmp_path):
+    """The TP forwards reach their module through a weak reference: deleting a parallelized model
+    frees its shards at once, without Python's cyclic garbage collector (one process, gloo, a mesh
+    of one; the output is the unwrapped module's)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fp8linear import Fp8BlockLinear, quantize_weight
+    from fp8linear.integrations.experts import Fp8Experts
+    from fp8linear.integrations.tensor_parallel import Fp8ColwiseParallel, Fp8ExpertsParallel, Fp8RowwiseParallel
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        seq = nn.Sequential(Fp8BlockLinear.from_linear(nn.Linear(256, 512)), nn.ReLU(),
+                            Fp8BlockLinear.from_linear(nn.Linear(512, 256)))
+        experts = Fp8Experts(4, 256, 256, act_fn=nn.SiLU())
+        with torch.no_grad():
+            for name in ("gate_up_proj", "down_proj"):
+                q, scale = quantize_weight(torch.randn(getattr(experts, name).shape) * 0.05, "block")
+                getattr(experts, name).copy_(q)
+                getattr(experts, f"{name}_scale_inv").copy_(scale)
+        x, idx, w = torch.randn(3, 256), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.full((3, 2), 0.5)
+        with torch.no_grad():
+            ref_seq, ref_experts = seq(x), experts(x, idx, w)
+        mesh = init_device_mesh("cpu", (1,))
+        parallelize_module(seq, mesh, {"0": Fp8ColwiseParallel(), "2": Fp8RowwiseParallel()})
+        parallelize_module(experts, mesh, Fp8ExpertsParallel())
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    assert torch.equal(seq(x), ref_seq)
+                    assert torch.equal(experts(x, idx, w), ref_experts)
+            refs = [weakref.ref(m) for m in (seq[0], seq[2], experts)]
+            refs += [weakref.ref(seq[0].weight), weakref.ref(experts.down_proj)]
+            del seq, experts
+            assert all(r() is None for r in refs)
+        finally:
+            gc.enable()
+    finally:
+        dist.destroy_process_group()
