@@ -292,26 +292,38 @@ def _distribute_(module: nn.Module, shards: dict[str, ParamShard], mesh: Any, lo
         clear()
 
 
-def _own_forward(module: nn.Module) -> tuple[Callable[[], nn.Module | None], Callable[..., Any]]:
-    """(a weak reference to `module`, ``call(module, *args)`` running its forward as it stands).
-    The TP wrappers installed as ``module.forward`` reach the module only through these: a bound
-    method or the module itself in their closures would make a cycle (module -> forward -> module)
-    that keeps a deleted model's shards allocated until Python's cyclic garbage collector runs."""
-    installed = module.__dict__.get("forward")  # an instance-level forward someone set before us
+def _own_forward(module: nn.Module) -> tuple[Callable[[], nn.Module], Callable[..., Any]]:
+    """(``owner()`` giving `module`, ``call(module, *args)`` running its forward as it stands).
+    The TP wrappers installed as ``module.forward`` reach the module only through these, by a weak
+    reference: a bound method or the module itself in their closures would make a cycle (module ->
+    forward -> module) that keeps a deleted model's shards allocated until Python's cyclic garbage
+    collector runs. A forward set on the instance before (accelerate's hooks, say) is called as it
+    stands, with whatever it holds."""
+    ref = weakref.ref(module)
+    name = type(module).__name__
+
+    def owner() -> nn.Module:
+        m = ref()
+        if m is None:  # a copy.deepcopy of a parallelized module shares its forward function
+            raise RuntimeError(f"this tensor-parallel forward belongs to a {name} that no longer exists (a copy "
+                               "of a parallelized module keeps the original's forward): parallelize the copy itself")
+        return m
+
+    installed = module.__dict__.get("forward")
     if installed is not None:
-        return weakref.ref(module), lambda m, *args: installed(*args)
-    return weakref.ref(module), type(module).forward
+        return owner, lambda m, *args: installed(*args)
+    return owner, type(module).forward
 
 
 def _install_linear(module: nn.Module, mesh: Any, kind: str, input_rep: bool, output_rep: bool) -> None:
-    ref, original = _own_forward(module)
+    owner, original = _own_forward(module)
     _, _, group = _mesh_info(mesh)
     n_full = module.out_features
     k_full = module.in_features
 
     if kind == "colwise":
         def forward(x: torch.Tensor) -> torch.Tensor:
-            m = ref()
+            m = owner()
             x = _input_local(x, mesh, "replicate", k_full)
             with _local_params(m):
                 y = original(m, x)
@@ -320,7 +332,7 @@ def _install_linear(module: nn.Module, mesh: Any, kind: str, input_rep: bool, ou
         def forward(x: torch.Tensor) -> torch.Tensor:
             from torch.distributed.tensor import DTensor
 
-            m = ref()
+            m = owner()
             want = "shard_from_full" if input_rep and not isinstance(x, DTensor) else "shard"
             x = _input_local(x, mesh, want, k_full)
             with _local_params(m, hide=("bias",)):
@@ -333,12 +345,12 @@ def _install_linear(module: nn.Module, mesh: Any, kind: str, input_rep: bool, ou
 
 
 def _install_experts(module: nn.Module, mesh: Any) -> None:
-    ref, original = _own_forward(module)
+    owner, original = _own_forward(module)
     rank, _, group = _mesh_info(mesh)
     hide = () if rank == 0 else ("down_proj_bias",)  # the down bias is added once
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        m = ref()
+        m = owner()
         hidden_states, top_k_weights = _local(hidden_states), _local(top_k_weights)
         with _local_params(m, hide=hide):
             y = original(m, hidden_states, top_k_index, top_k_weights)
