@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+
 import torch
+
+
+@contextlib.contextmanager
+def without_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off (after one collection): inside, an object is freed
+    only when its last reference goes, so a test sees whether `del` frees a module at once."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -12,7 +12,7 @@ from fp8linear import Fp8BlockLinear, dequantize_weight, fp8_linear, quantize_we
 
 from fp8linear.ops import HAS_TRITON
 
-from _utils import FP8_LINEAR_TOL, rel_err, same_bits
+from _utils import FP8_LINEAR_TOL, rel_err, same_bits, without_cyclic_gc
 from conftest import HAS_CUDA, KERNEL_DEVICE
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -384,21 +384,16 @@ def test_layer_with_plans_is_freed_when_deleted(backend, m):
     without Python's cyclic garbage collector (GPU memory a deleted model still holds is memory
     `torch.cuda.empty_cache` cannot hand back). A guard: no plan kind makes such a cycle today;
     on a GPU "auto" covers the GPU plans, on a CPU the CPU plan."""
-    import gc
     import weakref
 
     device = KERNEL_DEVICE if backend == "triton" else DEV
     layer = Fp8BlockLinear.from_linear(nn.Linear(256, 384, bias=True, device=device, dtype=torch.bfloat16),
                                        backend=backend)
     x = torch.randn(m, 256, device=device, dtype=torch.bfloat16)
-    gc.collect()
-    gc.disable()
-    try:
+    with without_cyclic_gc():
         for _ in range(3):
             layer(x)
         assert layer._plans
         weight, module = weakref.ref(layer.weight), weakref.ref(layer)
         del layer
         assert module() is None and weight() is None
-    finally:
-        gc.enable()

@@ -611,24 +611,20 @@ def test_module_with_plans_is_freed_when_deleted(name):
     """A planned module holds no reference cycle: deleting it frees its weights at once, without
     Python's cyclic garbage collector (whose timing is unknown: GPU memory a deleted model still
     holds is memory `torch.cuda.empty_cache` cannot hand back)."""
-    import gc
     import weakref
+
+    from _utils import without_cyclic_gc
 
     ex = _experts(name).to(KERNEL_DEVICE)
     f = Fp8Experts.from_experts(ex, backend="triton")
     x, idx, w = (v.to(KERNEL_DEVICE) for v in _inputs(ex, t=3, top_k=_top_k(name)))
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.no_grad():
-            for _ in range(3):
-                f(x, idx, w)
+    with without_cyclic_gc(), torch.no_grad():
+        for _ in range(3):
+            f(x, idx, w)
         assert f._plans
         weight, module = weakref.ref(f.down_proj), weakref.ref(f)
         del f
         assert module() is None and weight() is None
-    finally:
-        gc.enable()
 
 
 @needs_kernel

@@ -555,10 +555,10 @@ def test_tp_wrapped_modules_are_freed_when_deleted(tmp_path):
     frees its shards at once, without Python's cyclic garbage collector (one process, gloo, a mesh
     of one; the output is the unwrapped module's)."""
     import copy
-    import gc
     import weakref
 
     import torch.distributed as dist
+    from _utils import without_cyclic_gc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -583,9 +583,7 @@ def test_tp_wrapped_modules_are_freed_when_deleted(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         parallelize_module(seq, mesh, {"0": Fp8ColwiseParallel(), "2": Fp8RowwiseParallel()})
         parallelize_module(experts, mesh, Fp8ExpertsParallel())
-        gc.collect()
-        gc.disable()
-        try:
+        with without_cyclic_gc():
             with torch.no_grad():
                 for _ in range(2):
                     assert torch.equal(seq(x), ref_seq)
@@ -594,8 +592,6 @@ def test_tp_wrapped_modules_are_freed_when_deleted(tmp_path):
             refs += [weakref.ref(seq[0].weight), weakref.ref(experts.down_proj)]
             del seq, experts
             assert all(r() is None for r in refs)
-        finally:
-            gc.enable()
         # a copy keeps the original's forward function: once the original is gone it says so
         layer = Fp8BlockLinear.from_linear(nn.Linear(256, 512))
         parallelize_module(layer, mesh, Fp8ColwiseParallel())
