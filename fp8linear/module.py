@@ -331,7 +331,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         from .ops.cpu_linear import cpu_fp8_linear, native_linear_plan
 
         weight, scale, bias = self.weight, self.weight_scale_inv, self.bias
-        k, out_shape = x.shape[-1], (*x.shape[:-1], self.weight.shape[0])
+        k, out_shape = x.shape[-1], (*x.shape[:-1], weight.shape[0])
         m = x.numel() // k
         native = native_linear_plan(weight, scale, granularity, bias, m, x.dtype)
 
