@@ -21,6 +21,29 @@ def without_cyclic_gc() -> Iterator[None]:
         gc.enable()
 
 
+def spy_cutlass_library_calls(monkeypatch, on_call) -> None:
+    """Run ``on_call(method, args)`` before every call of the CUTLASS plans' quantize-and-GEMM
+    library calls (``CutlassCall.with_quantization``, and ``allocating_call``, its form in the
+    plan-call module where that is built) that plans made after this returns hold."""
+    from fp8linear.ops import cutlass_gemm
+
+    for method in ("with_quantization", "allocating_call"):
+        real = getattr(cutlass_gemm.CutlassCall, method)
+
+        def make(self, *args, real=real, method=method):
+            fused = real(self, *args)
+            if fused is None:
+                return None
+
+            def spied(*call_args):
+                on_call(method, call_args)
+                return fused(*call_args)
+
+            return spied
+
+        monkeypatch.setattr(cutlass_gemm.CutlassCall, method, make)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ||out - ref|| / ||ref|| in float64."""
     out, ref = out.double(), ref.double()

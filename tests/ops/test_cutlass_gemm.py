@@ -12,7 +12,7 @@ import torch
 from fp8linear.ops import cutlass_gemm
 from fp8linear.ops.cutlass_gemm import CutlassConfig, cutlass_accepts
 
-from _utils import GEMM_TOL, capture_graph, rel_err, same_bits
+from _utils import GEMM_TOL, capture_graph, rel_err, same_bits, spy_cutlass_library_calls
 from conftest import HAS_CUDA
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -581,25 +581,12 @@ def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypa
 
     calls, allocating = [], []
 
-    def counting(method, log):
-        real = getattr(cutlass_gemm.CutlassCall, method)
+    def record(method, args):
+        calls.append(args)
+        if method == "allocating_call":
+            allocating.append(args)
 
-        def make(self, *args):
-            fused = real(self, *args)
-            if fused is None:
-                return None
-
-            def run(*args):
-                calls.append(args)
-                log.append(method)
-                return fused(*args)
-
-            return run
-
-        monkeypatch.setattr(cutlass_gemm.CutlassCall, method, make)
-
-    counting("with_quantization", [])
-    counting("allocating_call", allocating)
+    spy_cutlass_library_calls(monkeypatch, record)
     built = cutlass_gemm._plan_call() is not None
     gen = torch.Generator(device="cuda").manual_seed(11)
     n, k = 576, 2112

@@ -17,7 +17,7 @@ from torch import nn
 from fp8linear import Fp8BlockLinear, share_input_quantization
 from fp8linear.ops import HAS_TRITON
 
-from _utils import same_bits
+from _utils import same_bits, spy_cutlass_library_calls
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 
@@ -186,7 +186,7 @@ def test_grouped_layers_on_the_interpreter_give_the_ungrouped_bits(monkeypatch):
 def _count_quant_launches(monkeypatch) -> list[int]:
     """A counter of act_quant launches, and of the CUTLASS plans' quantizations in the library's call
     (those of plans made after this call)."""
-    from fp8linear.ops import cutlass_gemm, launch
+    from fp8linear.ops import launch
     from fp8linear.ops.quant import _act_quant_kernel
 
     count, orig = [0], launch.KernelCall.launch
@@ -196,25 +196,11 @@ def _count_quant_launches(monkeypatch) -> list[int]:
             count[0] += 1
         return orig(self, *args)
 
-    def counting(method):
-        real = getattr(cutlass_gemm.CutlassCall, method)
-
-        def make(self, *args):
-            fused = real(self, *args)
-            if fused is None:
-                return None
-
-            def counted(*args):
-                count[0] += 1
-                return fused(*args)
-
-            return counted
-
-        monkeypatch.setattr(cutlass_gemm.CutlassCall, method, make)
+    def library_call(method, args):
+        count[0] += 1
 
     monkeypatch.setattr(launch.KernelCall, "launch", spy)
-    counting("with_quantization")
-    counting("allocating_call")  # (the plan-call module's form of the same call, where it is built)
+    spy_cutlass_library_calls(monkeypatch, library_call)
     return count
 
 
