@@ -17,7 +17,9 @@ that cannot be written raises ValueError before a file is written.
 
 Works with transformers 5.x (the ``HfQuantizer`` hooks used here -- ``param_needs_quantization``,
 ``get_quantize_ops`` and the ``ConversionOps.convert`` signature -- are the same in 5.17 and 5.23;
-the save hooks ``is_serializable`` and ``get_state_dict_and_metadata`` are tested with 5.24).
+the save hooks ``is_serializable`` and ``get_state_dict_and_metadata`` are tested with 5.24). Under
+``tp_plan="auto"`` transformers 5.24 hands the quantizer its TP plan (``update_parallel_plan``); 5.17
+has no such hook, and the quantizer marks and checks the planned modules after loading instead.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ class Fp8LinearConfig(QuantizationConfigMixin):
             "ignore": list(self.ignore),
             "backend": self.backend,
         }
+
+
+# transformers 5.24 hands a quantizer the model's TP plan (`update_parallel_plan`); 5.17 has only a
+# config hook, and its TP styles read `_hf_quantized_needs_local_tp` from the modules when they run.
+_HAS_PARALLEL_PLAN_HOOK = hasattr(HfQuantizer, "update_parallel_plan")
 
 
 class Fp8QuantizeOp(ConversionOps):
@@ -227,6 +234,13 @@ class Fp8LinearHfQuantizer(HfQuantizer):
             self.quantization_config.granularity, self._kept, self._fp8()
         )
         keep_experts_fused_on_save(model)
+        if not _HAS_PARALLEL_PLAN_HOOK and (getattr(model, "_tp_size", None) or 1) > 1:
+            # transformers without update_parallel_plan (5.17) has installed its styles by now: mark the
+            # modules to run them on local tensors (read at each call) and check the shards, as
+            # update_parallel_plan does on newer versions.
+            from .tensor_parallel import extend_hf_tp_plan
+
+            extend_hf_tp_plan(model, dict(model.tp_plan))
         self._model_ref = weakref.ref(model)
         for module in model.modules():
             if isinstance(module, Fp8BlockLinear):

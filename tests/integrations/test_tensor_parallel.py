@@ -310,11 +310,15 @@ def _torchrun(cases: list[dict], tmp: Path, nproc: int = 2, gpu: bool = False) -
                PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if gpu:  # NVLink multicast off: NCCL's NVLS can take a shared host's GPUs out of service
         env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    else:  # the CPU (gloo) workers see no GPU, as on a CPU host: transformers' TP would take the GPUs
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            __file__, str(spec), str(tmp)] + (["gpu"] if gpu else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    if proc.returncode != 0:  # the first worker traceback, then torchrun's summary
+        first = proc.stderr.find("Traceback")
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[max(first, 0):][:6000]}\n...\n{proc.stderr[-2000:]}")
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -601,3 +605,28 @@ def test_tp_wrapped_modules_are_freed_when_deleted(tmp_path):
             twin(x)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantizer_marks_tp_modules_where_transformers_has_no_plan_hook(kind, monkeypatch):
+    """transformers 5.17 has no ``HfQuantizer.update_parallel_plan``: its TP styles read
+    ``_hf_quantized_needs_local_tp`` from each module when it runs, and without the mark they ran
+    our modules on DTensor parameters (the hf route's logits 1.3-1.6 off at tp=2 there). After
+    loading a tensor-parallel model the quantizer marks the planned fp8linear modules itself."""
+    from fp8linear.integrations import hf_quantizer
+    from fp8linear.integrations.tensor_parallel import _wildcard
+    from fp8linear.integrations.transformers import Fp8LinearConfig, quantize_model_
+
+    model = make_model(kind)
+    quantize_model_(model, granularity="block", fp8_dtype="e4m3fn", backend="reference")
+    quantizer = hf_quantizer.Fp8LinearHfQuantizer(Fp8LinearConfig(granularity="block", fp8_dtype="e4m3fn"))
+    monkeypatch.setattr(hf_quantizer, "_HAS_PARALLEL_PLAN_HOOK", False)
+    plan = model.tp_plan
+    fp8 = {name: m for name, m in model.named_modules() if hasattr(m, "weight_scale_inv") or hasattr(m, "down_proj_scale_inv")}
+    planned = [m for name, m in fp8.items() if _wildcard(name) in plan]
+    assert planned
+    quantizer._process_model_after_weight_loading(model)  # one process: nothing to mark
+    assert not any(getattr(m, "_hf_quantized_needs_local_tp", False) for m in fp8.values())
+    model._tp_size = 2  # what transformers 5.17 sets when it parallelizes
+    quantizer._process_model_after_weight_loading(model)
+    assert all(getattr(m, "_hf_quantized_needs_local_tp", False) for m in planned)
