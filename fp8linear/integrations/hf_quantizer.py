@@ -19,7 +19,7 @@ Works with transformers 5.x (the ``HfQuantizer`` hooks used here -- ``param_need
 ``get_quantize_ops`` and the ``ConversionOps.convert`` signature -- are the same in 5.17 and 5.23;
 the save hooks ``is_serializable`` and ``get_state_dict_and_metadata`` are tested with 5.24). Under
 ``tp_plan="auto"`` transformers 5.24 hands the quantizer its TP plan (``update_parallel_plan``); 5.17
-has no such hook, and the quantizer marks and checks the planned modules after loading instead.
+has no such hook, and the quantizer marks and checks the planned modules before loading instead.
 """
 
 from __future__ import annotations
@@ -117,6 +117,12 @@ class Fp8LinearConfig(QuantizationConfigMixin):
 _HAS_PARALLEL_PLAN_HOOK = hasattr(HfQuantizer, "update_parallel_plan")
 
 
+def _requested_tp_size(model: Any) -> int:
+    """The tensor-parallel size from_pretrained was asked for: transformers 5.17 sets
+    ``config.distributed_config`` before it builds the model (1 where it has none)."""
+    return getattr(getattr(model.config, "distributed_config", None), "tp_size", None) or 1
+
+
 class Fp8QuantizeOp(ConversionOps):
     """transformers weight-conversion op: one high-precision tensor -> FP8 tensor + ``_scale_inv``."""
 
@@ -181,6 +187,14 @@ class Fp8LinearHfQuantizer(HfQuantizer):
             module = model.get_submodule(module_name)
             shape = module._parameters[attr].shape
             module._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=high, device="meta"), requires_grad=False)
+        tp = _requested_tp_size(model)
+        if not _HAS_PARALLEL_PLAN_HOOK and tp > 1:
+            # transformers without update_parallel_plan (5.17) shards the model next: mark the modules
+            # to run its styles on local tensors and check them (per-tensor scales refused, 128
+            # boundaries) before any weight is read, as update_parallel_plan does on newer versions.
+            from .tensor_parallel import extend_hf_tp_plan
+
+            extend_hf_tp_plan(model, dict(model.tp_plan), tp)
         return model
 
     def _weights_to_quantize(self, model: Any) -> list[str]:
@@ -234,13 +248,6 @@ class Fp8LinearHfQuantizer(HfQuantizer):
             self.quantization_config.granularity, self._kept, self._fp8()
         )
         keep_experts_fused_on_save(model)
-        if not _HAS_PARALLEL_PLAN_HOOK and (getattr(model, "_tp_size", None) or 1) > 1:
-            # transformers without update_parallel_plan (5.17) has installed its styles by now: mark the
-            # modules to run them on local tensors (read at each call) and check the shards, as
-            # update_parallel_plan does on newer versions.
-            from .tensor_parallel import extend_hf_tp_plan
-
-            extend_hf_tp_plan(model, dict(model.tp_plan))
         self._model_ref = weakref.ref(model)
         for module in model.modules():
             if isinstance(module, Fp8BlockLinear):

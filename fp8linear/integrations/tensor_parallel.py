@@ -560,18 +560,20 @@ def _after_shard(model: nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------- transformers' own styles
-def extend_hf_tp_plan(model: nn.Module, plan: dict[str, str]) -> None:
+def extend_hf_tp_plan(model: nn.Module, plan: dict[str, str], tp: int | None = None) -> None:
     """Adapt transformers' `plan` (in place) for a model holding fp8linear modules.
 
     Adds each scale's entry next to its weight's (``weight_scale_inv`` follows its layer, experts'
     ``P_scale_inv`` follow ``P``), marks the fp8linear modules to run transformers' styles on
-    local tensors, and checks every sharded module splits on 128 boundaries for the current world
-    size (ValueError naming it otherwise). Per-tensor scales of sharded modules are refused:
-    transformers quantizes each rank's slice as it loads, which would give every rank its own scale.
+    local tensors, and checks every sharded module splits on 128 boundaries for `tp` ranks (by
+    default the current world size; ValueError naming the module otherwise). Per-tensor scales of
+    sharded modules are refused: transformers quantizes each rank's slice as it loads, which would
+    give every rank its own scale.
     """
     import torch.distributed as dist
 
-    tp = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp is None:
+        tp = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     experts_cls = _experts_cls()
 
     def refuse_per_tensor(name: str) -> None:

@@ -626,22 +626,32 @@ def test_tp_wrapped_modules_are_freed_when_deleted(tmp_path):
 def test_quantizer_marks_tp_modules_where_transformers_has_no_plan_hook(kind, monkeypatch):
     """transformers 5.17 has no ``HfQuantizer.update_parallel_plan``: its TP styles read
     ``_hf_quantized_needs_local_tp`` from each module when it runs, and without the mark they ran
-    our modules on DTensor parameters (the hf route's logits 1.3-1.6 off at tp=2 there). After
-    loading a tensor-parallel model the quantizer marks the planned fp8linear modules itself."""
+    our modules on DTensor parameters (the hf route's logits 1.3-1.6 off at tp=2 there). Before
+    loading a model asked for tensor parallelism (5.17 puts ``distributed_config`` on the config
+    first) the quantizer marks the planned fp8linear modules itself, and refuses per-tensor scales
+    with a clear error (5.17 failed inside DTensor: "Expected tensor.dim() > 0")."""
+    from types import SimpleNamespace
+
     from fp8linear.integrations import hf_quantizer
     from fp8linear.integrations.tensor_parallel import _wildcard
-    from fp8linear.integrations.transformers import Fp8LinearConfig, quantize_model_
+    from fp8linear.integrations.transformers import Fp8LinearConfig
 
-    model = make_model(kind)
-    quantize_model_(model, granularity="block", fp8_dtype="e4m3fn", backend="reference")
-    quantizer = hf_quantizer.Fp8LinearHfQuantizer(Fp8LinearConfig(granularity="block", fp8_dtype="e4m3fn"))
     monkeypatch.setattr(hf_quantizer, "_HAS_PARALLEL_PLAN_HOOK", False)
-    plan = model.tp_plan
-    fp8 = {name: m for name, m in model.named_modules() if hasattr(m, "weight_scale_inv") or hasattr(m, "down_proj_scale_inv")}
-    planned = [m for name, m in fp8.items() if _wildcard(name) in plan]
-    assert planned
-    quantizer._process_model_after_weight_loading(model)  # one process: nothing to mark
-    assert not any(getattr(m, "_hf_quantized_needs_local_tp", False) for m in fp8.values())
-    model._tp_size = 2  # what transformers 5.17 sets when it parallelizes
-    quantizer._process_model_after_weight_loading(model)
-    assert all(getattr(m, "_hf_quantized_needs_local_tp", False) for m in planned)
+
+    def prepared(tp_size, granularity="block"):
+        model = make_model(kind)
+        if tp_size:
+            model.config.distributed_config = SimpleNamespace(tp_size=tp_size, enable_expert_parallel=False)
+        config = Fp8LinearConfig(granularity=granularity, fp8_dtype="e4m3fn")
+        hf_quantizer.Fp8LinearHfQuantizer(config)._process_model_before_weight_loading(model)
+        return model
+
+    for model in (prepared(None), prepared(1)):  # one process: nothing to mark
+        assert not any(getattr(m, "_hf_quantized_needs_local_tp", False) for m in model.modules())
+    model = prepared(2)
+    fp8 = {name: m for name, m in model.named_modules()
+           if hasattr(m, "weight_scale_inv") or hasattr(m, "down_proj_scale_inv")}
+    planned = [m for name, m in fp8.items() if _wildcard(name) in model.tp_plan]
+    assert planned and all(getattr(m, "_hf_quantized_needs_local_tp", False) for m in planned)
+    with pytest.raises(ValueError, match="per-tensor scales cannot be computed while loading under tp_plan"):
+        prepared(2, "tensor")
