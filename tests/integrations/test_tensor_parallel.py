@@ -8,7 +8,8 @@ under tensor parallelism and writes what each rank saw to JSON. Dimensions are m
 
 Tolerances: in float32 the TP model computes the same products; only the rowwise layers'
 K-sums are split into two fp32 partial sums added by the all-reduce (reassociation, ~1e-7
-relative per layer), so float32 logits must agree to 1e-5 of their range and greedy tokens
+relative per layer), so float32 logits agree to 1e-5 of their range except where a last-bit
+difference flips an FP8 activation rounding (see _assert_float32_match), and greedy tokens
 exactly. In bfloat16 each rowwise partial output is rounded to bf16 before the all-reduce
 and the sum is rounded again, where one process rounds once; the test requires the TP
 difference at the median position to stay within the single-process model's own bf16
