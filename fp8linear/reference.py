@@ -31,6 +31,7 @@ __all__ = [
     "expand_weight_scale",
     "block_fp8_matmul_ref",
     "grouped_fp8_matmul_ref",
+    "rms_norm_ref",
 ]
 
 # amax is floored here so an all-zero group gets a finite, non-zero scale and quantizes to 0;
@@ -201,3 +202,13 @@ def grouped_fp8_matmul_ref(
     if topk_weights is not None:
         out = out * topk_weights.float()[:, None]
     return out.to(out_dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' Llama-family RMSNorm computes it, in the same ATen ops:
+    ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` (the output takes
+    ``torch.result_type(weight, x)``). :class:`fp8linear.norm.FusedRMSNorm` runs it on CPU and
+    when traced; its kernel (:mod:`fp8linear.ops.rmsnorm`) computes the same in one launch."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

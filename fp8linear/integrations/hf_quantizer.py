@@ -36,6 +36,7 @@ from ..checkpoint_format import SCALE_SUFFIX, checkpoint_quantization_config
 from ..formats import check_granularity, is_fp8_dtype, parse_fp8_dtype, resolve_fp8_dtype
 from ..functional import quantize_weight
 from ..module import Fp8BlockLinear
+from ..norm import fuse_rms_norms_
 from .replace import experts_api, keep_experts_fused_on_save, quantize_model_
 
 from transformers.core_model_loading import ConversionOps
@@ -78,12 +79,15 @@ class Fp8LinearConfig(QuantizationConfigMixin):
         ignore: regexes of module names to keep in high precision (on top of the output head
             and MoE routers, which are always kept).
         backend: force ``"triton"`` or ``"reference"`` in the FP8 modules; ``None`` = auto.
+        fuse_norms: after loading, swap the RMSNorm modules for one-launch
+            :class:`fp8linear.norm.FusedRMSNorm` (same weights and formula; see ``quantize_model_``).
     """
 
     granularity: str = "block"
     fp8_dtype: str | None = None
     ignore: list[str] = field(default_factory=list)
     backend: str | None = None
+    fuse_norms: bool = True
     quant_method: str = QUANT_METHOD
 
     def __post_init__(self) -> None:
@@ -99,6 +103,8 @@ class Fp8LinearConfig(QuantizationConfigMixin):
         self.ignore = list(self.ignore)
         if self.backend not in (None, "auto", "triton", "reference"):
             raise ValueError(f"backend must be None, 'auto', 'triton' or 'reference', got {self.backend!r}")
+        if not isinstance(self.fuse_norms, bool):
+            raise TypeError(f"fuse_norms must be a bool, got {type(self.fuse_norms).__name__}")
         if self.quant_method != QUANT_METHOD:
             raise ValueError(f"quant_method must be {QUANT_METHOD!r}, got {self.quant_method!r}")
 
@@ -109,6 +115,7 @@ class Fp8LinearConfig(QuantizationConfigMixin):
             "fp8_dtype": self.fp8_dtype,
             "ignore": list(self.ignore),
             "backend": self.backend,
+            "fuse_norms": self.fuse_norms,
         }
 
 
@@ -252,6 +259,8 @@ class Fp8LinearHfQuantizer(HfQuantizer):
         for module in model.modules():
             if isinstance(module, Fp8BlockLinear):
                 module.init_split_k_counters()  # on the device its weight was loaded to
+        if self.quantization_config.fuse_norms:
+            fuse_rms_norms_(model)
         return model
 
     def update_parallel_plan(self, model: Any, plan: dict[str, str]) -> None:

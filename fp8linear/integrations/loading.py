@@ -32,6 +32,7 @@ from ..checkpoint_format import SCALE_SUFFIX, torch_dtype_from_safetensors
 from ..formats import GROUP_SIZE, SCALE_DTYPE, e4m3fn_to_e4m3fnuz, is_fp8_dtype, parse_fp8_dtype
 from ..functional import dequantize_weight, quantize_weight
 from ..module import Fp8BlockLinear, share_input_quantization
+from ..norm import fuse_rms_norms_
 from ..reference import weight_granularity, weight_scale_shape
 from .checkpoint_index import EXPERT_NAME_SETS, CheckpointIndex, TensorInfo, index_checkpoint
 from .replace import experts_api
@@ -447,6 +448,7 @@ def from_pretrained(
     attn_implementation: str | None = None,
     tp_plan: Any = None,
     share_inputs: bool = True,
+    fuse_norms: bool = True,
 ) -> nn.Module:
     """Load an FP8 checkpoint folder into its transformers model class with fp8linear modules.
 
@@ -466,6 +468,8 @@ def from_pretrained(
             slices. Needs ``device_map=None``. See docs/tensor_parallel.md.
         share_inputs: group the FP8 linears that take one input tensor (q / k / v, gate / up) so
             that eager GPU calls quantize it once (:func:`fp8linear.share_input_quantization`).
+        fuse_norms: swap the RMSNorm modules for one-launch :class:`fp8linear.norm.FusedRMSNorm`
+            (same weights and formula, checked per module: :func:`fp8linear.norm.fuse_rms_norms_`).
 
     Raises ValueError naming the tensor when the checkpoint and config.json disagree, when
     tensors are missing or unused, or when a file listed in the index lies outside `path`.
@@ -477,6 +481,8 @@ def from_pretrained(
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     if not isinstance(share_inputs, bool):
         raise TypeError(f"share_inputs must be a bool, got {type(share_inputs).__name__}")
+    if not isinstance(fuse_norms, bool):
+        raise TypeError(f"fuse_norms must be a bool, got {type(fuse_norms).__name__}")
     fp8 = parse_fp8_dtype(fp8_dtype) if fp8_dtype is not None else None
     root = Path(path).resolve()
     if not (root / "config.json").is_file():
@@ -541,6 +547,8 @@ def from_pretrained(
             module.init_split_k_counters()  # on the device its weight was placed on
     if share_inputs:
         share_input_quantization(model)
+    if fuse_norms:
+        fuse_rms_norms_(model)
     attach_save_hook_if_transformers(model)  # model.save_pretrained writes the checkpoint format
     model.eval()
     return model

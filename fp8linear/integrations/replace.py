@@ -28,6 +28,7 @@ from ..checkpoint_format import DEFAULT_SKIP_PATTERNS, checkpoint_quantization_c
 from ..formats import check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..gptq import GPTQConfig
 from ..module import Fp8BlockLinear, share_input_quantization
+from ..norm import fuse_rms_norms_
 from .calibration import check_calibration_data, gptq_replace_linears_, set_submodule
 
 __all__ = [
@@ -83,6 +84,7 @@ class QuantizeReport:
     quantized_bytes_before: int = 0
     quantized_bytes_after: int = 0
     gptq_layers: int = 0  # linear layers rounded with GPTQ (calibration_data given)
+    fused_norms: int = 0  # RMSNorm modules swapped for one-launch FusedRMSNorm (fuse_norms)
 
     def __post_init__(self) -> None:
         check_granularity(self.granularity)
@@ -101,6 +103,7 @@ class QuantizeReport:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.replaced.items())) or "nothing"
         dtype = str(self.fp8_dtype).removeprefix("torch.")
         rounding = f"; {self.gptq_layers} linear layers GPTQ-rounded" if self.gptq_layers else ""
+        rounding += f"; {self.fused_norms} RMSNorm modules fused" if self.fused_norms else ""
         lines = [
             f"FP8 quantization ({self.granularity}, {dtype}): replaced {self.num_replaced} modules ({kinds}){rounding}",
             f"  kept in high precision: {len(self.kept)} modules"
@@ -139,6 +142,7 @@ def quantize_model_(
     calibration_data: Sequence[Any] | None = None,
     gptq: GPTQConfig | None = None,
     share_inputs: bool = True,
+    fuse_norms: bool = True,
 ) -> QuantizeReport:
     """Replace eligible linear layers and fused experts of `model` with FP8 modules, in place.
 
@@ -162,6 +166,10 @@ def quantize_model_(
         gptq: GPTQ settings (:class:`fp8linear.gptq.GPTQConfig`); used with `calibration_data`.
         share_inputs: group the new linears that take one input tensor (q / k / v, gate / up) so
             that eager GPU calls quantize it once (:func:`fp8linear.share_input_quantization`).
+        fuse_norms: swap the model's RMSNorm modules for :class:`fp8linear.norm.FusedRMSNorm` (one
+            launch on GPUs instead of seven; the same weights and formula), where a probe shows it
+            computes what they do (:func:`fp8linear.norm.fuse_rms_norms_`). Needs loaded weights:
+            modules on the meta device are left alone.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -172,6 +180,8 @@ def quantize_model_(
         raise ValueError("gptq settings were given without calibration_data; GPTQ needs calibration batches")
     if not isinstance(share_inputs, bool):
         raise TypeError(f"share_inputs must be a bool, got {type(share_inputs).__name__}")
+    if not isinstance(fuse_norms, bool):
+        raise TypeError(f"fuse_norms must be a bool, got {type(fuse_norms).__name__}")
     if calibration_data is not None:
         check_calibration_data(calibration_data)  # before anything is replaced
     patterns = compile_patterns(ignore, "ignore")
@@ -238,6 +248,7 @@ def quantize_model_(
     q_after = sum(module_state_bytes(model.get_submodule(name)) for name, _, _ in plan)
     if share_inputs and plan:
         share_input_quantization(model)
+    fused_norms = fuse_rms_norms_(model) if fuse_norms and plan else 0
 
     chosen_dtype = chosen_dtype or resolve_fp8_dtype(fp8_dtype, None)
     report = QuantizeReport(
@@ -250,6 +261,7 @@ def quantize_model_(
         quantized_bytes_before=q_before,
         quantized_bytes_after=q_after,
         gptq_layers=gptq_layers,
+        fused_norms=fused_norms,
     )
     config = getattr(model, "config", None)
     if set_config and config is not None and plan:
