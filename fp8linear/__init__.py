@@ -15,12 +15,15 @@ from .functional import (
     quantize_weight,
 )
 from .module import Fp8BlockLinear, share_input_quantization
+from .norm import FusedRMSNorm, fuse_rms_norms_
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Fp8BlockLinear",
     "share_input_quantization",
+    "FusedRMSNorm",
+    "fuse_rms_norms_",
     "quantize_activation",
     "quantize_weight",
     "dequantize_weight",

@@ -167,7 +167,7 @@ def quantize_model_(
         share_inputs: group the new linears that take one input tensor (q / k / v, gate / up) so
             that eager GPU calls quantize it once (:func:`fp8linear.share_input_quantization`).
         fuse_norms: swap the model's RMSNorm modules for :class:`fp8linear.norm.FusedRMSNorm` (one
-            launch on GPUs instead of seven; the same weights and formula), where a probe shows it
+            launch on GPUs instead of eight; the same weights and formula), where a probe shows it
             computes what they do (:func:`fp8linear.norm.fuse_rms_norms_`). Needs loaded weights:
             modules on the meta device are left alone.
     """
