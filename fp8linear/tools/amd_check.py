@@ -20,7 +20,8 @@ The grid: the benchmark's shapes (``fp8linear bench``: DeepSeek-V3 and others) x
 {1, 2, 4, 8, 16, 32, 64, 1024, 2048, 4096} x weight granularities, through the dense forward
 (fused GEMV for single tokens where it is chosen, else activation quantization then the GEMM,
 split-K or tiled); every entry of the arch's shipped table; and MoE layers (alignment kernel,
-activation quantization, grouped GEMM) at several token counts. ``--quick`` takes a subset
+activation quantization, grouped GEMM) at several token counts; RMSNorm rows of the models'
+widths (:class:`fp8linear.FusedRMSNorm`). ``--quick`` takes a subset
 (block scales, the benchmark's 5 quick shapes and their table entries, fewer M values and MoE
 sizes) for the test suite.
 
@@ -86,6 +87,11 @@ MOE_ALL_EXPERTS = 256
 MOE_SHAPES = ((4096, 7168), (7168, 2048))
 MOE_TOKENS = (1, 16, 64, 512, 4096)
 QUICK_MOE_TOKENS = (1, 64, 4096)
+# RMSNorm (FusedRMSNorm) row widths: hidden sizes of the benchmark's models (Llama-3 70B / Qwen2.5
+# 72B 8192, DeepSeek-V3 7168, Mixtral / Llama-3 8B 4096, Qwen2.5 7B 3584, SmolLM2-135M 576), MLA's
+# q / kv LoRA ranks (1536, 512), a head dim (128), and one past the one-pass limit (the chunked loop).
+NORM_WIDTHS = (128, 512, 576, 1536, 3584, 4096, 7168, 8192, 20480)
+QUICK_NORM_WIDTHS = (576, 7168, 20480)
 _FP8_MFMA = re.compile(r"v_mfma\w*(?:fp8|bf8|f8f6f4)")
 
 
@@ -466,6 +472,18 @@ def check_report(rep: KernelReport) -> KernelReport:
 
 
 # ----------------------------------------------------------------------------- driver
+def _norm_launches(arch: str, widths: Sequence[int]) -> list[Launch]:
+    """RMSNorm (:class:`fp8linear.FusedRMSNorm`'s kernel) over bf16 / fp16 / fp32 rows of each width."""
+    from ..ops.rmsnorm import rms_norm
+
+    with record_launches(arch) as launches:
+        for n in widths:
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                launches.where["label"] = f"rmsnorm N={n} {str(dtype).removeprefix('torch.')}"
+                rms_norm(_meta((4, n), dtype), _meta((n,), dtype), 1e-6)
+    return list(launches)
+
+
 def collect(arch: str, quick: bool = False) -> list[tuple[Launch, list[str]]]:
     """Distinct launches of the AMD dispatch on `arch` over the grid, each with where it is used."""
     from .shapes import default_shapes, quick_shapes
@@ -478,6 +496,7 @@ def collect(arch: str, quick: bool = False) -> list[tuple[Launch, list[str]]]:
     launches += _table_launches(arch, fp8, shapes if quick else None)
     launches += _moe_launches(arch, QUICK_MOE_TOKENS if quick else MOE_TOKENS, grans, fp8,
                               (MOE_EXPERTS,) if quick else (MOE_EXPERTS, MOE_ALL_EXPERTS))
+    launches += _norm_launches(arch, QUICK_NORM_WIDTHS if quick else NORM_WIDTHS)
     seen: dict[tuple, tuple[Launch, list[str]]] = {}
     for launch in launches:
         key = launch_key(launch, arch)

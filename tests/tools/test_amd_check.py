@@ -296,7 +296,8 @@ def test_amd_check_quick_compiles_every_kernel_clean(quick_report):
         assert row["vgpr"] > 0 and 1 <= row["occupancy"] <= 8, row
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"_act_quant_kernel", "_fused_fp8_gemv_kernel", "_block_fp8_gemm_kernel",
-                       "_splitk_fp8_gemm_kernel", "_grouped_fp8_gemm_kernel", "_moe_align_kernel"}
+                       "_splitk_fp8_gemm_kernel", "_grouped_fp8_gemm_kernel", "_moe_align_kernel",
+                       "_rms_norm_kernel"}
     assert "_block_fp8_gemm_persistent_kernel" not in kernels
     for r in rows:
         if r["kernel"] in ("_block_fp8_gemm_kernel", "_splitk_fp8_gemm_kernel", "_grouped_fp8_gemm_kernel"):
