@@ -93,7 +93,8 @@ class FusedRMSNorm(nn.Module):
             raise TypeError(f"FusedRMSNorm takes a tensor, got {type(x).__name__}") from None
         if plan is not None:
             w = self.weight
-            if (plan.weight is w and x.stride() == plan.stride and x.data_ptr() % _ALIGN == 0
+            if (plan.weight is w and type(x) is torch.Tensor and x.stride() == plan.stride
+                    and x.data_ptr() % _ALIGN == 0
                     and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
                 y = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
                 call = plan.call
@@ -112,8 +113,9 @@ class FusedRMSNorm(nn.Module):
         w, eps = self.weight, self.variance_epsilon
         if x.shape[-1:] != w.shape:
             raise ValueError(f"FusedRMSNorm of width {w.shape[0]} got an input of shape {tuple(x.shape)}")
-        if not (HAS_TRITON and x.is_cuda and rms_norm_supported(x, w)):
-            return rms_norm_ref(x, w, eps)
+        if not (HAS_TRITON and x.is_cuda and type(x) is torch.Tensor and type(w.data) is torch.Tensor
+                and rms_norm_supported(x, w)):
+            return rms_norm_ref(x, w, eps)  # CPU, Triton-less, or tensor subclasses (DTensor): ATen ops
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return rms_norm_ref(x, w, eps)  # the kernel has no backward: autograd through ATen
         if x.data_ptr() % _ALIGN or w.data_ptr() % _ALIGN or torch.cuda.is_current_stream_capturing():

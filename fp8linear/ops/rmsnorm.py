@@ -62,7 +62,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_xm, eps,
             x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
             h = _round_to(x * r, in_dtype)
             w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_row + start + offs, _round_to(w * h, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
+            y = _round_to(w * h, y_ptr.dtype.element_ty)
+            tl.store(y_row + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -109,8 +110,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise TypeError(f"rms_norm takes bf16/fp16/fp32 tensors, got x {x.dtype} and weight {weight.dtype}")
     if not rms_norm_supported(x, weight):
         raise ValueError(
-            f"rms_norm needs x [..., N] with unit stride in its last dim and a contiguous weight [N] on x's device, "
-            f"got x {tuple(x.shape)} strides {x.stride()} on {x.device}, weight {tuple(weight.shape)} on {weight.device}"
+            "rms_norm needs x [..., N] with unit stride in its last dim and a contiguous weight [N] on x's device, "
+            f"got x {tuple(x.shape)} strides {x.stride()} on {x.device}, "
+            f"weight {tuple(weight.shape)} on {weight.device}"
         )
     x2 = rows_view(x)
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)

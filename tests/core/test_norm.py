@@ -101,7 +101,10 @@ def test_gpu_plan_reused_and_same_as_kernel(shape, dtype):
         assert torch.equal(first, expect) and torch.equal(again, expect)
         aten = ref(x)
     assert first.dtype == aten.dtype
-    assert (first == aten).double().mean() >= 0.98 if dtype != torch.float32 else torch.allclose(first, aten, rtol=2e-6, atol=0)
+    if dtype == torch.float32:  # no intermediate rounding: the sum's last bit shows everywhere
+        assert torch.allclose(first, aten, rtol=2e-6, atol=0)
+    else:
+        assert (first == aten).double().mean() >= 0.98
 
 
 @pytest.mark.gpu
@@ -150,3 +153,19 @@ def test_gpu_autograd_after_a_plan_goes_through_the_formula():
     assert y.grad_fn is not None
     y.sum().backward()
     assert fused.weight.grad is not None and torch.equal(y, ref(x))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass (as DTensor is one): its data pointer is not the kernel's to read."""
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_subclasses_take_the_formula():
+    ref, fused = _pair(256, torch.bfloat16, "cuda")
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused(x)
+        fused(x)  # a plan for this shape exists
+        tagged = x.as_subclass(_Tagged)
+        out = fused(tagged)
+        assert torch.equal(out.as_subclass(torch.Tensor), ref(x))
