@@ -12,8 +12,11 @@ interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import lru_cache
+
+import torch
 
 try:
     import triton  # noqa: F401
@@ -22,7 +25,7 @@ try:
 except ImportError:  # CPU-only installs without Triton fall back to the reference path
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "BACKENDS", "BACKEND_ENV", "has_gdc", "interpreting"]
+__all__ = ["HAS_TRITON", "BACKENDS", "BACKEND_ENV", "device_guard", "has_gdc", "interpreting"]
 
 BACKENDS = ("auto", "triton", "reference")
 BACKEND_ENV = "FP8LINEAR_BACKEND"
@@ -41,3 +44,13 @@ def has_gdc() -> bool:
     except ImportError:
         return False
     return True
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(device)`` where `device` is a CUDA device other than the current one,
+    else a no-op. Triton launches a kernel on the current device and its stream, not on its
+    tensors' device as torch ops do: a layer placed on another GPU (``device_map``) must make
+    its device current around its launches."""
+    if device.type != "cuda" or device.index is None or device.index == torch._C._cuda_getDevice():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

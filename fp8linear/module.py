@@ -7,6 +7,7 @@ import sys
 import torch
 from torch import nn
 
+from .backend import device_guard
 from .formats import SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .functional import dequantize_weight, fp8_linear, quantize_weight, validate_linear
 from .ops import HAS_TRITON
@@ -287,7 +288,8 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
         plan = self._plans.get((x.shape, x.dtype, x.device))
         if plan is not None and x.is_contiguous() and x.data_ptr() % _ALIGN == 0:
             return plan(x)
-        return self._forward_and_plan(x)
+        with device_guard(x.device):  # Triton launches on the current device: make it x's
+            return self._forward_and_plan(x)
 
     def _forward_validated(self, x: torch.Tensor) -> torch.Tensor:
         if not is_fp8_dtype(self.weight.dtype):

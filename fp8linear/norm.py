@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backend import HAS_TRITON
+from .backend import HAS_TRITON, device_guard
 from .reference import rms_norm_ref
 
 __all__ = ["FusedRMSNorm", "fuse_rms_norms_"]
@@ -36,11 +36,19 @@ _ALIGN = 16  # Triton specializes pointers on 16-byte alignment: a plan is reuse
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _functorch_wrapped(x: torch.Tensor) -> bool:
+    """Whether `x` is a torch.func (vmap, grad) wrapper, whose data pointer is not its own."""
+    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return bool(is_wrapped(x)) if is_wrapped is not None else False
+
+
 class _Plan:
-    __slots__ = ("call", "weight", "stride", "shape", "dtype", "device")
+    __slots__ = ("call", "weight_ptr", "stride", "shape", "dtype", "device")
 
     def __init__(self, call: Any, weight: torch.Tensor, stride: tuple, y: torch.Tensor):
-        self.call, self.weight, self.stride = call, weight, stride
+        # the weight's storage (a new Parameter, or `weight.data = ...` with another dtype or
+        # device, has another address): the kernel was specialized for it
+        self.call, self.weight_ptr, self.stride = call, weight.data_ptr(), stride
         self.shape, self.dtype, self.device = y.shape, y.dtype, y.device
 
 
@@ -85,7 +93,7 @@ class FusedRMSNorm(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # traced: the formula, which the compiler fuses itself
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traced: the formula (compilers fuse it)
             return rms_norm_ref(x, self.weight, self.variance_epsilon)
         try:
             plan = self._plans.get((x.shape, x.dtype, x.device))
@@ -93,13 +101,14 @@ class FusedRMSNorm(nn.Module):
             raise TypeError(f"FusedRMSNorm takes a tensor, got {type(x).__name__}") from None
         if plan is not None:
             w = self.weight
-            if (plan.weight is w and type(x) is torch.Tensor and x.stride() == plan.stride
+            wp = w.data_ptr()
+            if (wp == plan.weight_ptr and type(x) is torch.Tensor and x.stride() == plan.stride
                     and x.data_ptr() % _ALIGN == 0
                     and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
                 y = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
                 call = plan.call
                 if call.compiled is not None:  # raw addresses: no driver query per pointer
-                    call(x.data_ptr(), w.data_ptr(), y.data_ptr())
+                    call(x.data_ptr(), wp, y.data_ptr())
                 else:
                     call(x, w, y)
                 return y
@@ -114,13 +123,14 @@ class FusedRMSNorm(nn.Module):
         if x.shape[-1:] != w.shape:
             raise ValueError(f"FusedRMSNorm of width {w.shape[0]} got an input of shape {tuple(x.shape)}")
         if not (HAS_TRITON and x.is_cuda and type(x) is torch.Tensor and type(w.data) is torch.Tensor
-                and rms_norm_supported(x, w)):
+                and not _functorch_wrapped(x) and rms_norm_supported(x, w)):
             return rms_norm_ref(x, w, eps)  # CPU, Triton-less, or tensor subclasses (DTensor): ATen ops
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return rms_norm_ref(x, w, eps)  # the kernel has no backward: autograd through ATen
-        if x.data_ptr() % _ALIGN or w.data_ptr() % _ALIGN or torch.cuda.is_current_stream_capturing():
-            return rms_norm(x, w, eps)  # launched through the JIT, no plan
-        return self._run_new_plan(x)
+        with device_guard(x.device):  # Triton launches on the current device: make it x's
+            if x.data_ptr() % _ALIGN or w.data_ptr() % _ALIGN or torch.cuda.is_current_stream_capturing():
+                return rms_norm(x, w, eps)  # launched through the JIT, no plan
+            return self._run_new_plan(x)
 
     def _run_new_plan(self, x: torch.Tensor) -> torch.Tensor:
         from .ops.launch import KernelCall
@@ -138,11 +148,18 @@ class FusedRMSNorm(nn.Module):
 
 
 def _norm_eps(module: nn.Module) -> float | None:
-    for name in ("variance_epsilon", "eps"):
-        eps = getattr(module, name, None)
-        if isinstance(eps, float) and eps >= 0:
-            return eps
-    return None
+    """The eps of a transformers Llama-family norm (its ``variance_epsilon``), else None."""
+    eps = getattr(module, "variance_epsilon", None)
+    return eps if isinstance(eps, float) and eps >= 0 else None
+
+
+# Hooks a replacement would drop: a module holding any is left alone.
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+# Probe rows' magnitudes: typical, small, and below 1e-6's reach on the mean square (where a
+# module's eps, or its absence, shows), and an all-zero row.
+_PROBE_SCALES = (3.0, 1e-2, 1e-4, 0.0)
 
 
 def _single_input_forward(module: nn.Module) -> bool:
@@ -158,10 +175,12 @@ def _fusable(module: nn.Module) -> float | None:
     """`module`'s eps when FusedRMSNorm computes what it does, else None.
 
     Structure first: one 1-D float weight Parameter on a real device and no other parameters,
-    buffers, children or hooks, an eps attribute, a forward of one input. Then the formula: on a
-    probe input in the weight's dtype and in float32, the module's output must equal the ATen
-    formula's bit for bit (this rejects Gemma's ``(1 + weight)``, LayerNorm-style centring, other
-    eps placements)."""
+    buffers, children or hooks, a ``variance_epsilon`` float, a forward of one input. Then the
+    formula: for its own weight and a random one (``torch.func.functional_call``), on probe rows
+    of several magnitudes in bf16, fp16 and fp32, the module's output must equal the ATen
+    formula's bit for bit, dtype included. This rejects Gemma's ``(1 + weight)``, norms that
+    multiply in float32 before rounding (GPT-OSS, Olmo2) or skip the intermediate rounding for
+    float32 weights (T5), LayerNorm-style centring and other eps placements."""
     if isinstance(module, FusedRMSNorm) or list(module.children()) or list(module.buffers()):
         return None
     params = dict(module.named_parameters(recurse=False))
@@ -170,22 +189,26 @@ def _fusable(module: nn.Module) -> float | None:
         return None
     if type(w.data) is not torch.Tensor:  # a DTensor or another subclass: sharded by someone else
         return None
-    if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None:
+    if any(getattr(module, d, None) for d in _HOOK_DICTS) or getattr(module, "_hf_hook", None) is not None:
         return None
     eps = _norm_eps(module)
     if eps is None or not _single_input_forward(module):
         return None
-    gen = torch.Generator(device=w.device).manual_seed(0)
+    n, dev = w.shape[0], w.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    scales = torch.tensor(_PROBE_SCALES, device=dev)[:, None]
+    other = (torch.rand(n, generator=gen, device=dev) * 2 - 0.5).to(w.dtype)
     with torch.no_grad():
-        for dtype in {w.dtype, torch.float32}:
-            probe = torch.randn(3, w.shape[0], generator=gen, device=w.device).mul_(3).to(dtype)
-            try:
-                out = module(probe)
-            except (TypeError, ValueError, RuntimeError):
-                return None
-            ref = rms_norm_ref(probe, w, eps)
-            if not isinstance(out, torch.Tensor) or out.dtype != ref.dtype or not torch.equal(out, ref):
-                return None
+        for weight in (w.detach(), other):
+            for dtype in _FLOAT_DTYPES:
+                probe = (torch.randn(len(_PROBE_SCALES), n, generator=gen, device=dev) * scales).to(dtype)
+                try:
+                    out = torch.func.functional_call(module, {"weight": weight}, (probe,))
+                except (TypeError, ValueError, RuntimeError):
+                    return None
+                ref = rms_norm_ref(probe, weight, eps)
+                if not isinstance(out, torch.Tensor) or out.dtype != ref.dtype or not torch.equal(out, ref):
+                    return None
     return eps
 
 

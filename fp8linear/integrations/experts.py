@@ -34,7 +34,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..backend import interpreting
+from ..backend import device_guard, interpreting
 from ..checkpoint_format import SCALE_SUFFIX
 from ..formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from ..functional import (
@@ -394,7 +394,10 @@ class Fp8Experts(QuantizedDtypesMixin):
             if plan is not None and _plannable_inputs(hidden_states, top_k_index, top_k_weights):
                 return plan(hidden_states.view(plan.t, self.hidden_dim), top_k_index, top_k_weights).view(
                     hidden_states.shape)
-        return self._forward_checked(hidden_states, top_k_index, top_k_weights)
+        if torch.compiler.is_compiling():
+            return self._forward_checked(hidden_states, top_k_index, top_k_weights)
+        with device_guard(hidden_states.device):  # Triton launches on the current device: make it the input's
+            return self._forward_checked(hidden_states, top_k_index, top_k_weights)
 
     def clear_plans(self) -> None:
         """Forget the kept launch plans (done on parameter replacement, loading and moves; call it after

@@ -24,12 +24,15 @@ device addresses in the slots (:attr:`KernelCall.direct`), e.g. into one scratch
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import triton
+
+from ..backend import device_guard
 
 __all__ = ["ALIGN", "KernelCall", "Scratch", "aligned"]
 
@@ -72,7 +75,7 @@ class KernelCall:
     compiled kernel's launcher directly, on the current stream of the device of the first call.
     """
 
-    __slots__ = ("kernel", "grid", "options", "values", "slot_index", "compiled", "device_index", "held")
+    __slots__ = ("kernel", "grid", "options", "values", "slot_index", "compiled", "device_index", "held", "several")
 
     def __init__(self, kernel: Any, grid: Sequence[int], args: Mapping[str, Any], options: Mapping[str, Any],
                  slots: Sequence[str]) -> None:
@@ -90,6 +93,7 @@ class KernelCall:
         self.compiled = None
         self.device_index = -1
         self.held: tuple = ()  # storages of the fixed tensors, once they are held as addresses
+        self.several = False  # several GPUs visible: launches make the kernel's device current
 
     @property
     def direct(self) -> bool:
@@ -108,14 +112,21 @@ class KernelCall:
             values[i] = t
         c = self.compiled
         if c is not None:
+            if self.several and torch._C._cuda_getDevice() != self.device_index:
+                with torch.cuda.device(self.device_index):  # the compiled kernel is loaded on that device
+                    c.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index),
+                          c.function, c.packed_metadata, None, None, None, *values)
+                return
             c.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index), c.function,
                   c.packed_metadata, None, None, None, *values)
             return
-        c = self.kernel[grid](*values, **self.options)
-        device = tensors[0].device if tensors else None
+        device = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else None
+        with device_guard(device) if device is not None else contextlib.nullcontext():
+            c = self.kernel[grid](*values, **self.options)
         if device is not None and device.type == "cuda" and c is not None and _direct(c) and not _launch_hooks_set():
             self.compiled = c
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+            self.several = torch.cuda.device_count() > 1
             # fixed tensors as addresses: the launcher skips data_ptr() and a driver query per call
             self.held = tuple(v.untyped_storage() for v in self.values if isinstance(v, torch.Tensor))
             self.values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self.values]

@@ -169,3 +169,46 @@ def test_gpu_tensor_subclasses_take_the_formula():
         tagged = x.as_subclass(_Tagged)
         out = fused(tagged)
         assert torch.equal(out.as_subclass(torch.Tensor), ref(x))
+
+
+@pytest.mark.gpu
+def test_gpu_plan_follows_weight_data_and_tracing():
+    ref, fused = _pair(512, torch.bfloat16, "cuda")
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused(x)
+        fused(x)  # planned
+        fused.weight.data = fused.weight.data.float()  # same Parameter, new storage and dtype
+        y = fused(x)
+        assert y.dtype == torch.float32 and torch.equal(y, fused(x))
+        assert torch.allclose(y, ref.float()(x), rtol=2 ** -7, atol=0)
+        traced = torch.jit.trace(fused, x)  # the tracer records the formula, not an empty tensor
+        x2 = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+        assert torch.allclose(traced(x2), fused(x2), rtol=2 ** -7, atol=0)
+
+
+def _two_gpus():
+    return pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.gpu
+@_two_gpus()
+def test_gpu_norm_and_linear_on_a_gpu_that_is_not_current():
+    """Triton launches on the current device: modules on cuda:1 called while cuda:0 is current
+    (a device_map model) must still compute on cuda:1, first call, plan and planned calls alike."""
+    from fp8linear import Fp8BlockLinear
+
+    torch.cuda.set_device(0)
+    _, norm = _pair(7168, torch.bfloat16, "cuda:1")
+    lin = Fp8BlockLinear.from_linear(nn.Linear(7168, 2112, bias=False, device="cuda:1", dtype=torch.bfloat16))
+    xs = [torch.randn(m, 7168, device="cuda:1", dtype=torch.bfloat16) for m in (1, 8, 512)]
+    with torch.no_grad():
+        with torch.cuda.device(1):
+            expect = [(norm(x), lin(x)) for x in xs]
+        norm._plans.clear()
+        lin.clear_plans()
+        for _ in range(3):  # routed, planned, plan reused
+            for x, (n_ref, l_ref) in zip(xs, expect):
+                assert torch.cuda.current_device() == 0
+                assert torch.equal(norm(x), n_ref) and torch.equal(lin(x), l_ref)
+        torch.cuda.synchronize(1)

@@ -89,6 +89,70 @@ def test_norms_that_compute_another_formula_are_left_alone():
         fuse_rms_norms_("model")
 
 
+class _Fp32ProductNorm(nn.Module):
+    """GPT-OSS / Olmo2 style: the weight multiplies in float32, the product is rounded once."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, dtype=dtype))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype)
+
+
+class _T5StyleNorm(_Fp32ProductNorm):
+    """T5: rounds to the weight's dtype only when that is half precision."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            h = h.to(self.weight.dtype)
+        return self.weight * h
+
+
+class _ClampedNorm(_Fp32ProductNorm):
+    """The Llama formula but with eps as a floor on the mean square, not added to it."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).clamp_min(self.variance_epsilon))
+        return self.weight * h.to(x.dtype)
+
+
+class _LlamaNorm(_Fp32ProductNorm):
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("cls", [_Fp32ProductNorm, _T5StyleNorm, _ClampedNorm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_equal_only_for_some_inputs_or_weights_are_left_alone(cls, dtype):
+    """Formulas that agree with the Llama one for some dtypes or for unit weights (a fresh model's):
+    the probe tries every input dtype, small rows and a random weight."""
+    holder = nn.Module()
+    holder.norm = cls(256, dtype)
+    assert fuse_rms_norms_(holder) == 0 and isinstance(holder.norm, cls)
+    holder.norm = _LlamaNorm(256, dtype)  # the control: the same structure with the Llama formula
+    assert fuse_rms_norms_(holder) == 1 and isinstance(holder.norm, FusedRMSNorm)
+
+
+@pytest.mark.parametrize("hook", ["backward", "state_dict"])
+def test_norms_with_hooks_a_swap_would_drop_are_left_alone(hook):
+    holder = nn.Module()
+    holder.norm = _LlamaNorm(256, torch.bfloat16)
+    if hook == "backward":
+        holder.norm.register_full_backward_hook(lambda *a: None)
+    else:
+        holder.norm._register_state_dict_hook(lambda *a: None)
+    assert fuse_rms_norms_(holder) == 0
+
+
 def test_fuse_norms_option_everywhere(tmp_path):
     with pytest.raises(TypeError, match="fuse_norms must be a bool"):
         quantize_model_(make_model("llama"), fuse_norms="yes")

@@ -612,6 +612,14 @@ def test_gpu_device_map_auto(tmp_path):
     ref = quantized.generate(prompt.cpu(), max_new_tokens=6, do_sample=False, pad_token_id=0)
     out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.shape == ref.shape
+    # The same values as on one GPU (layers on cuda:1 launch there while cuda:0 is current):
+    # first calls, plans and planned calls.
+    single = from_pretrained(tmp_path, device_map="cuda:0")
+    for _ in range(3):
+        with torch.no_grad():  # as generate runs: the norms' kernels, not autograd's ATen path
+            a, b = logits(single, prompt), logits(model, prompt).to("cuda:0")
+        assert torch.cuda.current_device() == 0
+        assert (a - b).abs().max() <= 1e-2 * a.abs().max(), (a - b).abs().max()
     auto = from_pretrained(tmp_path, device_map="auto")
     assert auto.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0).shape == ref.shape
 
