@@ -155,17 +155,25 @@ def test_gpu_autograd_after_a_plan_goes_through_the_formula():
     assert fused.weight.grad is not None and torch.equal(y, ref(x))
 
 
+def _planned(n: int, m: int):
+    """A bf16 pair on the GPU whose fused module holds a plan for an (m, n) input, and that input."""
+    ref, fused = _pair(n, torch.bfloat16, "cuda")
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused(x)
+        fused(x)
+    assert fused._plans
+    return ref, fused, x
+
+
 class _Tagged(torch.Tensor):
     """A tensor subclass (as DTensor is one): its data pointer is not the kernel's to read."""
 
 
 @pytest.mark.gpu
 def test_gpu_tensor_subclasses_take_the_formula():
-    ref, fused = _pair(256, torch.bfloat16, "cuda")
-    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    ref, fused, x = _planned(256, 3)
     with torch.no_grad():
-        fused(x)
-        fused(x)  # a plan for this shape exists
         tagged = x.as_subclass(_Tagged)
         out = fused(tagged)
         assert torch.equal(out.as_subclass(torch.Tensor), ref(x))
@@ -173,11 +181,8 @@ def test_gpu_tensor_subclasses_take_the_formula():
 
 @pytest.mark.gpu
 def test_gpu_plan_follows_weight_data_and_tracing():
-    ref, fused = _pair(512, torch.bfloat16, "cuda")
-    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    ref, fused, x = _planned(512, 4)
     with torch.no_grad():
-        fused(x)
-        fused(x)  # planned
         fused.weight.data = fused.weight.data.float()  # same Parameter, new storage and dtype
         y = fused(x)
         assert y.dtype == torch.float32 and torch.equal(y, fused(x))
