@@ -8,6 +8,7 @@ enough to measure memory and speed:
     python examples/deepseek_v3_small.py --preset v3 --compile   # DeepSeek-V3's own layer widths, 4 layers (~12 GB)
     python examples/deepseek_v3_small.py --layers 12 --compile
     python examples/deepseek_v3_small.py --preset tiny     # CPU-sized (the default without a GPU)
+    python examples/deepseek_v3_small.py --preset v3 --no-fuse-norms   # transformers' own RMSNorm in the FP8 model
 
 Steps: BF16 logits -> quantize_model_ on a copy -> save_pretrained -> from_pretrained (FP8 straight
 from disk) -> logits vs BF16, then BF16 and FP8 timed side by side (alternating calls, so drifts
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 on a GPU, 8 on the CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="static KV cache: generate() compiles the forward (torch.compile, CUDA graphs)")
+    ap.add_argument("--no-fuse-norms", action="store_true",
+                    help="keep transformers' RMSNorm modules in the FP8 model (default: one-launch FusedRMSNorm)")
     ap.add_argument("--profile", nargs="?", const="", default=None, metavar="DIR",
                     help="also print torch.profiler kernel tables (one prefill, 8 decode steps) per model; save them in DIR")
     args = ap.parse_args(argv)
@@ -244,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16_experts = model.model.layers[1].mlp.experts if on_gpu else None
 
     to_quantize = copy.deepcopy(model)  # the BF16 model stays, to be timed side by side
-    report = quantize_model_(to_quantize, granularity=args.granularity)
+    report = quantize_model_(to_quantize, granularity=args.granularity, fuse_norms=not args.no_fuse_norms)
     print(report)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.reset_peak_memory_stats()
             held = torch.cuda.memory_allocated()  # the BF16 model, kept for the side-by-side timings
         t0 = time.perf_counter()
-        fp8 = from_pretrained(tmp, device_map=str(device))
+        fp8 = from_pretrained(tmp, device_map=str(device), fuse_norms=not args.no_fuse_norms)
         loaded = time.perf_counter() - t0
     peak = (f", peak GPU memory added while loading {(torch.cuda.max_memory_allocated() - held) / 2**30:.2f} GiB"
             if on_gpu else "")
