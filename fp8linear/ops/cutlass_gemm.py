@@ -49,8 +49,8 @@ from .cublas_gemm import held_weight_scale
 __all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS",
            "CutlassConfig", "SOURCE", "BUILD_FLAGS", "PLAN_CALL_SOURCE", "PLAN_CALL_MODULE", "library_path",
            "plan_call_path",
-           "CutlassCall", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available", "cutlass_fp8_gemm",
-           "variants"]
+           "CutlassCall", "PDL_TILE_M", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available",
+           "cutlass_fp8_gemm", "one_call_available", "variants"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,13 @@ CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128), CutlassConfig(128, str
 CUTLASS_CANDIDATES = CUTLASS_CONFIGS + tuple(CutlassConfig(128, stream_k=True, splits=s) for s in (2, 3, 4))
 # The kernels built for 1x128 (row-wise) weights: one scale per weight row and K group, N-major.
 CUTLASS_ROW_CONFIGS = (CutlassConfig(64), CutlassConfig(128))
+# The tile height of the one kernel whose quantize-and-GEMM call (CutlassCall.with_quantization) may
+# launch the GEMM with programmatic dependent launch (CutlassCall's `pdl`): the ping-pong kernel's
+# CTAs are placed while the quantization runs and wait in griddepcontrol.wait, in every producer
+# warp, before their first global access. The cooperative kernel (128-row tiles) runs plain: CUTLASS
+# 4.2's cooperative kernel does not wait in its scale-loading warp, so under PDL it read activation
+# scales before the quantization wrote them (different bits: 24576x1536 M=333, H100).
+PDL_TILE_M = 64
 
 
 def configs_for(granularity: str) -> tuple[CutlassConfig, ...]:
@@ -203,6 +210,7 @@ class _Library:
         self.lib = lib
         self.run, self.workspace, self.probe = {}, {}, {}
         self.prepare, self.run_prepared, self.quant_run_prepared, self.release = {}, {}, {}, {}
+        self.quant_run_prepared_pdl = {}
         for granularity in ("block", "row"):
             for cfg, bias in ((c, b) for c in configs_for(granularity) for b in (False, True)):
                 sym = _symbol(cfg, bias, granularity)
@@ -222,9 +230,11 @@ class _Library:
                 run_prepared.restype = ctypes.c_int
                 run_prepared.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
                 quant_run_prepared = getattr(lib, f"{sym}_quant_run_prepared")
-                quant_run_prepared.restype = ctypes.c_int
-                quant_run_prepared.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] + [ctypes.c_void_p] * 3
-                                               + [ctypes.c_int] * 3 + [ctypes.c_void_p])
+                quant_run_prepared_pdl = getattr(lib, f"{sym}_quant_run_prepared_pdl")
+                for fn in (quant_run_prepared, quant_run_prepared_pdl):
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] + [ctypes.c_void_p] * 3
+                                   + [ctypes.c_int] * 3 + [ctypes.c_void_p])
                 release = getattr(lib, f"{sym}_release")
                 release.restype = None
                 release.argtypes = [ctypes.c_void_p]
@@ -232,6 +242,7 @@ class _Library:
                 self.run[key], self.workspace[key], self.probe[key] = run, ws, probe
                 self.prepare[key], self.run_prepared[key], self.release[key] = prepare, run_prepared, release
                 self.quant_run_prepared[key] = quant_run_prepared
+                self.quant_run_prepared_pdl[key] = quant_run_prepared_pdl
 
 
 @lru_cache(maxsize=1)
@@ -277,6 +288,12 @@ def _several_gpus() -> bool:
     return torch.cuda.device_count() > 1
 
 
+def one_call_available() -> bool:
+    """Whether eager CUTLASS plans allocate, quantize and launch in one host call
+    (:meth:`CutlassCall.allocating_call`): the plan-call module loads and one GPU is visible."""
+    return not _several_gpus() and _plan_call() is not None
+
+
 def cutlass_available(device: torch.device) -> bool:
     """Whether CUTLASS GEMMs can run on `device`: a Hopper GPU and the library built for this source,
     its kernels loading there (decided once per GPU)."""
@@ -310,18 +327,22 @@ class CutlassCall:
     With `prepare` (for calls made many times: a plan's), a data-parallel config's kernel parameters
     are made once here (``_prepare`` in the C source: TMA descriptors encoded, scheduler set up), and
     a call only points them at its activations and output; otherwise, and for the stream-K kernel,
-    each call builds them (``_run``)."""
+    each call builds them (``_run``). With `pdl` (the ping-pong kernel only, :data:`PDL_TILE_M`),
+    :meth:`with_quantization`'s GEMM is launched with programmatic dependent launch."""
 
     __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape", "prepared",
                  "run_prepared", "quant_run_prepared", "release")
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None, m: int,
-                 config: CutlassConfig, granularity: str = "block", prepare: bool = True) -> None:
+                 config: CutlassConfig, granularity: str = "block", prepare: bool = True, pdl: bool = False) -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
         if not isinstance(config, CutlassConfig):
             raise TypeError(f"CutlassCall takes a CutlassConfig, got {type(config).__name__}")
+        if pdl and config.kernel != CutlassConfig(PDL_TILE_M):
+            raise ValueError(f"CutlassCall launches only the {CutlassConfig(PDL_TILE_M).name} kernel with PDL "
+                             f"(the others' loads do not all wait for the quantization), got {config.name}")
         if config.kernel not in configs_for(granularity):
             raise ValueError(f"no CUTLASS kernel {config.name} is built for {granularity!r} weights "
                              f"(built: {[c.name for c in configs_for(granularity)]})")
@@ -361,7 +382,7 @@ class CutlassCall:
         self.several = _several_gpus()
         self.config, self.shape = config, (m, n, k)
         self.run_prepared, self.release = lib.run_prepared[key], lib.release[key]
-        self.quant_run_prepared = lib.quant_run_prepared[key]
+        self.quant_run_prepared = (lib.quant_run_prepared_pdl if pdl else lib.quant_run_prepared)[key]
         self.prepared = None
         if prepare and self.workspace_bytes == 0:
             bias_ptr = self.args[1][0]

@@ -472,7 +472,7 @@ class LinearPlan:
         also allocates the output and the scratch where the plan-call module is built
         (:meth:`~fp8linear.ops.cutlass_gemm.CutlassCall.allocating_call`)."""
         m, device = x.shape[0], x.device
-        gemm = CutlassCall(w_q, w_s, bias, m, route.config, granularity)
+        gemm = CutlassCall(w_q, w_s, bias, m, route.config, granularity, pdl=route.pdl)
         fused = gemm.with_quantization() if use_library_quantization(m, x.shape[1], x.dtype) else None
         capturing = torch.cuda.is_current_stream_capturing
         scratch = Scratch(quant_bufs + [((max(gemm.workspace_bytes, 1),), torch.uint8)])

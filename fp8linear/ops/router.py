@@ -31,7 +31,9 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   (:mod:`fp8linear.ops.cutlass_gemm`; else the entry's fallback, the kernel measured next);
   eager callers from EAGER_CUTLASS_MIN_MNK, where above SMALL_M_MAX rows it also runs in place of
   our tiled kernel when no table entry chose that kernel (:func:`eager_cutlass_config`), and in
-  place of cuBLAS where its tiles fill their waves (:func:`eager_cutlass_over_cublas`);
+  place of cuBLAS where its tiles fill their waves (:func:`eager_cutlass_over_cublas`); below that
+  cut, from EAGER_ONE_CALL_MIN_M rows, wherever the whole eager call is one host call (the
+  library quantizes, the plan-call module allocates), the ping-pong kernel with PDL;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
@@ -86,7 +88,8 @@ from .configs import (AMD_CU_COUNT, DEFAULT_CU_COUNT, GemmConfig, GemvConfig, Sp
                       device_arch, is_amd_arch, sm_count)
 from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
-from .cutlass_gemm import CUTLASS_TILE_N, CutlassConfig, cutlass_accepts, cutlass_available
+from .cutlass_gemm import (CUTLASS_TILE_N, PDL_TILE_M, CutlassConfig, cutlass_accepts, cutlass_available,
+                           one_call_available)
 from .route_table import OPTIONAL_KERNELS, lookup_route
 from .ws_gemm import WsConfig, ws_device_ok
 
@@ -108,6 +111,7 @@ __all__ = [
     "CUBLAS_ROW_FORM_MAX_TILES_PER_SM",
     "EAGER_CUBLAS_MIN_MNK",
     "EAGER_CUTLASS_MIN_MNK",
+    "EAGER_ONE_CALL_MIN_M",
     "EAGER_CUTLASS_MIN_WAVE_FILL",
     "EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK",
     "EAGER_GEMV_MAX_WEIGHT",
@@ -451,6 +455,20 @@ EAGER_CUTLASS_MIN_WAVE_FILL = 0.8
 # 31.1). Up to 2**22 elements (512x7168) the GPU pays under a microsecond for 3-4 us of host time;
 # above it the GEMM's GPU time sets the eager pace (2112x7168 M=1024: 53 us of GPU time, 25 of host).
 LIB_QUANT_MAX_ELEMENTS = 1 << 22
+# Eager calls of 128x128 weights from this many rows and below EAGER_CUTLASS_MIN_MNK (where host
+# time sets the pace) run CUTLASS (eager_cutlass_config) wherever the whole call is one host call:
+# the library quantizes the input (use_library_quantization) and the plan-call module allocates
+# (fp8linear.ops.cutlass_gemm.one_call_available). One C++ call costs less host time than
+# act_quant's and our GEMM's Triton launches, or the one-launch decode kernel's launch; the
+# ping-pong kernel's GEMM is launched with PDL (Route.pdl: eager wall 0.90-0.98x plain below the
+# cut; above it, GPU-bound, up to 1.22x: 7168x18432 M=96 75.5 against 61.7 us). H100,
+# benchmarks/eager_one_call_ab.py, eager wall time with / without this rule, 6 DeepSeek-V3 shapes:
+# M 96-512 0.64-0.88 where it changes the route (2112x7168 M=333 27.6 against 41.7 us, 1536x7168
+# M=512 27.7 against 43.6); M 2-64, the decode kernel's range: the ping-pong kernel forced 0.76-0.96
+# at M 16-64 (2112x7168 M=16 32.5 against 42.9 us), the rule 0.71-0.97 at M 2-8 (24576x1536 M=8
+# 23.4 against 33.1) but for the cooperative kernel at N=24576 (1.07; eager_cutlass_config now
+# takes the ping-pong kernel up to 64 rows, 19.5 us against the old route's 22.7).
+EAGER_ONE_CALL_MIN_M = 2
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -699,8 +717,10 @@ class Route:
     """What runs one GEMM: the kernel (one of KERNELS), its launch config (cuBLAS: its workspace
     limit and scale form, None for the defaults; CUTLASS: which built kernel), and PDL flags.
 
-    ``pdl``: the GEMM is launched with programmatic dependent launch; ``release_early``: the
-    activation quantization before it lets it be scheduled early (:mod:`fp8linear.ops.pdl`).
+    ``pdl``: the GEMM is launched with programmatic dependent launch (CUTLASS: the GEMM of the
+    library's quantize-and-GEMM call, :class:`~fp8linear.ops.cutlass_gemm.CutlassCall`);
+    ``release_early``: the activation quantization before it lets it be scheduled early
+    (:mod:`fp8linear.ops.pdl`).
     """
 
     kernel: str
@@ -909,8 +929,13 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
     benchmarks/eager_cutlass_ab.py, GPU time under CUDA graphs (act_quant included): where the 64-row
     tiles fit one wave, 0.83-0.88x the cooperative kernel's (2112x7168 M=333 24.2 against 28.1 us,
     576x7168 M=1024 28.8 against 32.9, 1536x7168 M=512 25.6 against 30.1); where they do not,
-    1.21-1.38x (2112x7168 M=512, 136 tiles on 132 SMs: 39.9 against 29.0)."""
-    return CutlassConfig(64) if _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sm_count(device) else CutlassConfig(128)
+    1.21-1.38x (2112x7168 M=512, 136 tiles on 132 SMs: 39.9 against 29.0). Up to 64 rows both make
+    the same number of tiles, the 64-row ones without empty rows: the ping-pong kernel at any N (H100,
+    benchmarks/eager_one_call_ab.py, 24576x1536 eager wall M=2 19.9 against 24.1 us, M=8 19.3 against
+    22.9, M=64 25.9 against 25.5)."""
+    if m <= 64 or _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sm_count(device):
+        return CutlassConfig(64)
+    return CutlassConfig(128)
 
 
 def eager_cutlass_over_cublas(device: torch.device, m: int, n: int, k: int) -> bool:
@@ -957,8 +982,13 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     cublas_ok = (allow_cublas and not (eager and mnk < EAGER_CUBLAS_MIN_MNK)
                  and cublas_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cublas_device_ok(device))
     # the quantized activations are 16-byte aligned with K-long rows: TMA-addressable where K % 16 == 0
-    cutlass_ok = (allow_cublas and not (eager and mnk < EAGER_CUTLASS_MIN_MNK) and weight_tma_ok and weight_contiguous
-                  and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
+    cutlass_fits = (allow_cublas and weight_tma_ok and weight_contiguous
+                    and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
+    cutlass_ok = cutlass_fits and not (eager and mnk < EAGER_CUTLASS_MIN_MNK)
+    if (eager and m >= EAGER_ONE_CALL_MIN_M and mnk < EAGER_CUTLASS_MIN_MNK and cutlass_fits and granularity == "block"
+            and use_library_quantization(m, k, out_dtype) and one_call_available()):
+        cfg = eager_cutlass_config(device, m, n)
+        return Route("cutlass", cfg, pdl=cfg.tile_m == PDL_TILE_M)
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:

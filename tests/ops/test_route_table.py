@@ -335,6 +335,58 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
     assert route().kernel == "splitk"
 
 
+@pytest.mark.parametrize("m,n,k", [
+    (2, 2112, 7168), (16, 7168, 2048), (64, 576, 7168), (96, 24576, 1536), (333, 2112, 7168), (512, 1536, 7168),
+    (16, 7168, 18432),
+])
+def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, k):
+    """Below EAGER_CUTLASS_MIN_MNK, from EAGER_ONE_CALL_MIN_M rows, an eager call of a 128x128 weight
+    runs eager_cutlass_config's kernel where the library quantizes its input and the plan-call module
+    allocates (one host call), whatever the table or the one-launch decode kernel would run, the
+    ping-pong kernel's GEMM launched with PDL; one token, graph/compiled calls, 1x128 weights, fp16
+    inputs, inputs above LIB_QUANT_MAX_ELEMENTS, GEMMs from the cut on, a strided weight and several
+    GPUs or no plan-call module keep the route they had."""
+    monkeypatch.setattr(router, "cutlass_available", lambda device: True)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    one_call = [True]
+    monkeypatch.setattr(router, "one_call_available", lambda: one_call[0])
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert m * n * k < router.EAGER_CUTLASS_MIN_MNK and m * k <= router.LIB_QUANT_MAX_ELEMENTS
+
+    def route(m=m, k=k, eager=True, granularity="block", out=bf16, dense=True):
+        return router.route_linear(CPU, m, n, k, granularity, fp8, out, None, True, True, eager=eager,
+                                   weight_contiguous=dense)
+
+    cfg = router.eager_cutlass_config(CPU, m, n)
+    assert route() == router.Route("cutlass", cfg, pdl=cfg == CutlassConfig(64))
+    for other in (route(eager=False), route(granularity="row"), route(out=torch.float16), route(dense=False),
+                  route(m=1)):
+        assert other.kernel != "cutlass", other
+    big = router.LIB_QUANT_MAX_ELEMENTS // k + 1  # the library does not quantize inputs this large
+    assert route(m=big).kernel != "cutlass" or big * n * k >= router.EAGER_CUTLASS_MIN_MNK
+    one_call[0] = False
+    assert route().kernel != "cutlass"
+    monkeypatch.setattr(router, "EAGER_CUTLASS_MIN_MNK", m * n * k)  # from the cut on: the other eager rules
+    one_call[0] = True
+    assert route() != router.Route("cutlass", cfg, pdl=True)
+
+
+def test_the_one_call_rule_launches_only_the_ping_pong_kernel_with_pdl(monkeypatch):
+    """Where eager_cutlass_config picks the cooperative kernel (its tiles overflow a wave), the one-call
+    route runs it plain: its scale loads do not wait for the quantization."""
+    monkeypatch.setattr(router, "cutlass_available", lambda device: True)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    monkeypatch.setattr(router, "one_call_available", lambda: True)
+    m, n, k = 96, 24576, 1536  # 2 x 192 64-row tiles: more than a wave
+    assert m * n * k < router.EAGER_CUTLASS_MIN_MNK
+    got = router.route_linear(CPU, m, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None, True, True,
+                              eager=True, weight_contiguous=True)
+    assert got == router.Route("cutlass", CutlassConfig(128), pdl=False)
+    # up to 64 rows both kernels make the same 192 tiles, the 64-row ones without empty rows
+    assert router.eager_cutlass_config(CPU, 64, n) == CutlassConfig(64)
+    assert router.eager_cutlass_config(CPU, 65, n) == CutlassConfig(128)
+
+
 @pytest.mark.parametrize("m,n,k,replaced", [
     (512, 24576, 1536, True),  # 4 x 192 = 768 tiles of 128x128: 0.97 of 6 waves of 132 SMs
     (2048, 7168, 2048, True),  # 896 tiles: 0.97 of 7 waves

@@ -19,6 +19,12 @@
 // instead of leaving them idle; or, asked per call, split-K: every tile's K loop in a given number
 // of parts, their partial sums reduced in a fixed order), FP8L_BIAS (0 or 1: a fused bias) and
 // FP8L_ROW (0: 128x128 weight scales; 1: 1x128 weight scales).
+// The data-parallel kernels wait in griddepcontrol.wait before their first global access, what a
+// launch with programmatic dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
+// launch). CUTLASS's stream-K scheduler does not compile with it, and runs no prepared call.
+#if !FP8L_STREAMK
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
+#endif
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -119,7 +125,10 @@ constexpr int kAlignmentA = 16;  // elements of 16 bytes: TMA
 constexpr int kAlignmentB = 16;
 constexpr int kAlignmentD = 8;
 
-using TileShape = Shape<Int<FP8L_TILE_M>, _128, _128>;
+#ifndef FP8L_TILE_N
+#define FP8L_TILE_N 128
+#endif
+using TileShape = Shape<Int<FP8L_TILE_M>, Int<FP8L_TILE_N>, _128>;
 using ClusterShape = Shape<_1, _1, _1>;
 #if FP8L_TILE_M == 64
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise;
@@ -242,6 +251,10 @@ __device__ __forceinline__ float clamp_keep_nan(float q) {
 __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  uint8_t* __restrict__ q, float* __restrict__ s,
                                                                  int m, int k, int groups, long long x_stride) {
+  // The GEMM launched after us with PDL (_quant_run_prepared_pdl) may be scheduled from now on: its
+  // CTAs set up (barriers, TMA descriptor prefetch) and then wait in griddepcontrol.wait until this
+  // grid has completed and its writes are visible. A no-op where nothing follows with PDL.
+  asm volatile("griddepcontrol.launch_dependents;");
   // m * groups < 2**31 (launch_act_quant checks): 32-bit indices, and 32-bit divisions below
   const int first =
       static_cast<int>((static_cast<long long>(blockIdx.x) * kQuantThreads + threadIdx.x) / 16) * kGroupsPerHalfWarp;
@@ -414,10 +427,12 @@ extern "C" void* FP8L_JOIN(FP8L_NAME, _prepare)(const void* b, const void* sfb, 
 #endif
 }
 
-// Enqueue a prepared GEMM on `stream` (of `device`, the current device): 0, else a cutlass::Status
-// code, 1000 + a cudaError_t (the shared-memory limit) or 2000 + a CUresult (an address replaced).
-extern "C" int FP8L_JOIN(FP8L_NAME, _run_prepared)(const void* prepared, const void* a, const void* sfa, void* y,
-                                                   int device, cudaStream_t stream) {
+// Enqueue a prepared GEMM on `stream` (of `device`, the current device), with programmatic dependent
+// launch where `pdl` (the kernel waits in griddepcontrol.wait, CUTLASS_ENABLE_GDC_FOR_SM90, before
+// its first global access): 0, else a cutlass::Status code, 1000 + a cudaError_t (the
+// shared-memory limit) or 2000 + a CUresult (an address replaced).
+static int run_prepared(const void* prepared, const void* a, const void* sfa, void* y, int device,
+                        cudaStream_t stream, bool pdl) {
   if (int rc = raise_smem_limit(device)) return rc;
   Params params = *static_cast<const Params*>(prepared);
   const fp8l_replace_fn replace = fp8l_replace_entry();
@@ -426,17 +441,33 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _run_prepared)(const void* prepared, const v
   if (CUresult r = replace(reinterpret_cast<CUtensorMap*>(desc_a), const_cast<void*>(a))) return 2000 + static_cast<int>(r);
   if (CUresult r = replace(reinterpret_cast<CUtensorMap*>(desc_d), y)) return 2000 + static_cast<int>(r);
   params.mainloop.ptr_SFA = static_cast<const float*>(sfa);
-  return static_cast<int>(Gemm::run(params, stream));
+  return static_cast<int>(Gemm::run(params, stream, nullptr, pdl));
+}
+
+// Enqueue a prepared GEMM on `stream` (of `device`, the current device): run_prepared's codes.
+extern "C" int FP8L_JOIN(FP8L_NAME, _run_prepared)(const void* prepared, const void* a, const void* sfa, void* y,
+                                                   int device, cudaStream_t stream) {
+  return run_prepared(prepared, a, sfa, y, device, stream, false);
 }
 
 extern "C" void FP8L_JOIN(FP8L_NAME, _release)(void* prepared) { delete static_cast<Params*>(prepared); }
 
 // Quantize x (m, k) bf16, rows x_stride elements apart, into q and s, as _run_prepared's a and
-// sfa, then enqueue the prepared GEMM: both on `stream`, from one host call. 0, else _run_prepared's
+// sfa, then enqueue the prepared GEMM: both on `stream`, from one host call. 0, else run_prepared's
 // codes or 3000 + the cudaError_t of the quantization's launch.
 extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared)(const void* prepared, const void* x, long long x_stride,
                                                          void* q, void* s, void* y, int m, int k, int device,
                                                          cudaStream_t stream) {
   if (int rc = launch_act_quant(x, x_stride, q, s, m, k, stream)) return rc;
-  return FP8L_JOIN(FP8L_NAME, _run_prepared)(prepared, q, s, y, device, stream);
+  return run_prepared(prepared, q, s, y, device, stream, false);
+}
+
+// As _quant_run_prepared, the GEMM launched with programmatic dependent launch: its CTAs may be
+// placed while the quantization still runs (which releases them at its start), and wait for it
+// before reading q and s or writing y.
+extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared_pdl)(const void* prepared, const void* x, long long x_stride,
+                                                             void* q, void* s, void* y, int m, int k, int device,
+                                                             cudaStream_t stream) {
+  if (int rc = launch_act_quant(x, x_stride, q, s, m, k, stream)) return rc;
+  return run_prepared(prepared, q, s, y, device, stream, true);
 }

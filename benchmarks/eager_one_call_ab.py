@@ -1,0 +1,104 @@
+"""Eager A/B of the one-host-call CUTLASS plan (the library quantizes the input, the plan-call module
+allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its GEMM's programmatic dependent launch
+(``cutlass_gemm.PDL_TILE_M``): eager wall and host us per call, BF16 ``nn.Linear`` in the same
+interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
+one-call rule), ``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and
+``p64-pdl``/``c128-pdl`` (launched with PDL; ``c128-pdl`` only with ``--c128-pdl``, which shows
+why the cooperative kernel runs plain). Before timing, PDL and plain launches of each kernel must
+give the same bits on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
+``fp8linear build-cutlass`` (the plan-call module included).
+
+    python benchmarks/eager_one_call_ab.py [--m 16 64 96 256 333 512] [--shapes 2112x7168 7168x2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fp8linear.ops import cutlass_gemm, router
+from fp8linear.ops.cutlass_gemm import CutlassConfig, cutlass_available, one_call_available
+from fp8linear.ops.route_table import RouteEntry
+from fp8linear.tools.bench_eager import _burst_times
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eager_cutlass_ab import _forced_layer  # noqa: E402
+
+SHAPES = ("2112x7168", "7168x2048", "1536x7168", "24576x1536", "576x7168", "4096x4096", "7168x18432",
+          "18432x7168")
+
+
+def _layers(lin: nn.Linear, x: torch.Tensor, c128_pdl: bool) -> dict[str, nn.Module]:
+    layers = {"auto": _forced_layer(lin, x, None)}
+    real_min_m = router.EAGER_ONE_CALL_MIN_M
+    router.EAGER_ONE_CALL_MIN_M = 1 << 62
+    try:
+        layers["no-one-call"] = _forced_layer(lin, x, None)
+    finally:
+        router.EAGER_ONE_CALL_MIN_M = real_min_m
+    real = cutlass_gemm.PDL_TILE_M, router.ONE_LAUNCH_MAX_WEIGHT
+    for name, tile in (("p64", 64), ("c128", 128)):
+        entry = RouteEntry("cutlass", CutlassConfig(tile))
+        try:
+            router.ONE_LAUNCH_MAX_WEIGHT = 0  # up to 64 rows too, the forced kernel rather than the decode kernel
+            cutlass_gemm.PDL_TILE_M = 0  # no kernel launched with PDL
+            layers[name] = _forced_layer(lin, x, entry)
+            if tile == 64 or c128_pdl:
+                cutlass_gemm.PDL_TILE_M = tile
+                layers[f"{name}-pdl"] = _forced_layer(lin, x, entry)
+        finally:
+            cutlass_gemm.PDL_TILE_M, router.ONE_LAUNCH_MAX_WEIGHT = real
+    return layers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", nargs="+", type=int, default=[16, 64, 96, 160, 256, 333, 512])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--c128-pdl", action="store_true", help="also launch the cooperative kernel with PDL")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    if not cutlass_available(dev) or not one_call_available():
+        raise SystemExit("needs the CUTLASS kernels and the plan-call module (`fp8linear build-cutlass`) and one GPU")
+    print(f"{torch.cuda.get_device_name()}; per method: eager wall us / host us")
+    auto_bf16, auto_old, pdl_plain = [], [], []
+    for text in args.shapes:
+        n, k = (int(v) for v in text.split("x"))
+        lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        for m in args.m:
+            if m * k > router.LIB_QUANT_MAX_ELEMENTS:
+                continue  # the library quantizes no input this large
+            xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                  for _ in range(max(2, min(16, (100 << 20) // (m * k * 2))))]
+            layers = _layers(lin, xs[0], args.c128_pdl)
+            with torch.inference_mode():
+                for name in [nm for nm in layers if nm.endswith("-pdl")]:
+                    plain = layers[name.removesuffix("-pdl")]
+                    for i in range(20):
+                        a = plain(xs[i % len(xs)] * 1.0)
+                        b = layers[name](xs[i % len(xs)] * 1.0)
+                        if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
+                            print(f"  {name} at {n}x{k} M={m}: bits differ from the plain launch (call {i})")
+                            break
+                times = _burst_times({"bf16": lin, **layers}, xs, dev)
+            routes = [next(iter(layers[nm]._plans.values())).route.kernel for nm in ("auto", "no-one-call")]
+            auto_bf16.append(times["auto"][0] / times["bf16"][0])
+            auto_old.append(times["auto"][0] / times["no-one-call"][0])
+            pdl_plain.append(times["p64-pdl"][0] / times["p64"][0])
+            cells = " ".join(f"{nm}={w:6.1f}/{h:5.1f}" for nm, (w, h) in times.items())
+            print(f"{n:>5d}x{k:<5d} M={m:<4d} {cells}  auto/bf16 {auto_bf16[-1]:.3f} "
+                  f"auto/no-one-call {auto_old[-1]:.3f} p64 pdl/plain {pdl_plain[-1]:.3f}  "
+                  f"routes {','.join(routes)}", flush=True)
+    print(f"geomean over {len(auto_bf16)} cases: auto/bf16 {statistics.geometric_mean(auto_bf16):.3f}, "
+          f"auto/no-one-call {statistics.geometric_mean(auto_old):.3f}, "
+          f"p64 pdl/plain {statistics.geometric_mean(pdl_plain):.3f}; auto slower than BF16 in "
+          f"{sum(r > 1 for r in auto_bf16)}")
+
+
+if __name__ == "__main__":
+    main()
