@@ -111,6 +111,7 @@ __all__ = [
     "CUBLAS_ROW_FORM_MAX_TILES_PER_SM",
     "EAGER_CUBLAS_MIN_MNK",
     "EAGER_CUTLASS_MIN_MNK",
+    "EAGER_ONE_CALL_MAX_WEIGHT",
     "EAGER_ONE_CALL_MIN_M",
     "EAGER_CUTLASS_MIN_WAVE_FILL",
     "EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK",
@@ -469,6 +470,11 @@ LIB_QUANT_MAX_ELEMENTS = 1 << 22
 # 23.4 against 33.1) but for the cooperative kernel at N=24576 (1.07; eager_cutlass_config now
 # takes the ping-pong kernel up to 64 rows, 19.5 us against the old route's 22.7).
 EAGER_ONE_CALL_MIN_M = 2
+# ... on weights below this many elements: on larger ones the GPU sets the pace even at a few rows,
+# and there our split-K and tiled kernels stream the weight faster (same script: 18432x7168 M 2-32
+# 1.14-1.16x the route before, 65.8 against 57.3 us; 7168x18432 M 2-16 0.94-0.98x; 24576x1536,
+# 38M elements, 0.54-0.87x).
+EAGER_ONE_CALL_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -985,8 +991,9 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     cutlass_fits = (allow_cublas and weight_tma_ok and weight_contiguous
                     and cutlass_accepts(n, k, granularity, fp8_dtype, out_dtype, bias) and cutlass_available(device))
     cutlass_ok = cutlass_fits and not (eager and mnk < EAGER_CUTLASS_MIN_MNK)
-    if (eager and m >= EAGER_ONE_CALL_MIN_M and mnk < EAGER_CUTLASS_MIN_MNK and cutlass_fits and granularity == "block"
-            and use_library_quantization(m, k, out_dtype) and one_call_available()):
+    if (eager and m >= EAGER_ONE_CALL_MIN_M and mnk < EAGER_CUTLASS_MIN_MNK and n * k < EAGER_ONE_CALL_MAX_WEIGHT
+            and cutlass_fits and granularity == "block" and use_library_quantization(m, k, out_dtype)
+            and one_call_available()):
         cfg = eager_cutlass_config(device, m, n)
         return Route("cutlass", cfg, pdl=cfg.tile_m == PDL_TILE_M)
     pdl = use_pdl(device, m)

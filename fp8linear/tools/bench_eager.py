@@ -168,15 +168,29 @@ def _py_calls(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> int:
     return max(count[0] - 1, 0)  # not the lambda itself
 
 
-def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence[int] = EAGER_MS,
-                  device: str | torch.device | None = None, granularity: str = "block",
-                  log: Callable[[str], None] | None = None) -> list[EagerRow]:
-    """Rows of both methods for every (shape, M), each (shape, M) timed as one interleaved pair."""
+def _details(rows: Sequence[EagerRow], methods: dict[str, Callable[[Any], Any]], inputs: Sequence[Any],
+             gpu: bool) -> Callable[[], None]:
+    """A call that fills the rows' GPU-time, kernel and Python-call columns (graph capture, the
+    profiler, a Python tracer). Run after every timed burst of a run: once torch.profiler has traced
+    CUDA activity, CUPTI's callbacks stay attached and add host time to every later launch and
+    driver call, ours (several driver calls per forward) more than BF16's."""
+    def fill() -> None:
+        with torch.inference_mode():
+            for row in rows:
+                fn = methods[row.method]
+                row.gpu_us = _gpu_us(fn, inputs) if gpu else None
+                row.kernels = _kernels(fn, inputs[0]) if gpu else None
+                row.py_calls = _py_calls(fn, inputs[0])
+    return fill
+
+
+def _time_linear(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.device, granularity: str,
+                 log: Callable[[str], None] | None) -> tuple[list[EagerRow], list[Callable[[], None]]]:
     from ..module import Fp8BlockLinear
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
     rows: list[EagerRow] = []
+    fills: list[Callable[[], None]] = []
     for n, k in shapes:
         lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         ours = Fp8BlockLinear.from_linear(lin, granularity)
@@ -186,28 +200,35 @@ def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence
             xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
             with torch.inference_mode():
                 times = _burst_times(methods, xs, device)
-                for name, fn in methods.items():
-                    wall, host = times[name]
-                    rows.append(EagerRow(n, k, m, name, wall, host, _gpu_us(fn, xs) if gpu else None,
-                                         _kernels(fn, xs[0]) if gpu else None, _py_calls(fn, xs[0])))
+            pair = [EagerRow(n, k, m, name, *times[name], None, None, 0) for name in methods]
+            rows += pair
+            fills.append(_details(pair, methods, xs[:2] if not gpu else xs, gpu))
             if log:
-                o, b = rows[-2], rows[-1]
-                log(f"{n}x{k} M={m}: ours {o.wall_us:.1f} us, bf16 {b.wall_us:.1f} us")
+                log(f"{n}x{k} M={m}: ours {pair[0].wall_us:.1f} us, bf16 {pair[1].wall_us:.1f} us")
+    return rows, fills
+
+
+def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence[int] = EAGER_MS,
+                  device: str | torch.device | None = None, granularity: str = "block",
+                  log: Callable[[str], None] | None = None) -> list[EagerRow]:
+    """Rows of both methods for every (shape, M), each (shape, M) timed as one interleaved pair; the
+    GPU-time, kernel and Python-call columns after every burst (see :func:`_details`)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows, fills = _time_linear(shapes, ms, device, granularity, log)
+    for fill in fills:
+        fill()
     return rows
 
 
-def measure_eager_experts(tokens: Sequence[int] = EAGER_EXPERT_TOKENS, device: str | torch.device | None = None,
-                          log: Callable[[str], None] | None = None) -> list[EagerRow]:
-    """Rows of Fp8Experts ("ours") and transformers' BF16 DeepseekV3Experts ("bf16") per token count;
-    none without a GPU or transformers."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def _time_experts(tokens: Sequence[int], device: torch.device, log: Callable[[str], None] | None
+                  ) -> tuple[list[EagerRow], list[Callable[[], None]]]:
     if device.type != "cuda":
-        return []
+        return [], []
     try:
         from transformers import DeepseekV3Config
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
     except ImportError:
-        return []
+        return [], []
     from ..integrations.experts import Fp8Experts
 
     hidden, inter, experts, top_k = EAGER_EXPERTS
@@ -222,6 +243,7 @@ def measure_eager_experts(tokens: Sequence[int] = EAGER_EXPERT_TOKENS, device: s
     methods: dict[str, Callable[[Any], Any]] = {"ours": lambda a, f=Fp8Experts.from_experts(bf16): f(*a),
                                                 "bf16": lambda a: bf16(*a)}
     rows: list[EagerRow] = []
+    fills: list[Callable[[], None]] = []
     gen = torch.Generator(device=device).manual_seed(0)
     for t in tokens:
         inputs = []
@@ -231,13 +253,21 @@ def measure_eager_experts(tokens: Sequence[int] = EAGER_EXPERT_TOKENS, device: s
             inputs.append((x, idx, w))
         with torch.inference_mode():
             times = _burst_times(methods, inputs, device)
-            for name, fn in methods.items():
-                wall, host = times[name]
-                rows.append(EagerRow(hidden, inter, t, name, wall, host, _gpu_us(fn, inputs), _kernels(fn, inputs[0]),
-                                     _py_calls(fn, inputs[0]), "experts"))
+        pair = [EagerRow(hidden, inter, t, name, *times[name], None, None, 0, "experts") for name in methods]
+        rows += pair
+        fills.append(_details(pair, methods, inputs, True))
         if log:
-            o, b = rows[-2], rows[-1]
-            log(f"experts {hidden}x{inter} tokens={t}: ours {o.wall_us:.1f} us, bf16 {b.wall_us:.1f} us")
+            log(f"experts {hidden}x{inter} tokens={t}: ours {pair[0].wall_us:.1f} us, bf16 {pair[1].wall_us:.1f} us")
+    return rows, fills
+
+
+def measure_eager_experts(tokens: Sequence[int] = EAGER_EXPERT_TOKENS, device: str | torch.device | None = None,
+                          log: Callable[[str], None] | None = None) -> list[EagerRow]:
+    """Rows of Fp8Experts ("ours") and transformers' BF16 DeepseekV3Experts ("bf16") per token count;
+    none without a GPU or transformers. The detail columns after every burst (see :func:`_details`)."""
+    rows, fills = _time_experts(tokens, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")), log)
+    for fill in fills:
+        fill()
     return rows
 
 
@@ -274,13 +304,17 @@ def run_eager(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else EAGER_SHAPES
-    rows = measure_eager(shapes, tuple(args.m) if args.m else EAGER_MS, args.device,
-                         log=None if args.json else print)
-    rows += measure_eager_experts(device=args.device, log=None if args.json else print)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    log = None if args.json else print
+    # every burst first, then the detail columns (the profiler slows later launches: _details)
+    rows, fills = _time_linear(shapes, tuple(args.m) if args.m else EAGER_MS, device, "block", log)
+    expert_rows, expert_fills = _time_experts(EAGER_EXPERT_TOKENS, device, log)
+    rows += expert_rows
+    for fill in fills + expert_fills:
+        fill()
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
         return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU, {torch.get_num_threads()} threads")
     import triton

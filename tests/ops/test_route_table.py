@@ -337,7 +337,6 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
 
 @pytest.mark.parametrize("m,n,k", [
     (2, 2112, 7168), (16, 7168, 2048), (64, 576, 7168), (96, 24576, 1536), (333, 2112, 7168), (512, 1536, 7168),
-    (16, 7168, 18432),
 ])
 def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, k):
     """Below EAGER_CUTLASS_MIN_MNK, from EAGER_ONE_CALL_MIN_M rows, an eager call of a 128x128 weight
@@ -366,6 +365,10 @@ def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, 
     assert route(m=big).kernel != "cutlass" or big * n * k >= router.EAGER_CUTLASS_MIN_MNK
     one_call[0] = False
     assert route().kernel != "cutlass"
+    one_call[0] = True
+    monkeypatch.setattr(router, "EAGER_ONE_CALL_MAX_WEIGHT", n * k)  # large weights: the GPU sets the pace
+    assert route().kernel != "cutlass"
+    monkeypatch.setattr(router, "EAGER_ONE_CALL_MAX_WEIGHT", n * k + 1)
     monkeypatch.setattr(router, "EAGER_CUTLASS_MIN_MNK", m * n * k)  # from the cut on: the other eager rules
     one_call[0] = True
     assert route() != router.Route("cutlass", cfg, pdl=True)

@@ -48,3 +48,27 @@ def test_experts_rows_gpu_only_and_labelled():
             for what in ("linear", "experts") for name in ("ours", "bf16")]
     table = bench_eager.format_eager(rows).splitlines()
     assert len(table) == 4 and "experts 7168x2048" in table[3] and "experts" not in table[2]
+
+
+def test_every_burst_is_timed_before_any_detail_column(monkeypatch):
+    """The profiler and tracer columns run after every timed burst of the run (CUPTI's callbacks stay
+    attached once torch.profiler traced CUDA and slow later launches), linear cases and experts alike."""
+    monkeypatch.setattr(bench_eager, "_BURST", 2)
+    monkeypatch.setattr(bench_eager, "_BURSTS", 2)
+    events: list[str] = []
+    real_burst, real_py = bench_eager._burst_times, bench_eager._py_calls
+    monkeypatch.setattr(bench_eager, "_burst_times", lambda *a: events.append("burst") or real_burst(*a))
+    monkeypatch.setattr(bench_eager, "_py_calls", lambda *a: events.append("detail") or real_py(*a))
+    expert_rows = [bench_eager.EagerRow(1, 1, 1, name, 1.0, 1.0, None, None, 0, "experts") for name in ("ours", "bf16")]
+
+    def fake_experts(tokens, device, log):
+        events.append("burst")
+        return expert_rows, [lambda: events.append("detail")]
+
+    monkeypatch.setattr(bench_eager, "_time_experts", fake_experts)
+    args = type("Args", (), {"threads": None, "shapes": ["256,384"], "m": [1, 3], "device": "cpu", "json": True})()
+    assert bench_eager.run_eager(args) == 0
+    assert events.count("burst") == 3 and events.count("detail") == 5  # 2 linear cases x 2 methods, experts
+    assert events.index("detail") > max(i for i, e in enumerate(events) if e == "burst")
+    rows = bench_eager.measure_eager([(256, 384)], (1, 3), "cpu")
+    assert all(r.py_calls > 0 for r in rows)
