@@ -17,8 +17,10 @@
 // kernel, both warpgroups on one 128x128 tile), FP8L_STREAMK (1: the cooperative kernel under
 // CUTLASS's stream-K scheduler, which splits the K loop of the last wave's tiles over idle SMs
 // instead of leaving them idle; or, asked per call, split-K: every tile's K loop in a given number
-// of parts, their partial sums reduced in a fixed order), FP8L_BIAS (0 or 1: a fused bias) and
-// FP8L_ROW (0: 128x128 weight scales; 1: 1x128 weight scales).
+// of parts, their partial sums reduced in a fixed order), FP8L_BIAS (0 or 1: a fused bias),
+// FP8L_ROW (0: 128x128 weight scales; 1: 1x128 weight scales) and FP8L_TILE_N (the tile's width,
+// 128 unless a probe build asks another; CUTLASS needs a multiple of the weight scales' N
+// granularity: 128 for 128x128 weight scales).
 // The data-parallel kernels wait in griddepcontrol.wait before their first global access, what a
 // launch with programmatic dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
 // launch). CUTLASS's stream-K scheduler does not compile with it, and runs no prepared call.
