@@ -3,8 +3,9 @@ allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its GEMM's programmatic depen
 (``cutlass_gemm.PDL_TILE_M``): eager wall and host us per call, BF16 ``nn.Linear`` in the same
 interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
 one-call rule), ``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and
-``p64-pdl``/``c128-pdl`` (launched with PDL; ``c128-pdl`` only with ``--c128-pdl``, which shows
-why the cooperative kernel runs plain). Before timing, PDL and plain launches of each kernel must
+``p64-pdl``/``c128-pdl`` (the same routes with ``Route.pdl``, the library's quantize-and-GEMM call
+launching the GEMM with PDL; ``c128-pdl`` only with ``--c128-pdl``, which shows why the cooperative
+kernel runs plain). Before timing, PDL and plain launches of each kernel must
 give the same bits on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
 ``fp8linear build-cutlass`` (the plan-call module included).
 
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fp8linear import Fp8BlockLinear
 from fp8linear.ops import cutlass_gemm, router
 from fp8linear.ops.cutlass_gemm import CutlassConfig, cutlass_available, one_call_available
-from fp8linear.ops.route_table import RouteEntry
 from fp8linear.tools.bench_eager import _burst_times
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,6 +32,19 @@ from eager_cutlass_ab import _forced_layer  # noqa: E402
 
 SHAPES = ("2112x7168", "7168x2048", "1536x7168", "24576x1536", "576x7168", "4096x4096", "7168x18432",
           "18432x7168")
+
+
+def _route_layer(lin: nn.Linear, x: torch.Tensor, route: router.Route) -> nn.Module:
+    """An Fp8BlockLinear whose plan for x's shape runs `route` (eagerly and under capture alike)."""
+    layer = Fp8BlockLinear.from_linear(lin, "block")
+    real = router.route_linear
+    router.route_linear = lambda *a, **k: route
+    try:
+        layer(x)
+        layer(x)  # a shape's second call makes its plan
+    finally:
+        router.route_linear = real
+    return layer
 
 
 def _layers(lin: nn.Linear, x: torch.Tensor, c128_pdl: bool) -> dict[str, nn.Module]:
@@ -41,18 +55,17 @@ def _layers(lin: nn.Linear, x: torch.Tensor, c128_pdl: bool) -> dict[str, nn.Mod
         layers["no-one-call"] = _forced_layer(lin, x, None)
     finally:
         router.EAGER_ONE_CALL_MIN_M = real_min_m
-    real = cutlass_gemm.PDL_TILE_M, router.ONE_LAUNCH_MAX_WEIGHT
     for name, tile in (("p64", 64), ("c128", 128)):
-        entry = RouteEntry("cutlass", CutlassConfig(tile))
-        try:
-            router.ONE_LAUNCH_MAX_WEIGHT = 0  # up to 64 rows too, the forced kernel rather than the decode kernel
-            cutlass_gemm.PDL_TILE_M = 0  # no kernel launched with PDL
-            layers[name] = _forced_layer(lin, x, entry)
-            if tile == 64 or c128_pdl:
-                cutlass_gemm.PDL_TILE_M = tile
-                layers[f"{name}-pdl"] = _forced_layer(lin, x, entry)
-        finally:
-            cutlass_gemm.PDL_TILE_M, router.ONE_LAUNCH_MAX_WEIGHT = real
+        layers[name] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile)))
+        if tile == cutlass_gemm.PDL_TILE_M:
+            layers[f"{name}-pdl"] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile), pdl=True))
+        elif c128_pdl:  # CutlassCall refuses PDL for this kernel: let it, to show why
+            real = cutlass_gemm.PDL_TILE_M
+            cutlass_gemm.PDL_TILE_M = tile
+            try:
+                layers[f"{name}-pdl"] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile), pdl=True))
+            finally:
+                cutlass_gemm.PDL_TILE_M = real
     return layers
 
 

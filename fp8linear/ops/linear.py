@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import triton
@@ -35,7 +36,7 @@ from .router import Route, act_quant_launch, dense_scale, route_linear, tma_ok, 
 from .splitk_gemm import _splitk_fp8_gemm_kernel, splitk_args, splitk_buffers
 
 __all__ = ["CublasLinear", "LinearPlan", "MAX_CUBLAS_SCRATCH_SHAPES", "SharedActivations", "fp8_linear_tokens",
-           "run_linear_route"]
+           "run_linear_route", "serves_capture"]
 
 # Row counts a CublasLinear keeps a scratch layout for (the oldest is dropped), as many as the
 # cuBLASLt plans it keeps per M (fp8linear.ops.cublaslt).
@@ -291,6 +292,15 @@ class CublasLinear:
         return scratch
 
 
+def serves_capture(route: Route, capture_route: Route) -> bool:
+    """Whether the plan of the eager `route` also serves CUDA-graph capture, where `capture_route`
+    runs: the same route, or CUTLASS routes that differ in PDL only (a CUTLASS plan launches its
+    GEMM plain under capture, after act_quant)."""
+    if route == capture_route:
+        return True
+    return route.kernel == "cutlass" and replace(route, pdl=False) == replace(capture_route, pdl=False)
+
+
 class LinearPlan:
     """The FP8 linear for inputs of one shape (M, K) and dtype on one weight, prepared once.
 
@@ -322,7 +332,7 @@ class LinearPlan:
                 return CublasLinear(w_q, w_s, granularity, bias)
         run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_linear, share)
         capture_calls: tuple[KernelCall, ...] = ()
-        if capture_route is not None and capture_route != route and x.device.type == "cuda":
+        if capture_route is not None and not serves_capture(route, capture_route) and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
             capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters,
                                                        cublas_linear, None)

@@ -32,10 +32,14 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   eager callers from EAGER_CUTLASS_MIN_MNK, where above SMALL_M_MAX rows it also runs in place of
   our tiled kernel when no table entry chose that kernel (:func:`eager_cutlass_config`), and in
   place of cuBLAS where its tiles fill their waves (:func:`eager_cutlass_over_cublas`); below that
-  cut, from EAGER_ONE_CALL_MIN_M rows, wherever the whole eager call is one host call (the
-  library quantizes, the plan-call module allocates), the ping-pong kernel with PDL;
+  cut, from EAGER_ONE_CALL_MIN_M rows and on weights below EAGER_ONE_CALL_MAX_WEIGHT elements,
+  wherever the whole eager call is one host call (the library quantizes, the plan-call module
+  allocates): :func:`eager_cutlass_config`'s kernel, the ping-pong one's GEMM with PDL unless
+  ``FP8LINEAR_PDL=0``;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
-  outside CUDA-graph capture), a weight below ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
+  outside CUDA-graph capture) where the one-call CUTLASS rule above does not apply (CUTLASS or
+  its plan-call module not built, several GPUs visible, another GPU), a weight below
+  ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
   where the GEMM would run on our split-K or tiled kernel (with that config) -> activation
   quantization and the split-K GEMM in one launch (:mod:`fp8linear.ops.fused_decode`);
@@ -461,8 +465,9 @@ LIB_QUANT_MAX_ELEMENTS = 1 << 22
 # the library quantizes the input (use_library_quantization) and the plan-call module allocates
 # (fp8linear.ops.cutlass_gemm.one_call_available). One C++ call costs less host time than
 # act_quant's and our GEMM's Triton launches, or the one-launch decode kernel's launch; the
-# ping-pong kernel's GEMM is launched with PDL (Route.pdl: eager wall 0.90-0.98x plain below the
-# cut; above it, GPU-bound, up to 1.22x: 7168x18432 M=96 75.5 against 61.7 us). H100,
+# ping-pong kernel's GEMM is launched with PDL (Route.pdl, unless FP8LINEAR_PDL=0: eager wall
+# 0.88-1.02x plain in the rule's range, geomean 0.945 over 25 cases; above it, GPU-bound, up to
+# 1.22x: 7168x18432 M=96 75.5 against 61.7 us). H100,
 # benchmarks/eager_one_call_ab.py, eager wall time with / without this rule, 6 DeepSeek-V3 shapes:
 # M 96-512 0.64-0.88 where it changes the route (2112x7168 M=333 27.6 against 41.7 us, 1536x7168
 # M=512 27.7 against 43.6); M 2-64, the decode kernel's range: the ping-pong kernel forced 0.76-0.96
@@ -689,6 +694,14 @@ def _pdl_requested() -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{PDL_ENV} must be 0 or 1 (or unset), got {value!r}")
     return value == "1"
+
+
+def _one_call_pdl() -> bool:
+    """Whether the one-call CUTLASS route launches its ping-pong GEMM with PDL: unless
+    ``FP8LINEAR_PDL=0`` (it is measured faster there, EAGER_ONE_CALL_MIN_M; the Triton decode
+    kernels' PDL stays opt-in)."""
+    _pdl_requested()  # a value other than 0, 1 or unset is an error here too
+    return os.environ.get(PDL_ENV, "") != "0"
 
 
 def use_pdl(device: torch.device, m: int) -> bool:
@@ -995,7 +1008,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
             and cutlass_fits and granularity == "block" and use_library_quantization(m, k, out_dtype)
             and one_call_available()):
         cfg = eager_cutlass_config(device, m, n)
-        return Route("cutlass", cfg, pdl=cfg.tile_m == PDL_TILE_M)
+        return Route("cutlass", cfg, pdl=_one_call_pdl() and cfg.tile_m == PDL_TILE_M)
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:

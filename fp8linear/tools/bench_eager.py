@@ -168,13 +168,14 @@ def _py_calls(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> int:
     return max(count[0] - 1, 0)  # not the lambda itself
 
 
-def _details(rows: Sequence[EagerRow], methods: dict[str, Callable[[Any], Any]], inputs: Sequence[Any],
-             gpu: bool) -> Callable[[], None]:
+def _details(rows: Sequence[EagerRow], methods: dict[str, Callable[[Any], Any]],
+             make_inputs: Callable[[], Sequence[Any]], gpu: bool) -> Callable[[], None]:
     """A call that fills the rows' GPU-time, kernel and Python-call columns (graph capture, the
     profiler, a Python tracer). Run after every timed burst of a run: once torch.profiler has traced
     CUDA activity, CUPTI's callbacks stay attached and add host time to every later launch and
     driver call, ours (several driver calls per forward) more than BF16's."""
     def fill() -> None:
+        inputs = make_inputs()  # made here: the timed bursts' inputs are not held until the end
         with torch.inference_mode():
             for row in rows:
                 fn = methods[row.method]
@@ -197,12 +198,16 @@ def _time_linear(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: t
         methods: dict[str, Callable[[torch.Tensor], Any]] = {"ours": ours, "bf16": lin}
         for m in ms:
             copies = max(2, min(64, (100 << 20) // max(1, m * k * 2))) if gpu else 2  # > 2x a 50 MB L2
-            xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            def make_inputs(m: int = m, k: int = k, copies: int = copies) -> list[torch.Tensor]:
+                return [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+
+            xs = make_inputs()
             with torch.inference_mode():
                 times = _burst_times(methods, xs, device)
+            del xs
             pair = [EagerRow(n, k, m, name, *times[name], None, None, 0) for name in methods]
             rows += pair
-            fills.append(_details(pair, methods, xs[:2] if not gpu else xs, gpu))
+            fills.append(_details(pair, methods, make_inputs, gpu))
             if log:
                 log(f"{n}x{k} M={m}: ours {pair[0].wall_us:.1f} us, bf16 {pair[1].wall_us:.1f} us")
     return rows, fills
@@ -255,7 +260,7 @@ def _time_experts(tokens: Sequence[int], device: torch.device, log: Callable[[st
             times = _burst_times(methods, inputs, device)
         pair = [EagerRow(hidden, inter, t, name, *times[name], None, None, 0, "experts") for name in methods]
         rows += pair
-        fills.append(_details(pair, methods, inputs, True))
+        fills.append(_details(pair, methods, lambda inputs=inputs: inputs, True))  # a few small inputs: kept
         if log:
             log(f"experts {hidden}x{inter} tokens={t}: ours {pair[0].wall_us:.1f} us, bf16 {pair[1].wall_us:.1f} us")
     return rows, fills

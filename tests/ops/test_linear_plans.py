@@ -639,3 +639,19 @@ def test_gpu_layers_back_to_back_and_on_two_streams(m):
         out_main[key] = layers[key[0]](x)
     torch.cuda.synchronize()
     assert all(same_bits(out_main[key], alone[key]) and same_bits(out_side[key], alone[key]) for key in xs)
+
+
+def test_a_cutlass_plan_serves_capture_when_the_routes_differ_in_pdl_only():
+    """An eager CUTLASS route with PDL and the capture route without it share one plan (the plan
+    launches plain under capture); any other difference makes a second plan."""
+    from fp8linear.ops.cutlass_gemm import CutlassConfig
+    from fp8linear.ops.linear import serves_capture
+    from fp8linear.ops.router import Route
+
+    p64, c128 = CutlassConfig(64), CutlassConfig(128)
+    assert serves_capture(Route("cutlass", p64, pdl=True), Route("cutlass", p64))
+    assert serves_capture(Route("cutlass", p64), Route("cutlass", p64))
+    assert not serves_capture(Route("cutlass", p64, pdl=True), Route("cutlass", c128))
+    assert not serves_capture(Route("cutlass", p64, pdl=True), Route("cublas"))
+    split = Route("splitk", None, pdl=True, release_early=True)
+    assert not serves_capture(split, Route("splitk"))  # a Triton kernel's PDL is in its launch

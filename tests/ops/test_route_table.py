@@ -358,20 +358,25 @@ def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, 
 
     cfg = router.eager_cutlass_config(CPU, m, n)
     assert route() == router.Route("cutlass", cfg, pdl=cfg == CutlassConfig(64))
-    for other in (route(eager=False), route(granularity="row"), route(out=torch.float16), route(dense=False),
-                  route(m=1)):
+    for other in (route(eager=False), route(granularity="row"), route(out=torch.float16), route(dense=False)):
         assert other.kernel != "cutlass", other
-    big = router.LIB_QUANT_MAX_ELEMENTS // k + 1  # the library does not quantize inputs this large
-    assert route(m=big).kernel != "cutlass" or big * n * k >= router.EAGER_CUTLASS_MIN_MNK
+    for name, value in (("EAGER_ONE_CALL_MIN_M", m + 1),  # fewer rows than the rule's
+                        ("LIB_QUANT_MAX_ELEMENTS", m * k - 1),  # an input the library does not quantize
+                        ("EAGER_ONE_CALL_MAX_WEIGHT", n * k),  # large weights: the GPU sets the pace
+                        ("EAGER_CUTLASS_MIN_MNK", m * n * k)):  # from the cut on: the other eager rules
+        with monkeypatch.context() as patch:
+            patch.setattr(router, name, value)
+            assert not (route().kernel == "cutlass" and route().pdl), name
+            if name != "EAGER_CUTLASS_MIN_MNK":
+                assert route().kernel != "cutlass", name
     one_call[0] = False
     assert route().kernel != "cutlass"
     one_call[0] = True
-    monkeypatch.setattr(router, "EAGER_ONE_CALL_MAX_WEIGHT", n * k)  # large weights: the GPU sets the pace
-    assert route().kernel != "cutlass"
-    monkeypatch.setattr(router, "EAGER_ONE_CALL_MAX_WEIGHT", n * k + 1)
-    monkeypatch.setattr(router, "EAGER_CUTLASS_MIN_MNK", m * n * k)  # from the cut on: the other eager rules
-    one_call[0] = True
-    assert route() != router.Route("cutlass", cfg, pdl=True)
+    monkeypatch.setenv("FP8LINEAR_PDL", "0")  # no PDL: the same kernel launched plain
+    assert route() == router.Route("cutlass", cfg)
+    monkeypatch.setenv("FP8LINEAR_PDL", "2")
+    with pytest.raises(ValueError, match="FP8LINEAR_PDL must be 0 or 1"):
+        route()
 
 
 def test_the_one_call_rule_launches_only_the_ping_pong_kernel_with_pdl(monkeypatch):
