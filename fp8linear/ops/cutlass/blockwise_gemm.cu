@@ -23,9 +23,7 @@
 // granularity: 128 for 128x128 weight scales).
 // The data-parallel kernels wait in griddepcontrol.wait before their first global access, what a
 // launch with programmatic dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
-// launch). CUTLASS's stream-K scheduler does not compile with it, and runs no prepared call. Where
-// CUTLASS would leave the wait out (grid_dependency_control.h: no CUTLASS_GDC_ENABLED in a device
-// pass), the build stops below instead of racing.
+// launch). CUTLASS's stream-K scheduler does not compile with it, and runs no prepared call.
 #if !FP8L_STREAMK
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #endif
@@ -111,10 +109,6 @@ static fp8l_replace_fn fp8l_replace_entry() {
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/util/packed_stride.hpp"
-
-#if defined(__CUDA_ARCH__) && !FP8L_STREAMK && !defined(CUTLASS_GDC_ENABLED)
-#error "griddepcontrol.wait is compiled out (CUTLASS_GDC_ENABLED undefined): a PDL launch would race"
-#endif
 
 // One namespace per variant (its symbol prefix): the objects are linked into one library, and the
 // kernel's name (cutlass::device_kernel<GemmKernel>) must differ between them. (`using namespace
@@ -476,11 +470,6 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared)(const void* prepared, c
 extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared_pdl)(const void* prepared, const void* x, long long x_stride,
                                                              void* q, void* s, void* y, int m, int k, int device,
                                                              cudaStream_t stream) {
-#if FP8L_STREAMK  // built without the wait (and never prepared)
-  (void)prepared, (void)x, (void)x_stride, (void)q, (void)s, (void)y, (void)m, (void)k, (void)device, (void)stream;
-  return static_cast<int>(cutlass::Status::kErrorNotSupported);
-#else
   if (int rc = launch_act_quant(x, x_stride, q, s, m, k, stream)) return rc;
   return run_prepared(prepared, q, s, y, device, stream, true);
-#endif
 }
