@@ -472,8 +472,8 @@ LIB_QUANT_MAX_ELEMENTS = 1 << 22
 # M 96-512 0.64-0.88 where it changes the route (2112x7168 M=333 27.6 against 41.7 us, 1536x7168
 # M=512 27.7 against 43.6); M 2-64, the decode kernel's range: the ping-pong kernel forced 0.76-0.96
 # at M 16-64 (2112x7168 M=16 32.5 against 42.9 us), the rule 0.71-0.97 at M 2-8 (24576x1536 M=8
-# 23.4 against 33.1) but for the cooperative kernel at N=24576 (1.07; eager_cutlass_config now
-# takes the ping-pong kernel up to 64 rows, 19.5 us against the old route's 22.7).
+# 23.4 against 33.1); on the cooperative kernel 24576x1536 M=2 took 1.07x, on the ping-pong kernel
+# (eager_cutlass_config's choice up to 64 rows) 19.5 us against 22.7 without the rule.
 EAGER_ONE_CALL_MIN_M = 2
 # ... on weights below this many elements: on larger ones the GPU sets the pace even at a few rows,
 # and there our split-K and tiled kernels stream the weight faster (same script: 18432x7168 M 2-32
