@@ -1,11 +1,10 @@
 """Eager A/B of the one-host-call CUTLASS plan (the library quantizes the input, the plan-call module
 allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its GEMM's programmatic dependent launch
-(``cutlass_gemm.PDL_TILE_M``): eager wall and host us per call, BF16 ``nn.Linear`` in the same
+(``cutlass_gemm.pdl_supported``): eager wall and host us per call, BF16 ``nn.Linear`` in the same
 interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
 one-call rule), ``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and
 ``p64-pdl``/``c128-pdl`` (the same routes with ``Route.pdl``, the library's quantize-and-GEMM call
-launching the GEMM with PDL; ``c128-pdl`` only with ``--c128-pdl``, which shows why the cooperative
-kernel runs plain). Before timing, PDL and plain launches of each kernel must
+launching the GEMM with PDL, for the kernels the build made for it). Before timing, PDL and plain launches of each kernel must
 give the same bits on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
 ``fp8linear build-cutlass`` (the plan-call module included).
 
@@ -23,8 +22,8 @@ import torch
 from torch import nn
 
 from fp8linear import Fp8BlockLinear
-from fp8linear.ops import cutlass_gemm, router
-from fp8linear.ops.cutlass_gemm import CutlassConfig, cutlass_available, one_call_available
+from fp8linear.ops import router
+from fp8linear.ops.cutlass_gemm import CutlassConfig, cutlass_available, one_call_available, pdl_supported
 from fp8linear.tools.bench_eager import _burst_times
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +46,7 @@ def _route_layer(lin: nn.Linear, x: torch.Tensor, route: router.Route) -> nn.Mod
     return layer
 
 
-def _layers(lin: nn.Linear, x: torch.Tensor, c128_pdl: bool) -> dict[str, nn.Module]:
+def _layers(lin: nn.Linear, x: torch.Tensor) -> dict[str, nn.Module]:
     layers = {"auto": _forced_layer(lin, x, None)}
     real_min_m = router.EAGER_ONE_CALL_MIN_M
     router.EAGER_ONE_CALL_MIN_M = 1 << 62
@@ -57,15 +56,8 @@ def _layers(lin: nn.Linear, x: torch.Tensor, c128_pdl: bool) -> dict[str, nn.Mod
         router.EAGER_ONE_CALL_MIN_M = real_min_m
     for name, tile in (("p64", 64), ("c128", 128)):
         layers[name] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile)))
-        if tile == cutlass_gemm.PDL_TILE_M:
+        if pdl_supported(CutlassConfig(tile)):
             layers[f"{name}-pdl"] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile), pdl=True))
-        elif c128_pdl:  # CutlassCall refuses PDL for this kernel: let it, to show why
-            real = cutlass_gemm.PDL_TILE_M
-            cutlass_gemm.PDL_TILE_M = tile
-            try:
-                layers[f"{name}-pdl"] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile), pdl=True))
-            finally:
-                cutlass_gemm.PDL_TILE_M = real
     return layers
 
 
@@ -73,13 +65,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", nargs="+", type=int, default=[16, 64, 96, 160, 256, 333, 512])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--c128-pdl", action="store_true", help="also launch the cooperative kernel with PDL")
     args = p.parse_args()
     dev = torch.device("cuda")
     if not cutlass_available(dev) or not one_call_available():
         raise SystemExit("needs the CUTLASS kernels and the plan-call module (`fp8linear build-cutlass`) and one GPU")
     print(f"{torch.cuda.get_device_name()}; per method: eager wall us / host us")
-    auto_bf16, auto_old, pdl_plain = [], [], []
+    auto_bf16, auto_old, pdl_plain = [], [], {}
     for text in args.shapes:
         n, k = (int(v) for v in text.split("x"))
         lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
@@ -88,7 +79,7 @@ def main() -> None:
                 continue  # the library quantizes no input this large
             xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                   for _ in range(max(2, min(16, (100 << 20) // (m * k * 2))))]
-            layers = _layers(lin, xs[0], args.c128_pdl)
+            layers = _layers(lin, xs[0])
             with torch.inference_mode():
                 for name in [nm for nm in layers if nm.endswith("-pdl")]:
                     plain = layers[name.removesuffix("-pdl")]
@@ -102,14 +93,16 @@ def main() -> None:
             routes = [next(iter(layers[nm]._plans.values())).route.kernel for nm in ("auto", "no-one-call")]
             auto_bf16.append(times["auto"][0] / times["bf16"][0])
             auto_old.append(times["auto"][0] / times["no-one-call"][0])
-            pdl_plain.append(times["p64-pdl"][0] / times["p64"][0])
+            ratios = {nm: times[f"{nm}-pdl"][0] / times[nm][0] for nm in ("p64", "c128") if f"{nm}-pdl" in times}
+            for nm, r in ratios.items():
+                pdl_plain.setdefault(nm, []).append(r)
             cells = " ".join(f"{nm}={w:6.1f}/{h:5.1f}" for nm, (w, h) in times.items())
+            pdl_cells = " ".join(f"{nm} pdl/plain {r:.3f}" for nm, r in ratios.items())
             print(f"{n:>5d}x{k:<5d} M={m:<4d} {cells}  auto/bf16 {auto_bf16[-1]:.3f} "
-                  f"auto/no-one-call {auto_old[-1]:.3f} p64 pdl/plain {pdl_plain[-1]:.3f}  "
-                  f"routes {','.join(routes)}", flush=True)
+                  f"auto/no-one-call {auto_old[-1]:.3f} {pdl_cells}  routes {','.join(routes)}", flush=True)
+    pdl_cells = ", ".join(f"{nm} pdl/plain {statistics.geometric_mean(r):.3f}" for nm, r in pdl_plain.items())
     print(f"geomean over {len(auto_bf16)} cases: auto/bf16 {statistics.geometric_mean(auto_bf16):.3f}, "
-          f"auto/no-one-call {statistics.geometric_mean(auto_old):.3f}, "
-          f"p64 pdl/plain {statistics.geometric_mean(pdl_plain):.3f}; auto slower than BF16 in "
+          f"auto/no-one-call {statistics.geometric_mean(auto_old):.3f}, {pdl_cells}; auto slower than BF16 in "
           f"{sum(r > 1 for r in auto_bf16)}")
 
 

@@ -49,8 +49,8 @@ from .cublas_gemm import held_weight_scale
 __all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS",
            "CutlassConfig", "SOURCE", "BUILD_FLAGS", "PLAN_CALL_SOURCE", "PLAN_CALL_MODULE", "library_path",
            "plan_call_path",
-           "CutlassCall", "PDL_TILE_M", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available",
-           "cutlass_fp8_gemm", "one_call_available", "variants"]
+           "CutlassCall", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available",
+           "cutlass_fp8_gemm", "one_call_available", "pdl_supported", "variants"]
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,6 @@ CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128), CutlassConfig(128, str
 CUTLASS_CANDIDATES = CUTLASS_CONFIGS + tuple(CutlassConfig(128, stream_k=True, splits=s) for s in (2, 3, 4))
 # The kernels built for 1x128 (row-wise) weights: one scale per weight row and K group, N-major.
 CUTLASS_ROW_CONFIGS = (CutlassConfig(64), CutlassConfig(128))
-# The tile height of the one kernel whose quantize-and-GEMM call (CutlassCall.with_quantization) may
-# launch the GEMM with programmatic dependent launch (CutlassCall's `pdl`): the ping-pong kernel's
-# CTAs are placed while the quantization runs and wait in griddepcontrol.wait, in every producer
-# warp, before their first global access. The cooperative kernel (128-row tiles) runs plain: CUTLASS
-# 4.2's cooperative kernel does not wait in its scale-loading warp, so under PDL it read activation
-# scales before the quantization wrote them (different bits: 24576x1536 M=333, H100).
-PDL_TILE_M = 64
 
 
 def configs_for(granularity: str) -> tuple[CutlassConfig, ...]:
@@ -210,7 +203,7 @@ class _Library:
         self.lib = lib
         self.run, self.workspace, self.probe = {}, {}, {}
         self.prepare, self.run_prepared, self.quant_run_prepared, self.release = {}, {}, {}, {}
-        self.quant_run_prepared_pdl = {}
+        self.quant_run_prepared_pdl, self.pdl = {}, {}
         for granularity in ("block", "row"):
             for cfg, bias in ((c, b) for c in configs_for(granularity) for b in (False, True)):
                 sym = _symbol(cfg, bias, granularity)
@@ -235,6 +228,9 @@ class _Library:
                     fn.restype = ctypes.c_int
                     fn.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] + [ctypes.c_void_p] * 3
                                    + [ctypes.c_int] * 3 + [ctypes.c_void_p])
+                pdl = getattr(lib, f"{sym}_pdl")
+                pdl.restype = ctypes.c_int
+                pdl.argtypes = []
                 release = getattr(lib, f"{sym}_release")
                 release.restype = None
                 release.argtypes = [ctypes.c_void_p]
@@ -243,6 +239,7 @@ class _Library:
                 self.prepare[key], self.run_prepared[key], self.release[key] = prepare, run_prepared, release
                 self.quant_run_prepared[key] = quant_run_prepared
                 self.quant_run_prepared_pdl[key] = quant_run_prepared_pdl
+                self.pdl[key] = bool(pdl())
 
 
 @lru_cache(maxsize=1)
@@ -294,6 +291,16 @@ def one_call_available() -> bool:
     return not _several_gpus() and _plan_call() is not None
 
 
+def pdl_supported(config: CutlassConfig, bias: bool = False, granularity: str = "block") -> bool:
+    """Whether the built kernel running `config` may be launched with programmatic dependent launch
+    after the library's quantization (CutlassCall's `pdl`): its CTAs are placed while the quantization
+    runs and wait in griddepcontrol.wait, in every warp, before their first global access. The
+    data-parallel kernels, where the build made the cooperative kernel's scale-loading warp wait
+    (fp8linear.tools.cutlass_build.cooperative_overlay); never the stream-K kernel."""
+    lib = _library()
+    return lib is not None and lib.pdl.get((config.kernel, bias, granularity), False)
+
+
 def cutlass_available(device: torch.device) -> bool:
     """Whether CUTLASS GEMMs can run on `device`: a Hopper GPU and the library built for this source,
     its kernels loading there (decided once per GPU)."""
@@ -327,7 +334,7 @@ class CutlassCall:
     With `prepare` (for calls made many times: a plan's), a data-parallel config's kernel parameters
     are made once here (``_prepare`` in the C source: TMA descriptors encoded, scheduler set up), and
     a call only points them at its activations and output; otherwise, and for the stream-K kernel,
-    each call builds them (``_run``). With `pdl` (the ping-pong kernel only, :data:`PDL_TILE_M`),
+    each call builds them (``_run``). With `pdl` (a kernel built for it, :func:`pdl_supported`),
     :meth:`with_quantization`'s GEMM is launched with programmatic dependent launch."""
 
     __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape", "prepared",
@@ -340,12 +347,13 @@ class CutlassCall:
             raise RuntimeError(f"the CUTLASS kernels are not built ({library_path()}): run `fp8linear build-cutlass`")
         if not isinstance(config, CutlassConfig):
             raise TypeError(f"CutlassCall takes a CutlassConfig, got {type(config).__name__}")
-        if pdl and config.kernel != CutlassConfig(PDL_TILE_M):
-            raise ValueError(f"CutlassCall launches only the {CutlassConfig(PDL_TILE_M).name} kernel with PDL "
-                             f"(the others' loads do not all wait for the quantization), got {config.name}")
         if config.kernel not in configs_for(granularity):
             raise ValueError(f"no CUTLASS kernel {config.name} is built for {granularity!r} weights "
                              f"(built: {[c.name for c in configs_for(granularity)]})")
+        if pdl and not lib.pdl[(config.kernel, bias is not None, granularity)]:
+            built = sorted({c.name for (c, _, g), ok in lib.pdl.items() if ok and g == granularity})
+            raise ValueError(f"CutlassCall: the {config.name} kernel is not built to wait for the quantization in "
+                             f"every warp, so it cannot launch with PDL (built for PDL: {built}), got pdl=True")
         if type(m) is not int or m < 1:
             raise ValueError(f"CutlassCall takes a row count M >= 1 (an int), got {m!r}")
         if w_q.dim() != 2:

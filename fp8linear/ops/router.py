@@ -92,8 +92,8 @@ from .configs import (AMD_CU_COUNT, DEFAULT_CU_COUNT, GemmConfig, GemvConfig, Sp
                       device_arch, is_amd_arch, sm_count)
 from .cpu_native import GEMV_MAX_M as CPU_GEMV_MAX_M
 from .cublas_gemm import CublasConfig, cublas_accepts, cublas_device_ok
-from .cutlass_gemm import (CUTLASS_TILE_N, PDL_TILE_M, CutlassConfig, cutlass_accepts, cutlass_available,
-                           one_call_available)
+from .cutlass_gemm import (CUTLASS_TILE_N, CutlassConfig, cutlass_accepts, cutlass_available, one_call_available,
+                           pdl_supported)
 from .route_table import OPTIONAL_KERNELS, lookup_route
 from .ws_gemm import WsConfig, ws_device_ok
 
@@ -1008,7 +1008,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
             and cutlass_fits and granularity == "block" and use_library_quantization(m, k, out_dtype)
             and one_call_available()):
         cfg = eager_cutlass_config(device, m, n)
-        return Route("cutlass", cfg, pdl=_one_call_pdl() and cfg.tile_m == PDL_TILE_M)
+        return Route("cutlass", cfg, pdl=cfg.tile_m == 64 and _one_call_pdl() and pdl_supported(cfg, bias is not None))
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:

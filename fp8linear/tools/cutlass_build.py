@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,20 @@ from ..ops.cutlass_gemm import (BUILD_FLAGS, PLAN_CALL_MODULE, PLAN_CALL_SOURCE,
 _HEADERS = ("include/cutlass/cutlass.h", "include/cutlass/detail/blockwise_scale_layout.hpp",
             "tools/util/include/cutlass/util/packed_stride.hpp")
 
-__all__ = ["find_nvcc", "find_cutlass", "find_cxx", "compile_command", "link_command", "plan_call_command",
+# CUTLASS's Hopper cooperative kernel waits in griddepcontrol.wait (what a launch with programmatic
+# dependent launch needs) in its scheduler, mainloop and epilogue producer warps, but in CUTLASS 4.2
+# not in its scale-loading warp (MainloopAux), which then read activation scales before the
+# quantization wrote them (H100: different bits at 24576x1536 M=333). The ping-pong kernel's
+# scale-loading warp waits. The build compiles the cooperative kernel against a copy of its header
+# where that warp waits too (cooperative_overlay).
+COOPERATIVE_HEADER = "cutlass/gemm/kernel/sm90_gemm_tma_warpspecialized_cooperative.hpp"
+_AUX_BRANCH = re.compile(r"else if \(producer_warp_role == ProducerWarpRole::MainloopAux\) \{\s*"
+                         r"if constexpr \(IsMainloopAuxiliaryLoadNeeded\) \{")
+_WAIT = "cutlass::arch::wait_on_dependent_grids();"
+# What the source checks (an #error where missing) when it compiles with FP8L_COOPERATIVE_PDL=1.
+_OVERLAY_MARK = "#define FP8L_COOPERATIVE_AUX_WAITS 1\n"
+
+__all__ = ["COOPERATIVE_HEADER", "cooperative_overlay", "find_nvcc", "find_cutlass", "find_cxx", "compile_command", "link_command", "plan_call_command",
            "build_library", "build_plan_call", "add_arguments", "run"]
 
 
@@ -90,11 +104,41 @@ def find_cxx(explicit: str | None = None) -> str:
     raise FileNotFoundError(f"no C++ compiler found (tried {cands}); install g++ or pass --cxx")
 
 
-def compile_command(nvcc: str, cutlass: Path, symbol: str, macros: dict[str, int], out: Path) -> list[str]:
-    """The nvcc command that compiles one variant of the source into object `out`."""
+def cooperative_overlay(cutlass: Path, out: Path) -> Path | None:
+    """Write under folder `out` CUTLASS's cooperative kernel header (:data:`COOPERATIVE_HEADER`) with
+    its scale-loading warp waiting for the previous grid before its loop, as its other producer warps
+    do, and return `out`: the include folder that goes before CUTLASS's. Where the warp waits
+    already the copy is unchanged but for the mark the source checks. None where the header is
+    missing or its text not recognised (the cooperative kernel then builds without PDL)."""
+    try:
+        text = (cutlass / "include" / COOPERATIVE_HEADER).read_text()
+    except OSError:
+        return None
+    found = list(_AUX_BRANCH.finditer(text))
+    if len(found) != 1:
+        return None
+    end = found[0].end()
+    loop = text.find("while (", end)
+    if loop < 0:
+        return None
+    if _WAIT not in text[end:loop]:
+        text = f"{text[:end]}\n          {_WAIT}  // fp8linear: wait as the other producer warps do{text[end:]}"
+    target = out / COOPERATIVE_HEADER
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(_OVERLAY_MARK + text)
+    return out
+
+
+def compile_command(nvcc: str, cutlass: Path, symbol: str, macros: dict[str, int], out: Path,
+                    overlay: Path | None = None) -> list[str]:
+    """The nvcc command that compiles one variant of the source into object `out`; with `overlay`
+    (:func:`cooperative_overlay`'s folder) the cooperative kernel waits in every warp, and is built
+    for PDL launches."""
     defines = [f"-DFP8L_NAME={symbol}"] + [f"-D{k}={v}" for k, v in sorted(macros.items())]
-    return [nvcc, *BUILD_FLAGS, f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}",
-            *defines, "-c", str(SOURCE), "-o", str(out)]
+    defines.append(f"-DFP8L_COOPERATIVE_PDL={int(overlay is not None)}")
+    includes = [f"-I{overlay}"] if overlay is not None else []
+    includes += [f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
+    return [nvcc, *BUILD_FLAGS, *includes, *defines, "-c", str(SOURCE), "-o", str(out)]
 
 
 def link_command(nvcc: str, objects: list[Path], out: Path) -> list[str]:
@@ -139,8 +183,12 @@ def build_library(nvcc: str | None = None, cutlass: str | None = None, jobs: int
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
+        overlay = cooperative_overlay(cutlass_root, work / "include")
+        if overlay is None:
+            log(f"fp8linear build-cutlass: {COOPERATIVE_HEADER} not recognised under {cutlass_root}: "
+                "the cooperative kernel is built without PDL launches")
         objects = [work / f"{symbol}.o" for symbol, _ in variants()]
-        commands = [compile_command(nvcc_path, cutlass_root, symbol, macros, obj)
+        commands = [compile_command(nvcc_path, cutlass_root, symbol, macros, obj, overlay)
                     for (symbol, macros), obj in zip(variants(), objects)]
         workers = max(1, min(len(commands), jobs or os.cpu_count() or 1))
         log(f"fp8linear build-cutlass: compiling {len(commands)} objects with {workers} jobs "

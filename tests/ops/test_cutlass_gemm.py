@@ -120,6 +120,7 @@ class _FakeEntryPoints:
         self.quant_run_prepared = {key: (lambda *a: self.quantized.append(a) or self.quant_rc) for key in keys}
         self.quant_run_prepared_pdl = {key: (lambda *a: self.quantized.append(("pdl", *a)) or self.quant_rc)
                                        for key in keys}
+        self.pdl = {key: not key[0].stream_k for key in keys}  # a build with the cooperative header's wait
         self.release = {key: self.released.append for key in keys}
 
 
@@ -210,9 +211,9 @@ def test_cutlass_call_prepares_data_parallel_kernels(fake_gpu):
 def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     """with_quantization gives a prepared GEMM's one-call form: the prepared parameters, x's address
     and row length (K), the quantized buffers, the output, M, K, the device and the current stream go
-    to the C entry point, with `pdl` the one launching the GEMM with PDL (the ping-pong kernel only:
-    the cooperative kernel's scale loads do not wait for the quantization); none for unprepared
-    calls; a failed status is an error naming the GEMM."""
+    to the C entry point, with `pdl` the one launching the GEMM with PDL (the kernels the library says
+    are built for it: pdl_supported); none for unprepared calls; a failed status is an error naming
+    the GEMM."""
     fake, w, w_s = fake_gpu
     call = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64))
     fused = call.with_quantization()
@@ -224,9 +225,16 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     with_pdl(10, 11, 12, 13)
     assert fake.quantized[-1] == ("pdl", 4098, 10, 512, 11, 12, 13, 8, 512, 0, 77)
     del with_pdl
+    assert cutlass_gemm.pdl_supported(CutlassConfig(64)) and cutlass_gemm.pdl_supported(CutlassConfig(128))
+    fake.pdl[(CutlassConfig(128), False, "block")] = False  # a build that did not recognise CUTLASS's header
+    assert not cutlass_gemm.pdl_supported(CutlassConfig(128)) and cutlass_gemm.pdl_supported(CutlassConfig(128), True)
     for cfg in (CutlassConfig(128), CutlassConfig(128, stream_k=True), CutlassConfig(128, stream_k=True, splits=2)):
-        with pytest.raises(ValueError, match=f"only the p64x128 kernel with PDL.*got {cfg.name}"):
+        assert not cutlass_gemm.pdl_supported(cfg)
+        with pytest.raises(ValueError, match=rf"the {cfg.name} kernel is not built to wait.*\['c128x128', 'p64x128'\]"):
             cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg, pdl=True)
+    with_pdl = cutlass_gemm.CutlassCall(w, w_s, torch.zeros(256, dtype=BF16), 8, CutlassConfig(128), pdl=True)
+    assert with_pdl.quant_run_prepared is fake.quant_run_prepared_pdl[(CutlassConfig(128), True, "block")]
+    del with_pdl
     fake.quantized = fake.quantized[:1]
     fake.released.clear()
     fake.quant_rc = 3001
@@ -626,17 +634,21 @@ def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypa
 @pytest.mark.parametrize("m,n,k", [(2, 576, 2112), (16, 7168, 2048), (96, 2112, 7168), (333, 24576, 1536),
                                    (512, 1536, 7168)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias):
-    """The ping-pong kernel's GEMM launched with PDL after the library's quantization (Route.pdl) gives
-    the bits of the plain launch and of run_linear_route, on 30 inputs each written by the kernel
-    launched just before (the GEMM must wait for the quantization, which waits for that kernel)."""
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias, tile_m):
+    """Each data-parallel kernel's GEMM launched with PDL after the library's quantization (Route.pdl)
+    gives the bits of the plain launch and of run_linear_route, on 30 inputs each written by the
+    kernel launched just before (the GEMM must wait for the quantization, which waits for that
+    kernel; the cooperative kernel's scale-loading warp waits only in the build's copy of its header)."""
     from fp8linear.ops.linear import LinearPlan, run_linear_route
     from fp8linear.ops.router import Route
 
+    cfg = CutlassConfig(tile_m)
+    assert cutlass_gemm.pdl_supported(cfg, bias)
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     _, _, w_q, w_s, b = _operands(m, n, k, bias, gen)
     base = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
-    pdl, plain = (LinearPlan(Route("cutlass", CutlassConfig(64), pdl=flag), base, w_q, w_s, "block", b, None)
+    pdl, plain = (LinearPlan(Route("cutlass", cfg, pdl=flag), base, w_q, w_s, "block", b, None)
                   for flag in (True, False))
     outs = []
     for i in range(30):
@@ -645,7 +657,7 @@ def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias):
     for x, y_pdl, y_plain in outs:
         assert same_bits(y_pdl, y_plain)
     x, y_pdl, _ = outs[-1]
-    assert same_bits(y_pdl, run_linear_route(Route("cutlass", CutlassConfig(64)), x, w_q, w_s, "block", b))
+    assert same_bits(y_pdl, run_linear_route(Route("cutlass", cfg), x, w_q, w_s, "block", b))
 
 
 def test_library_quantization_rule():

@@ -97,6 +97,66 @@ def test_a_failed_compile_leaves_no_library(toolchain, monkeypatch):
     assert not cutlass_gemm.library_path().exists() and list(folder.iterdir()) == []
 
 
+# The cooperative kernel header's producer branches as CUTLASS 4.2 writes them (abridged): the
+# scale-loading warp's branch has no wait before its loop.
+_COOPERATIVE = """#pragma once
+      if (producer_warp_role == ProducerWarpRole::Mainloop) {
+        cutlass::arch::wait_on_dependent_grids();
+        while (work_tile_info.is_valid()) {
+        }
+      }
+      else if (producer_warp_role == ProducerWarpRole::MainloopAux) {
+        if constexpr (IsMainloopAuxiliaryLoadNeeded) {
+          while (work_tile_info.is_valid()) {
+            collective_mainloop.load_auxiliary();
+          }
+        }
+      }
+"""
+
+
+def test_the_cooperative_header_copy_waits_in_the_scale_loading_warp(tmp_path):
+    root = tmp_path / "cutlass"
+    header = root / "include" / cutlass_build.COOPERATIVE_HEADER
+    assert cutlass_build.cooperative_overlay(root, tmp_path / "a") is None  # no header: no copy
+    header.parent.mkdir(parents=True)
+    header.write_text(_COOPERATIVE)
+    out = cutlass_build.cooperative_overlay(root, tmp_path / "b")
+    text = (out / cutlass_build.COOPERATIVE_HEADER).read_text()
+    assert text.startswith("#define FP8L_COOPERATIVE_AUX_WAITS 1\n") and text.count("wait_on_dependent_grids") == 2
+    aux = text[text.index("MainloopAux"):]
+    assert aux.index("wait_on_dependent_grids") < aux.index("while (") < aux.index("load_auxiliary")
+    assert text.replace("          cutlass::arch::wait_on_dependent_grids();  // fp8linear: wait as the other "
+                        "producer warps do\n", "") == "#define FP8L_COOPERATIVE_AUX_WAITS 1\n" + _COOPERATIVE
+    header.write_text(text)  # a CUTLASS whose warp waits already: copied with the mark only
+    again = cutlass_build.cooperative_overlay(root, tmp_path / "c") / cutlass_build.COOPERATIVE_HEADER
+    assert again.read_text() == cutlass_build._OVERLAY_MARK + text
+    header.write_text(_COOPERATIVE.replace("MainloopAux", "AuxLoad"))  # a layout not recognised
+    assert cutlass_build.cooperative_overlay(root, tmp_path / "d") is None
+
+
+def test_the_build_compiles_against_the_header_copy_where_it_applies(toolchain):
+    nvcc, cutlass, tmp_path = toolchain
+    lines = []
+    cutlass_build.build_library(str(nvcc), str(cutlass), jobs=2, log=lines.append)
+    calls = (tmp_path / "nvcc.log").read_text().splitlines()[:-1]  # the objects
+    assert all("-DFP8L_COOPERATIVE_PDL=0" in c for c in calls)
+    assert any("not recognised" in line and "without PDL" in line for line in lines)
+    header = cutlass / "include" / cutlass_build.COOPERATIVE_HEADER
+    header.parent.mkdir(parents=True)
+    header.write_text(_COOPERATIVE)
+    (tmp_path / "nvcc.log").unlink()
+    path = cutlass_build.build_library(str(nvcc), str(cutlass), jobs=2, force=True, log=lines.append)
+    calls = (tmp_path / "nvcc.log").read_text().splitlines()[:-1]
+    assert len(calls) == len(cutlass_gemm.variants())
+    for call in calls:
+        args = call.split()
+        first_include = next(a for a in args if a.startswith("-I"))
+        assert first_include.endswith("/include") and str(path.parent) in first_include  # the copy, first
+        assert args.index(first_include) < args.index(f"-I{cutlass / 'include'}") and "-DFP8L_COOPERATIVE_PDL=1" in args
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # the copy went with the build folder
+
+
 def test_plan_call_command_builds_a_torch_extension(toolchain):
     import sysconfig
 

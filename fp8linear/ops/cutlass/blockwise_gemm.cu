@@ -21,11 +21,21 @@
 // FP8L_ROW (0: 128x128 weight scales; 1: 1x128 weight scales) and FP8L_TILE_N (the tile's width,
 // 128 unless a probe build asks another; CUTLASS needs a multiple of the weight scales' N
 // granularity: 128 for 128x128 weight scales).
-// The data-parallel kernels wait in griddepcontrol.wait before their first global access, what a
-// launch with programmatic dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
-// launch). CUTLASS's stream-K scheduler does not compile with it, and runs no prepared call.
-#if !FP8L_STREAMK
+// FP8L_PDL: the kernel waits in griddepcontrol.wait, in every warp, before its first global access,
+// what a launch with programmatic dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
+// launch). The ping-pong kernel does in CUTLASS's own header. The cooperative kernel's scale-loading
+// warp (MainloopAux) does not in CUTLASS 4.2: it does with FP8L_COOPERATIVE_PDL=1, which the build
+// passes with the include folder of its copy of that header where the warp waits
+// (fp8linear/tools/cutlass_build.py, cooperative_overlay). CUTLASS's stream-K scheduler does not
+// compile with the wait, and runs no prepared call.
+#ifndef FP8L_COOPERATIVE_PDL
+#define FP8L_COOPERATIVE_PDL 0
+#endif
+#if !FP8L_STREAMK && (FP8L_TILE_M == 64 || FP8L_COOPERATIVE_PDL)
+#define FP8L_PDL 1
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
+#else
+#define FP8L_PDL 0
 #endif
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -109,6 +119,15 @@ static fp8l_replace_fn fp8l_replace_entry() {
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cutlass/arch/grid_dependency_control.h"
+
+// The waits compile to nothing where CUTLASS does not enable them; a PDL launch would then race.
+#if FP8L_PDL && defined(__CUDA_ARCH__) && !defined(CUTLASS_GDC_ENABLED)
+#error "FP8L_PDL: CUTLASS did not enable griddepcontrol for this architecture (CUTLASS_GDC_ENABLED)"
+#endif
+#if FP8L_PDL && FP8L_TILE_M != 64 && !defined(FP8L_COOPERATIVE_AUX_WAITS)
+#error "FP8L_COOPERATIVE_PDL=1 needs the build's copy of the cooperative kernel header first on the include path"
+#endif
 
 // One namespace per variant (its symbol prefix): the objects are linked into one library, and the
 // kernel's name (cutlass::device_kernel<GemmKernel>) must differ between them. (`using namespace
@@ -358,6 +377,9 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _can_implement)(int m, int n, int k) {
                                                              m, n, k, 0, 1, 1)));
 }
 
+// 1 where this kernel may be launched with PDL after the quantization (_quant_run_prepared_pdl), else 0.
+extern "C" int FP8L_JOIN(FP8L_NAME, _pdl)() { return FP8L_PDL; }
+
 // 0 where the current device can run this kernel (its code loads: driver, architecture), else
 // the cudaError_t of the attempt. Enqueues nothing.
 extern "C" int FP8L_JOIN(FP8L_NAME, _probe)() {
@@ -470,6 +492,7 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared)(const void* prepared, c
 extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared_pdl)(const void* prepared, const void* x, long long x_stride,
                                                              void* q, void* s, void* y, int m, int k, int device,
                                                              cudaStream_t stream) {
+  if (!FP8L_PDL) return static_cast<int>(cutlass::Status::kErrorNotSupported);  // its loads would not wait
   if (int rc = launch_act_quant(x, x_stride, q, s, m, k, stream)) return rc;
   return run_prepared(prepared, q, s, y, device, stream, true);
 }
