@@ -696,12 +696,12 @@ def _pdl_requested() -> bool:
     return value == "1"
 
 
-def _one_call_pdl() -> bool:
-    """Whether the one-call CUTLASS route launches its ping-pong GEMM with PDL: unless
-    ``FP8LINEAR_PDL=0`` (it is measured faster there, EAGER_ONE_CALL_MIN_M; the Triton decode
-    kernels' PDL stays opt-in)."""
+def _eager_cutlass_pdl(cfg: CutlassConfig, bias: torch.Tensor | None) -> bool:
+    """Whether an eager CUTLASS plan whose library call quantizes the input launches the GEMM with
+    PDL (EAGER_CUTLASS_PDL): where the kernel is built for it, unless ``FP8LINEAR_PDL=0`` (the
+    Triton decode kernels' PDL stays opt-in)."""
     _pdl_requested()  # a value other than 0, 1 or unset is an error here too
-    return os.environ.get(PDL_ENV, "") != "0"
+    return os.environ.get(PDL_ENV, "") != "0" and pdl_supported(cfg, bias is not None)
 
 
 def use_pdl(device: torch.device, m: int) -> bool:
@@ -1008,7 +1008,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
             and cutlass_fits and granularity == "block" and use_library_quantization(m, k, out_dtype)
             and one_call_available()):
         cfg = eager_cutlass_config(device, m, n)
-        return Route("cutlass", cfg, pdl=cfg.tile_m == 64 and _one_call_pdl() and pdl_supported(cfg, bias is not None))
+        return Route("cutlass", cfg, pdl=_eager_cutlass_pdl(cfg, bias))
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:
@@ -1025,7 +1025,9 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
     if eager and m > SMALL_M_MAX and cutlass_ok and granularity == "block" and (  # measured on 128x128 weights
             route.kernel == "tiled" and not _table_tiled(device, m, n, k, granularity)
             or route.kernel == "cublas" and eager_cutlass_over_cublas(device, m, n, k)):
-        return Route("cutlass", eager_cutlass_config(device, m, n))
+        cfg = eager_cutlass_config(device, m, n)
+        pdl = cfg.tile_m == 128 and use_library_quantization(m, k, out_dtype) and _eager_cutlass_pdl(cfg, bias)
+        return Route("cutlass", cfg, pdl=pdl)
     if eager:  # eager plans keep the tiled kernel's prepared launch (see WS_MIN_M)
         return route
     return _ws_in_place_of_tiled(route, device, m, n, k, granularity, ws_operands_ok)

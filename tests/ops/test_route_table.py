@@ -349,6 +349,8 @@ def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, 
     monkeypatch.setattr(router, "sm_count", lambda device: 132)
     one_call = [True]
     monkeypatch.setattr(router, "one_call_available", lambda: one_call[0])
+    built_for_pdl = [True]
+    monkeypatch.setattr(router, "pdl_supported", lambda cfg, bias=False: built_for_pdl[0])
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     assert m * n * k < router.EAGER_CUTLASS_MIN_MNK and m * k <= router.LIB_QUANT_MAX_ELEMENTS
 
@@ -357,7 +359,10 @@ def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, 
                                    weight_contiguous=dense)
 
     cfg = router.eager_cutlass_config(CPU, m, n)
-    assert route() == router.Route("cutlass", cfg, pdl=cfg == CutlassConfig(64))
+    assert route() == router.Route("cutlass", cfg, pdl=True)
+    built_for_pdl[0] = False  # a kernel the build did not make to wait in every warp: launched plain
+    assert route() == router.Route("cutlass", cfg)
+    built_for_pdl[0] = True
     for other in (route(eager=False), route(granularity="row"), route(out=torch.float16), route(dense=False)):
         assert other.kernel != "cutlass", other
     for name, value in (("EAGER_ONE_CALL_MIN_M", m + 1),  # fewer rows than the rule's
@@ -379,17 +384,25 @@ def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, 
         route()
 
 
-def test_the_one_call_rule_launches_only_the_ping_pong_kernel_with_pdl(monkeypatch):
+def test_the_one_call_rule_launches_the_cooperative_kernel_with_pdl_where_it_is_built_for_it(monkeypatch):
     """Where eager_cutlass_config picks the cooperative kernel (its tiles overflow a wave), the one-call
-    route runs it plain: its scale loads do not wait for the quantization."""
+    route launches it with PDL where the build made its scale-loading warp wait (pdl_supported, asked
+    with the bias it runs), else plain."""
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
     monkeypatch.setattr(router, "sm_count", lambda device: 132)
     monkeypatch.setattr(router, "one_call_available", lambda: True)
+    asked = []
+    monkeypatch.setattr(router, "pdl_supported", lambda cfg, bias=False: asked.append((cfg, bias)) or cfg.tile_m == 64)
     m, n, k = 96, 24576, 1536  # 2 x 192 64-row tiles: more than a wave
     assert m * n * k < router.EAGER_CUTLASS_MIN_MNK
+    bias = torch.zeros(n, dtype=torch.bfloat16)
+    got = router.route_linear(CPU, m, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, bias, True, True,
+                              eager=True, weight_contiguous=True)
+    assert got == router.Route("cutlass", CutlassConfig(128), pdl=False) and asked == [(CutlassConfig(128), True)]
+    monkeypatch.setattr(router, "pdl_supported", lambda cfg, bias=False: True)
     got = router.route_linear(CPU, m, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None, True, True,
                               eager=True, weight_contiguous=True)
-    assert got == router.Route("cutlass", CutlassConfig(128), pdl=False)
+    assert got == router.Route("cutlass", CutlassConfig(128), pdl=True)
     # up to 64 rows both kernels make the same 192 tiles, the 64-row ones without empty rows
     assert router.eager_cutlass_config(CPU, 64, n) == CutlassConfig(64)
     assert router.eager_cutlass_config(CPU, 65, n) == CutlassConfig(128)
@@ -422,8 +435,15 @@ def test_eager_calls_run_cutlass_in_place_of_cublas_where_its_tiles_fill_their_w
                                    weight_contiguous=True)
 
     assert router.eager_cutlass_over_cublas(CPU, m, n, k) is replaced
-    assert route() == (router.Route("cutlass", router.eager_cutlass_config(CPU, m, n)) if replaced
-                       else router.Route("cublas"))
+    cfg = router.eager_cutlass_config(CPU, m, n)
+    assert route() == (router.Route("cutlass", cfg) if replaced else router.Route("cublas"))  # not built for PDL
+    monkeypatch.setattr(router, "pdl_supported", lambda cfg, bias=False: True)
+    # the cooperative kernel's GEMM with PDL where the library quantizes the input (one call)
+    pdl = cfg.tile_m == 128 and m * k <= router.LIB_QUANT_MAX_ELEMENTS
+    assert route() == (router.Route("cutlass", cfg, pdl=pdl) if replaced else router.Route("cublas"))
+    monkeypatch.setenv("FP8LINEAR_PDL", "0")
+    assert route() == (router.Route("cutlass", cfg) if replaced else router.Route("cublas"))
+    monkeypatch.delenv("FP8LINEAR_PDL")
     assert route(eager=False).kernel == "cublas"
     assert route(granularity="row").kernel == "cublas"
     monkeypatch.setattr(router, "cutlass_available", lambda device: False)
