@@ -4,8 +4,8 @@ allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its GEMM's programmatic depen
 interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
 one-call rule), ``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and
 ``p64-pdl``/``c128-pdl`` (the same routes with ``Route.pdl``, the library's quantize-and-GEMM call
-launching the GEMM with PDL, for the kernels the build made for it). Before timing, PDL and plain launches of each kernel must
-give the same bits on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
+launching the GEMM with PDL, for the kernels the build made for it). Before timing, PDL and plain
+launches of each kernel must give the same bits on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
 ``fp8linear build-cutlass`` (the plan-call module included).
 
     python benchmarks/eager_one_call_ab.py [--m 16 64 96 256 333 512] [--shapes 2112x7168 7168x2048]

@@ -34,7 +34,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   place of cuBLAS where its tiles fill their waves (:func:`eager_cutlass_over_cublas`); below that
   cut, from EAGER_ONE_CALL_MIN_M rows and on weights below EAGER_ONE_CALL_MAX_WEIGHT elements,
   wherever the whole eager call is one host call (the library quantizes, the plan-call module
-  allocates): :func:`eager_cutlass_config`'s kernel, the ping-pong one's GEMM with PDL unless
+  allocates): :func:`eager_cutlass_config`'s kernel. Where the library quantizes the input, both
+  launch the GEMM with PDL on weights below EAGER_CUTLASS_PDL_MAX_WEIGHT elements, unless
   ``FP8LINEAR_PDL=0``;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture) where the one-call CUTLASS rule above does not apply (CUTLASS or
@@ -115,6 +116,7 @@ __all__ = [
     "CUBLAS_ROW_FORM_MAX_TILES_PER_SM",
     "EAGER_CUBLAS_MIN_MNK",
     "EAGER_CUTLASS_MIN_MNK",
+    "EAGER_CUTLASS_PDL_MAX_WEIGHT",
     "EAGER_ONE_CALL_MAX_WEIGHT",
     "EAGER_ONE_CALL_MIN_M",
     "EAGER_CUTLASS_MIN_WAVE_FILL",
@@ -464,10 +466,8 @@ LIB_QUANT_MAX_ELEMENTS = 1 << 22
 # time sets the pace) run CUTLASS (eager_cutlass_config) wherever the whole call is one host call:
 # the library quantizes the input (use_library_quantization) and the plan-call module allocates
 # (fp8linear.ops.cutlass_gemm.one_call_available). One C++ call costs less host time than
-# act_quant's and our GEMM's Triton launches, or the one-launch decode kernel's launch; the
-# ping-pong kernel's GEMM is launched with PDL (Route.pdl, unless FP8LINEAR_PDL=0: eager wall
-# 0.88-1.02x plain in the rule's range, geomean 0.945 over 25 cases; above it, GPU-bound, up to
-# 1.22x: 7168x18432 M=96 75.5 against 61.7 us). H100,
+# act_quant's and our GEMM's Triton launches, or the one-launch decode kernel's launch; the GEMM is
+# launched with PDL (EAGER_CUTLASS_PDL_MAX_WEIGHT). H100,
 # benchmarks/eager_one_call_ab.py, eager wall time with / without this rule, 6 DeepSeek-V3 shapes:
 # M 96-512 0.64-0.88 where it changes the route (2112x7168 M=333 27.6 against 41.7 us, 1536x7168
 # M=512 27.7 against 43.6); M 2-64, the decode kernel's range: the ping-pong kernel forced 0.76-0.96
@@ -480,6 +480,17 @@ EAGER_ONE_CALL_MIN_M = 2
 # 1.14-1.16x the route before, 65.8 against 57.3 us; 7168x18432 M 2-16 0.94-0.98x; 24576x1536,
 # 38M elements, 0.54-0.87x).
 EAGER_ONE_CALL_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
+# Eager CUTLASS plans whose library call quantizes the input (use_library_quantization: the one-call
+# rule, and the eager routes from EAGER_CUTLASS_MIN_MNK) launch the GEMM with programmatic dependent
+# launch on weights below this many elements, unless FP8LINEAR_PDL=0: its CTAs are placed while the
+# quantization runs. H100, benchmarks/eager_one_call_ab.py, eager wall with / without PDL, same
+# kernel, M 96-512: weights up to 38M elements (6 shapes, N, K <= 24576, 7168) 0.90-0.99x with the
+# cooperative kernel (geomean 0.941 over 30 cases; 2112x7168 M=512 30.9 against 33.2 us) and
+# 0.90-1.01x with the ping-pong kernel where eager_cutlass_config runs it (its tiles in one wave;
+# 0.88-1.02x, geomean 0.945, over 25 cases of the one-call rule in another run); on weights of
+# 117M-132M (7168x16384, 7168x18432, 18432x7168), GPU-bound, 0.89-0.97x at M 32-96 but 1.06-1.22x at
+# M 160-227 (cooperative), up to 1.29x (ping-pong).
+EAGER_CUTLASS_PDL_MAX_WEIGHT = EAGER_ONE_CALL_MAX_WEIGHT
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -696,12 +707,13 @@ def _pdl_requested() -> bool:
     return value == "1"
 
 
-def _eager_cutlass_pdl(cfg: CutlassConfig, bias: torch.Tensor | None) -> bool:
+def _eager_cutlass_pdl(cfg: CutlassConfig, n: int, k: int, bias: torch.Tensor | None) -> bool:
     """Whether an eager CUTLASS plan whose library call quantizes the input launches the GEMM with
-    PDL (EAGER_CUTLASS_PDL): where the kernel is built for it, unless ``FP8LINEAR_PDL=0`` (the
-    Triton decode kernels' PDL stays opt-in)."""
+    PDL: weights below EAGER_CUTLASS_PDL_MAX_WEIGHT elements, the kernel built for it, unless
+    ``FP8LINEAR_PDL=0`` (the Triton decode kernels' PDL stays opt-in)."""
     _pdl_requested()  # a value other than 0, 1 or unset is an error here too
-    return os.environ.get(PDL_ENV, "") != "0" and pdl_supported(cfg, bias is not None)
+    return (n * k < EAGER_CUTLASS_PDL_MAX_WEIGHT and os.environ.get(PDL_ENV, "") != "0"
+            and pdl_supported(cfg, bias is not None))
 
 
 def use_pdl(device: torch.device, m: int) -> bool:
@@ -1008,7 +1020,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
             and cutlass_fits and granularity == "block" and use_library_quantization(m, k, out_dtype)
             and one_call_available()):
         cfg = eager_cutlass_config(device, m, n)
-        return Route("cutlass", cfg, pdl=_eager_cutlass_pdl(cfg, bias))
+        return Route("cutlass", cfg, pdl=_eager_cutlass_pdl(cfg, n, k, bias))
     pdl = use_pdl(device, m)
     one_launch = eager and n * k < ONE_LAUNCH_MAX_WEIGHT and not pdl and _one_launch_decode_ok(device)
     if one_launch and 1 <= m <= SMALL_M_MAX:
@@ -1026,7 +1038,7 @@ def route_linear(device: torch.device, m: int, n: int, k: int, granularity: str,
             route.kernel == "tiled" and not _table_tiled(device, m, n, k, granularity)
             or route.kernel == "cublas" and eager_cutlass_over_cublas(device, m, n, k)):
         cfg = eager_cutlass_config(device, m, n)
-        pdl = cfg.tile_m == 128 and use_library_quantization(m, k, out_dtype) and _eager_cutlass_pdl(cfg, bias)
+        pdl = use_library_quantization(m, k, out_dtype) and _eager_cutlass_pdl(cfg, n, k, bias)
         return Route("cutlass", cfg, pdl=pdl)
     if eager:  # eager plans keep the tiled kernel's prepared launch (see WS_MIN_M)
         return route

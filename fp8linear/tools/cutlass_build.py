@@ -51,7 +51,8 @@ _WAIT = "cutlass::arch::wait_on_dependent_grids();"
 # What the source checks (an #error where missing) when it compiles with FP8L_COOPERATIVE_PDL=1.
 _OVERLAY_MARK = "#define FP8L_COOPERATIVE_AUX_WAITS 1\n"
 
-__all__ = ["COOPERATIVE_HEADER", "cooperative_overlay", "find_nvcc", "find_cutlass", "find_cxx", "compile_command", "link_command", "plan_call_command",
+__all__ = ["COOPERATIVE_HEADER", "cooperative_overlay", "find_nvcc", "find_cutlass", "find_cxx", "compile_command",
+           "link_command", "plan_call_command",
            "build_library", "build_plan_call", "add_arguments", "run"]
 
 

@@ -363,17 +363,22 @@ def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, 
     built_for_pdl[0] = False  # a kernel the build did not make to wait in every warp: launched plain
     assert route() == router.Route("cutlass", cfg)
     built_for_pdl[0] = True
+    with monkeypatch.context() as patch:
+        patch.setattr(router, "EAGER_CUTLASS_PDL_MAX_WEIGHT", n * k)
+        assert route() == router.Route("cutlass", cfg)
     for other in (route(eager=False), route(granularity="row"), route(out=torch.float16), route(dense=False)):
         assert other.kernel != "cutlass", other
     for name, value in (("EAGER_ONE_CALL_MIN_M", m + 1),  # fewer rows than the rule's
                         ("LIB_QUANT_MAX_ELEMENTS", m * k - 1),  # an input the library does not quantize
-                        ("EAGER_ONE_CALL_MAX_WEIGHT", n * k),  # large weights: the GPU sets the pace
-                        ("EAGER_CUTLASS_MIN_MNK", m * n * k)):  # from the cut on: the other eager rules
+                        ("EAGER_ONE_CALL_MAX_WEIGHT", n * k)):  # large weights: the GPU sets the pace
         with monkeypatch.context() as patch:
             patch.setattr(router, name, value)
-            assert not (route().kernel == "cutlass" and route().pdl), name
-            if name != "EAGER_CUTLASS_MIN_MNK":
-                assert route().kernel != "cutlass", name
+            assert route().kernel != "cutlass", name
+    with monkeypatch.context() as patch:  # from the cut on: the other eager rules (CUTLASS where tiled ran)
+        patch.setattr(router, "EAGER_CUTLASS_MIN_MNK", m * n * k)
+        with_rule = route()
+        patch.setattr(router, "EAGER_ONE_CALL_MIN_M", 1 << 62)
+        assert route() == with_rule
     one_call[0] = False
     assert route().kernel != "cutlass"
     one_call[0] = True
@@ -438,9 +443,12 @@ def test_eager_calls_run_cutlass_in_place_of_cublas_where_its_tiles_fill_their_w
     cfg = router.eager_cutlass_config(CPU, m, n)
     assert route() == (router.Route("cutlass", cfg) if replaced else router.Route("cublas"))  # not built for PDL
     monkeypatch.setattr(router, "pdl_supported", lambda cfg, bias=False: True)
-    # the cooperative kernel's GEMM with PDL where the library quantizes the input (one call)
-    pdl = cfg.tile_m == 128 and m * k <= router.LIB_QUANT_MAX_ELEMENTS
+    # the GEMM with PDL where the library quantizes the input (one call) and the weight is below the cut
+    pdl = m * k <= router.LIB_QUANT_MAX_ELEMENTS and n * k < router.EAGER_CUTLASS_PDL_MAX_WEIGHT
     assert route() == (router.Route("cutlass", cfg, pdl=pdl) if replaced else router.Route("cublas"))
+    with monkeypatch.context() as patch:
+        patch.setattr(router, "EAGER_CUTLASS_PDL_MAX_WEIGHT", n * k)  # GPU-bound weights: launched plain
+        assert route() == (router.Route("cutlass", cfg) if replaced else router.Route("cublas"))
     monkeypatch.setenv("FP8LINEAR_PDL", "0")
     assert route() == (router.Route("cutlass", cfg) if replaced else router.Route("cublas"))
     monkeypatch.delenv("FP8LINEAR_PDL")
