@@ -276,6 +276,10 @@ __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfl
   // CTAs set up (barriers, TMA descriptor prefetch) and then wait in griddepcontrol.wait until this
   // grid has completed and its writes are visible. A no-op where nothing follows with PDL.
   asm volatile("griddepcontrol.launch_dependents;");
+  // Launched with PDL itself (launch_act_quant's `pdl`), this grid may be placed while the kernel
+  // before it still runs: x is read only once that kernel has completed and its writes are visible.
+  // A no-op in a plain launch.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   // m * groups < 2**31 (launch_act_quant checks): 32-bit indices, and 32-bit divisions below
   const int first =
       static_cast<int>((static_cast<long long>(blockIdx.x) * kQuantThreads + threadIdx.x) / 16) * kGroupsPerHalfWarp;
@@ -347,17 +351,35 @@ __global__ void __launch_bounds__(kQuantThreads) act_quant_kernel(const __nv_bfl
   }
 }
 
-// 0, else 3000 + the cudaError_t of the launch.
-inline int launch_act_quant(const void* x, long long x_stride, void* q, void* s, int m, int k, cudaStream_t stream) {
+// 0, else 3000 + the cudaError_t of the launch. With `pdl` the kernel is launched with programmatic
+// dependent launch after the stream's previous kernel (it waits for it before reading x).
+inline int launch_act_quant(const void* x, long long x_stride, void* q, void* s, int m, int k, cudaStream_t stream,
+                            bool pdl = false) {
   const int groups = (k + 127) / 128;
   const long long items = static_cast<long long>(m) * groups;
   if (items + kGroupsPerHalfWarp > (1ll << 31) - 1) return 3000 + static_cast<int>(cudaErrorInvalidValue);
   const long long threads = (items + kGroupsPerHalfWarp - 1) / kGroupsPerHalfWarp * 16;
   const unsigned blocks = static_cast<unsigned>((threads + kQuantThreads - 1) / kQuantThreads);
-  act_quant_kernel<<<blocks, kQuantThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                         static_cast<uint8_t*>(q), static_cast<float*>(s), m, k,
-                                                         groups, x_stride);
-  cudaError_t err = cudaGetLastError();
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* qb = static_cast<uint8_t*>(q);
+  auto* sf = static_cast<float*>(s);
+  cudaError_t err;
+  if (pdl) {
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(kQuantThreads);
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, act_quant_kernel, xb, qb, sf, m, k, groups, x_stride);
+  } else {
+    act_quant_kernel<<<blocks, kQuantThreads, 0, stream>>>(xb, qb, sf, m, k, groups, x_stride);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) cudaGetLastError();  // reported here, not to the caller's next launch check
   return err == cudaSuccess ? 0 : 3000 + static_cast<int>(err);
 }
 
@@ -486,13 +508,14 @@ extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared)(const void* prepared, c
   return run_prepared(prepared, q, s, y, device, stream, false);
 }
 
-// As _quant_run_prepared, the GEMM launched with programmatic dependent launch: its CTAs may be
-// placed while the quantization still runs (which releases them at its start), and wait for it
-// before reading q and s or writing y.
+// As _quant_run_prepared, both kernels launched with programmatic dependent launch: the
+// quantization's CTAs may be placed while the stream's previous kernel still runs, and wait for it
+// before reading x; the GEMM's while the quantization still runs (which releases them at its start),
+// and wait for it before reading q and s or writing y.
 extern "C" int FP8L_JOIN(FP8L_NAME, _quant_run_prepared_pdl)(const void* prepared, const void* x, long long x_stride,
                                                              void* q, void* s, void* y, int m, int k, int device,
                                                              cudaStream_t stream) {
   if (!FP8L_PDL) return static_cast<int>(cutlass::Status::kErrorNotSupported);  // its loads would not wait
-  if (int rc = launch_act_quant(x, x_stride, q, s, m, k, stream)) return rc;
+  if (int rc = launch_act_quant(x, x_stride, q, s, m, k, stream, true)) return rc;
   return run_prepared(prepared, q, s, y, device, stream, true);
 }
