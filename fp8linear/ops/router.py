@@ -481,15 +481,16 @@ EAGER_ONE_CALL_MIN_M = 2
 # 38M elements, 0.54-0.87x).
 EAGER_ONE_CALL_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # Eager CUTLASS plans whose library call quantizes the input (use_library_quantization: the one-call
-# rule, and the eager routes from EAGER_CUTLASS_MIN_MNK) launch the GEMM with programmatic dependent
-# launch on weights below this many elements, unless FP8LINEAR_PDL=0: its CTAs are placed while the
-# quantization runs. H100, benchmarks/eager_one_call_ab.py, eager wall with / without PDL, same
-# kernel, M 96-512: weights up to 38M elements (6 shapes, N, K <= 24576, 7168) 0.90-0.99x with the
-# cooperative kernel (geomean 0.941 over 30 cases; 2112x7168 M=512 30.9 against 33.2 us) and
-# 0.90-1.01x with the ping-pong kernel where eager_cutlass_config runs it (its tiles in one wave;
-# 0.88-1.02x, geomean 0.945, over 25 cases of the one-call rule in another run); on weights of
-# 117M-132M (7168x16384, 7168x18432, 18432x7168), GPU-bound, 0.89-0.97x at M 32-96 but 1.06-1.22x at
-# M 160-227 (cooperative), up to 1.29x (ping-pong).
+# rule, and the eager routes from EAGER_CUTLASS_MIN_MNK) launch both its kernels with programmatic
+# dependent launch on weights below this many elements, unless FP8LINEAR_PDL=0: the quantization's
+# CTAs are placed while the stream's previous kernel runs, the GEMM's while the quantization runs.
+# H100, benchmarks/eager_one_call_ab.py, eager wall with / without PDL, same kernel, weights up to 38M
+# elements (6 shapes, N, K <= 24576, 7168), M 96-512, 30 cases: the cooperative kernel 0.86-0.98x
+# (geomean 0.914; 2112x7168 M=512 29.0 against 31.6 us), the ping-pong kernel 0.89-0.92x where
+# eager_cutlass_config runs it (its tiles in one wave; geomean 0.963 with the multi-wave cases it
+# does not run, up to 1.08x). On weights of 117M-132M elements (7168x16384, 7168x18432, 18432x7168),
+# GPU-bound, with the GEMM alone under PDL: 0.89-0.97x at M 32-96 but 1.06-1.22x at M 160-227
+# (cooperative), up to 1.29x (ping-pong).
 EAGER_CUTLASS_PDL_MAX_WEIGHT = EAGER_ONE_CALL_MAX_WEIGHT
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
