@@ -341,8 +341,8 @@ def test_eager_calls_run_cutlass_in_place_of_our_tiled_kernel(monkeypatch, m, n,
 def test_host_bound_eager_calls_run_cutlass_in_one_host_call(monkeypatch, m, n, k):
     """Below EAGER_CUTLASS_MIN_MNK, from EAGER_ONE_CALL_MIN_M rows, an eager call of a 128x128 weight
     runs eager_cutlass_config's kernel where the library quantizes its input and the plan-call module
-    allocates (one host call), whatever the table or the one-launch decode kernel would run, the
-    ping-pong kernel's GEMM launched with PDL; one token, graph/compiled calls, 1x128 weights, fp16
+    allocates (one host call), whatever the table or the one-launch decode kernel would run, under PDL
+    where the kernel is built for it; one token, graph/compiled calls, 1x128 weights, fp16
     inputs, inputs above LIB_QUANT_MAX_ELEMENTS, GEMMs from the cut on, a strided weight and several
     GPUs or no plan-call module keep the route they had."""
     monkeypatch.setattr(router, "cutlass_available", lambda device: True)
