@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .backend import device_guard
 from .formats import GROUP_SIZE, SCALE_DTYPE, check_granularity, is_fp8_dtype, resolve_fp8_dtype
 from .ops import HAS_TRITON
 from .ops.cpu_linear import cpu_fp8_linear
@@ -50,13 +51,16 @@ def eager_or_traced(op: Callable[..., Any], launcher: Callable[..., Any]) -> Cal
 
     The custom op is what lets Dynamo trace and Inductor schedule our kernels, but going through
     the dispatcher costs 10-40 us of host time per call (measured: 41 us vs 4 us for a no-op on a
-    2-core CPU), which dominated eager decode. Both run the same launcher.
+    2-core CPU), which dominated eager decode. Both run the same launcher, with the first
+    argument's GPU current (:func:`fp8linear.backend.device_guard`: Triton launches on the current
+    device, not on its tensors' one).
     """
 
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return op(*args)
-        return launcher(*args)
+        with device_guard(args[0].device):
+            return launcher(*args)
 
     return call
 
@@ -82,7 +86,8 @@ if HAS_TRITON:
     def _act_quant_op(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         from .ops.quant import act_quant
 
-        return act_quant(x, fp8_dtype)
+        with device_guard(x.device):
+            return act_quant(x, fp8_dtype)
 
     @_act_quant_op.register_fake
     def _(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +110,9 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         from .ops.gemm import block_fp8_gemm
 
-        return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
-                              counters=counters)
+        with device_guard(x_q.device):
+            return block_fp8_gemm(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas=allow_cublas,
+                                  counters=counters)
 
     @_gemm_op.register_fake
     def _(x_q, x_s, w_q, w_s, granularity, out_dtype, bias, allow_cublas, counters):
@@ -119,7 +125,8 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         from .ops.linear import fp8_linear_tokens
 
-        return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas, counters)
+        with device_guard(x.device):
+            return fp8_linear_tokens(x, w_q, w_s, granularity, bias, allow_cublas, counters)
 
     @_linear_op.register_fake
     def _(x, w_q, w_s, granularity, bias, allow_cublas, counters):
@@ -161,10 +168,11 @@ if HAS_TRITON:
         bias: torch.Tensor | None,
         topk_weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        return grouped_fp8_gemm(
-            a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div,
-            granularity, out_dtype, bias, topk_weights,
-        )
+        with device_guard(a_q.device):
+            return grouped_fp8_gemm(
+                a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div,
+                granularity, out_dtype, bias, topk_weights,
+            )
 
     @_grouped_gemm_op.register_fake
     def _(a_q, a_s, w_q, w_s, sorted_pair_ids, block_expert, num_pairs, a_row_div, granularity, out_dtype,
@@ -173,7 +181,8 @@ if HAS_TRITON:
 
     @torch.library.custom_op("fp8linear::moe_align", mutates_args=())
     def _moe_align_op(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _moe_align_launcher(top_k_index, num_experts, block_m)
+        with device_guard(top_k_index.device):
+            return _moe_align_launcher(top_k_index, num_experts, block_m)
 
     @_moe_align_op.register_fake
     def _(top_k_index, num_experts, block_m):

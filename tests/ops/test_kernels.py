@@ -667,3 +667,56 @@ def test_hardware_rounding_gives_the_grid_bytes(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(quant, "interpreting", lambda: True)
     assert not quant.hardware_rounding(torch.float8_e4m3fn)
+
+
+def test_functional_ops_launch_with_their_inputs_device_current(monkeypatch):
+    """Triton launches on the current device: each public op's kernels run inside
+    device_guard(its first tensor's device), eagerly and through its custom op alike (the op
+    bodies run the launchers on real tensors, under torch.compile's graphs too)."""
+    from fp8linear import fp8_linear, functional, grouped_fp8_matmul
+
+    entered = []
+    real = functional.device_guard
+    monkeypatch.setattr(functional, "device_guard", lambda device: entered.append(device) or real(device))
+    dev = torch.device(KERNEL_DEVICE)
+    x = torch.randn(3, 256, device=dev)
+    w_q, w_s = quantize_weight(torch.randn(136, 256, device=dev), "block")
+    x_q, x_s = quantize_activation(x, backend="triton")
+    assert entered == [dev]
+    block_fp8_matmul(x_q, x_s, w_q, w_s, backend="triton")
+    fp8_linear(x, w_q, w_s, backend="triton")
+    assert entered == [dev] * 3
+    idx = torch.tensor([[0, 1], [1, 0], [0, 0]], device=dev)
+    grouped_fp8_matmul(x_q, x_s, torch.stack([w_q, w_q]), torch.stack([w_s, w_s]), idx, backend="triton")
+    assert len(entered) >= 4 and set(entered) == {dev}
+    entered.clear()
+    functional._act_quant_op(x, w_q.dtype)  # the custom op's body
+    functional._gemm_op(x_q, x_s, w_q, w_s, "block", torch.bfloat16, None, False, None)
+    functional._linear_op(x, w_q, w_s, "block", None, False, None)
+    assert entered == [dev] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("m", [1, 8, 333])
+def test_gpu_functional_ops_compute_on_their_inputs_gpu(m):
+    """Inputs on cuda:1 while cuda:0 is current give the bits the ops give with cuda:1 current."""
+    from fp8linear import fp8_linear, grouped_fp8_matmul
+
+    torch.cuda.set_device(0)
+    gen = torch.Generator(device="cuda:1").manual_seed(m)
+    x = torch.randn(m, 7168, generator=gen, device="cuda:1").to(torch.bfloat16)
+    w_q, w_s = quantize_weight(torch.randn(2112, 7168, generator=gen, device="cuda:1"), "block")
+    idx = torch.randint(0, 2, (m, 2), generator=gen, device="cuda:1")
+
+    def run():
+        x_q, x_s = quantize_activation(x)
+        return (x_q, x_s, block_fp8_matmul(x_q, x_s, w_q, w_s), fp8_linear(x, w_q, w_s),
+                grouped_fp8_matmul(x_q, x_s, torch.stack([w_q, w_q]), torch.stack([w_s, w_s]), idx))
+
+    with torch.cuda.device(1):
+        expect = run()
+    got = run()
+    assert torch.cuda.current_device() == 0
+    for a, b in zip(got, expect):
+        assert a.device == torch.device("cuda:1") and same_bits(a, b)
