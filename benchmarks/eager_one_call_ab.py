@@ -4,8 +4,8 @@ allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its GEMM's programmatic depen
 interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
 one-call rule), ``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and
 ``p64-pdl``/``c128-pdl`` (the same routes with ``Route.pdl``, the library's quantize-and-GEMM call
-launching the GEMM with PDL, for the kernels the build made for it). Before timing, PDL and plain
-launches of each kernel must give the same bits on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
+launching both its kernels with PDL, for the kernels the build made for it). Before timing, PDL and
+plain launches of each kernel must give the same bits (else it stops) on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
 ``fp8linear build-cutlass`` (the plan-call module included).
 
     python benchmarks/eager_one_call_ab.py [--m 16 64 96 256 333 512] [--shapes 2112x7168 7168x2048]
@@ -87,8 +87,8 @@ def main() -> None:
                         a = plain(xs[i % len(xs)] * 1.0)
                         b = layers[name](xs[i % len(xs)] * 1.0)
                         if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
-                            print(f"  {name} at {n}x{k} M={m}: bits differ from the plain launch (call {i})")
-                            break
+                            raise SystemExit(f"{name} at {n}x{k} M={m}: bits differ from the plain launch "
+                                             f"(call {i}): its kernels do not wait for what they read")
                 times = _burst_times({"bf16": lin, **layers}, xs, dev)
             routes = [next(iter(layers[nm]._plans.values())).route.kernel for nm in ("auto", "no-one-call")]
             auto_bf16.append(times["auto"][0] / times["bf16"][0])
@@ -101,6 +101,7 @@ def main() -> None:
             print(f"{n:>5d}x{k:<5d} M={m:<4d} {cells}  auto/bf16 {auto_bf16[-1]:.3f} "
                   f"auto/no-one-call {auto_old[-1]:.3f} {pdl_cells}  routes {','.join(routes)}", flush=True)
     pdl_cells = ", ".join(f"{nm} pdl/plain {statistics.geometric_mean(r):.3f}" for nm, r in pdl_plain.items())
+    pdl_cells = pdl_cells or "no kernel built for PDL"
     print(f"geomean over {len(auto_bf16)} cases: auto/bf16 {statistics.geometric_mean(auto_bf16):.3f}, "
           f"auto/no-one-call {statistics.geometric_mean(auto_old):.3f}, {pdl_cells}; auto slower than BF16 in "
           f"{sum(r > 1 for r in auto_bf16)}")

@@ -292,11 +292,18 @@ def one_call_available() -> bool:
 
 
 def pdl_supported(config: CutlassConfig, bias: bool = False, granularity: str = "block") -> bool:
-    """Whether the built kernel running `config` may be launched with programmatic dependent launch
-    after the library's quantization (CutlassCall's `pdl`): its CTAs are placed while the quantization
-    runs and wait in griddepcontrol.wait, in every warp, before their first global access. The
-    data-parallel kernels, where the build made the cooperative kernel's scale-loading warp wait
+    """Whether the built kernel running `config` (`bias`: its fused-bias variant) may be launched with
+    programmatic dependent launch after the library's quantization (CutlassCall's `pdl`): its CTAs are
+    placed while the quantization runs, and every producer warp waits in griddepcontrol.wait before its
+    first global access (the consumer warps read only what those warps loaded). The data-parallel
+    kernels, where the build made the cooperative kernel's scale-loading warp wait
     (fp8linear.tools.cutlass_build.cooperative_overlay); never the stream-K kernel."""
+    if not isinstance(config, CutlassConfig):
+        raise TypeError(f"pdl_supported takes a CutlassConfig, got {type(config).__name__}")
+    if not isinstance(bias, bool):
+        raise TypeError(f"pdl_supported takes bias as a bool (whether the kernel fuses one), got {type(bias).__name__}")
+    if granularity not in ("block", "row"):
+        raise ValueError(f"the CUTLASS kernels take 'block' or 'row' weights, got granularity {granularity!r}")
     lib = _library()
     return lib is not None and lib.pdl.get((config.kernel, bias, granularity), False)
 
@@ -335,7 +342,9 @@ class CutlassCall:
     are made once here (``_prepare`` in the C source: TMA descriptors encoded, scheduler set up), and
     a call only points them at its activations and output; otherwise, and for the stream-K kernel,
     each call builds them (``_run``). With `pdl` (a kernel built for it, :func:`pdl_supported`),
-    :meth:`with_quantization`'s GEMM is launched with programmatic dependent launch."""
+    :meth:`with_quantization`'s two kernels are launched with programmatic dependent launch: the
+    quantization after the stream's previous kernel (it waits for it before reading x), the GEMM
+    after the quantization."""
 
     __slots__ = ("run", "args", "held", "index", "several", "workspace_bytes", "config", "shape", "prepared",
                  "run_prepared", "quant_run_prepared", "release")
@@ -351,9 +360,12 @@ class CutlassCall:
             raise ValueError(f"no CUTLASS kernel {config.name} is built for {granularity!r} weights "
                              f"(built: {[c.name for c in configs_for(granularity)]})")
         if pdl and not lib.pdl[(config.kernel, bias is not None, granularity)]:
-            built = sorted({c.name for (c, _, g), ok in lib.pdl.items() if ok and g == granularity})
-            raise ValueError(f"CutlassCall: the {config.name} kernel is not built to wait for the quantization in "
-                             f"every warp, so it cannot launch with PDL (built for PDL: {built}), got pdl=True")
+            variant = "with" if bias is not None else "without"
+            built = sorted(c.name for (c, b, g), ok in lib.pdl.items()
+                           if ok and g == granularity and b == (bias is not None))
+            raise ValueError(f"CutlassCall: the {config.name} kernel {variant} bias is not built to wait for the "
+                             f"quantization in every producer warp, so it cannot launch with PDL (built for PDL "
+                             f"{variant} bias: {built}), got pdl=True")
         if type(m) is not int or m < 1:
             raise ValueError(f"CutlassCall takes a row count M >= 1 (an int), got {m!r}")
         if w_q.dim() != 2:

@@ -35,8 +35,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   cut, from EAGER_ONE_CALL_MIN_M rows and on weights below EAGER_ONE_CALL_MAX_WEIGHT elements,
   wherever the whole eager call is one host call (the library quantizes, the plan-call module
   allocates): :func:`eager_cutlass_config`'s kernel. Where the library quantizes the input, both
-  launch the GEMM with PDL on weights below EAGER_CUTLASS_PDL_MAX_WEIGHT elements, unless
-  ``FP8LINEAR_PDL=0``;
+  rules launch the library call's two kernels with PDL on weights below
+  EAGER_CUTLASS_PDL_MAX_WEIGHT elements, unless ``FP8LINEAR_PDL=0``;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture) where the one-call CUTLASS rule above does not apply (CUTLASS or
   its plan-call module not built, several GPUs visible, another GPU), a weight below
@@ -72,7 +72,9 @@ Grouped MoE GEMMs (:mod:`fp8linear.ops.grouped_gemm`) take their tiles from
 :func:`grouped_config`, by the average number of rows per expert, and their routing alignment
 method (one Triton program or torch ops) from :func:`align_on_kernel`.
 
-Programmatic dependent launch (:func:`use_pdl`, off unless ``FP8LINEAR_PDL=1``) is decided here too.
+Programmatic dependent launch is decided here too: for the Triton decode kernels (:func:`use_pdl`,
+off unless ``FP8LINEAR_PDL=1``) and for eager CUTLASS plans whose library call quantizes the input
+(on by default, EAGER_CUTLASS_PDL_MAX_WEIGHT).
 A :class:`Route` is a plain value: callers that run the same shape again (``Fp8BlockLinear``
 keeps one per input shape) decide once and reuse it, so no environment variable is read and no
 device is queried on their forward path.
@@ -466,8 +468,8 @@ LIB_QUANT_MAX_ELEMENTS = 1 << 22
 # time sets the pace) run CUTLASS (eager_cutlass_config) wherever the whole call is one host call:
 # the library quantizes the input (use_library_quantization) and the plan-call module allocates
 # (fp8linear.ops.cutlass_gemm.one_call_available). One C++ call costs less host time than
-# act_quant's and our GEMM's Triton launches, or the one-launch decode kernel's launch; the GEMM is
-# launched with PDL (EAGER_CUTLASS_PDL_MAX_WEIGHT). H100,
+# act_quant's and our GEMM's Triton launches, or the one-launch decode kernel's launch; its two
+# kernels are launched with PDL (EAGER_CUTLASS_PDL_MAX_WEIGHT). H100,
 # benchmarks/eager_one_call_ab.py, eager wall time with / without this rule, 6 DeepSeek-V3 shapes:
 # M 96-512 0.64-0.88 where it changes the route (2112x7168 M=333 27.6 against 41.7 us, 1536x7168
 # M=512 27.7 against 43.6); M 2-64, the decode kernel's range: the ping-pong kernel forced 0.76-0.96
@@ -490,7 +492,9 @@ EAGER_ONE_CALL_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # eager_cutlass_config runs it (its tiles in one wave; geomean 0.963 with the multi-wave cases it
 # does not run, up to 1.08x). On weights of 117M-132M elements (7168x16384, 7168x18432, 18432x7168),
 # GPU-bound, with the GEMM alone under PDL: 0.89-0.97x at M 32-96 but 1.06-1.22x at M 160-227
-# (cooperative), up to 1.29x (ping-pong).
+# (cooperative), up to 1.29x (ping-pong). At M 2-64 (the one-call rule's decode range) the GEMM
+# alone under PDL took 0.88-1.02x (geomean 0.945 over 25 cases of M 2-512); both kernels under PDL
+# are not timed there yet. The cut is EAGER_ONE_CALL_MAX_WEIGHT's, between the 38M and 117M measured.
 EAGER_CUTLASS_PDL_MAX_WEIGHT = EAGER_ONE_CALL_MAX_WEIGHT
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
@@ -681,7 +685,8 @@ def counters_fit(m: int, n: int, cfg: SplitKConfig) -> bool:
     return cfg.split_k == 1 or _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m) <= decode_tile_counters(n)
 
 
-# Programmatic dependent launch (fp8linear.ops.pdl) is opt-in: FP8LINEAR_PDL=1. Why it is off by
+# Programmatic dependent launch of the Triton decode kernels (fp8linear.ops.pdl) is opt-in:
+# FP8LINEAR_PDL=1 (the eager CUTLASS plans' is not: EAGER_CUTLASS_PDL_MAX_WEIGHT). Why it is off by
 # default (H100): benchmarks/pdl_ab.py (interleaved CUDA-graph A/B, 15 shapes x M 1-64) measured the
 # forward at 0.976x the time of plain launches (geometric mean; 0.985x summed; 0.95-0.97x on short K,
 # e.g. 4096x512 5.55 -> 5.45 us) and the GEMM alone at 0.979x (0.990x summed), but in two of five
@@ -709,8 +714,8 @@ def _pdl_requested() -> bool:
 
 
 def _eager_cutlass_pdl(cfg: CutlassConfig, n: int, k: int, bias: torch.Tensor | None) -> bool:
-    """Whether an eager CUTLASS plan whose library call quantizes the input launches the GEMM with
-    PDL: weights below EAGER_CUTLASS_PDL_MAX_WEIGHT elements, the kernel built for it, unless
+    """Whether an eager CUTLASS plan whose library call quantizes the input launches its two kernels
+    with PDL: weights below EAGER_CUTLASS_PDL_MAX_WEIGHT elements, the kernel built for it, unless
     ``FP8LINEAR_PDL=0`` (the Triton decode kernels' PDL stays opt-in)."""
     _pdl_requested()  # a value other than 0, 1 or unset is an error here too
     return (n * k < EAGER_CUTLASS_PDL_MAX_WEIGHT and os.environ.get(PDL_ENV, "") != "0"
@@ -749,8 +754,9 @@ class Route:
     """What runs one GEMM: the kernel (one of KERNELS), its launch config (cuBLAS: its workspace
     limit and scale form, None for the defaults; CUTLASS: which built kernel), and PDL flags.
 
-    ``pdl``: the GEMM is launched with programmatic dependent launch (CUTLASS: the GEMM of the
-    library's quantize-and-GEMM call, :class:`~fp8linear.ops.cutlass_gemm.CutlassCall`);
+    ``pdl``: the GEMM is launched with programmatic dependent launch (CUTLASS: both kernels of the
+    library's quantize-and-GEMM call, the quantization after the stream's previous kernel,
+    :class:`~fp8linear.ops.cutlass_gemm.CutlassCall`);
     ``release_early``: the activation quantization before it lets it be scheduled early
     (:mod:`fp8linear.ops.pdl`).
     """

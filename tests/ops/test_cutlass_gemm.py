@@ -231,8 +231,15 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     assert cutlass_gemm.pdl_supported(CutlassConfig(128), True)
     for cfg in (CutlassConfig(128), CutlassConfig(128, stream_k=True), CutlassConfig(128, stream_k=True, splits=2)):
         assert not cutlass_gemm.pdl_supported(cfg)
-        with pytest.raises(ValueError, match=rf"{cfg.name} kernel is not built to wait.*\['c128x128', 'p64x128'\]"):
+        with pytest.raises(ValueError, match=rf"{cfg.name} kernel without bias is not built to wait.*without bias: "
+                                             r"\['p64x128'\]"):
             cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg, pdl=True)
+    with pytest.raises(TypeError, match="takes a CutlassConfig, got str"):
+        cutlass_gemm.pdl_supported("c128x128")
+    with pytest.raises(TypeError, match="bias as a bool.*got Tensor"):
+        cutlass_gemm.pdl_supported(CutlassConfig(64), torch.zeros(256))
+    with pytest.raises(ValueError, match="'block' or 'row'.*'tensor'"):
+        cutlass_gemm.pdl_supported(CutlassConfig(64), False, "tensor")
     with_pdl = cutlass_gemm.CutlassCall(w, w_s, torch.zeros(256, dtype=BF16), 8, CutlassConfig(128), pdl=True)
     assert with_pdl.quant_run_prepared is fake.quant_run_prepared_pdl[(CutlassConfig(128), True, "block")]
     del with_pdl

@@ -21,8 +21,9 @@
 // FP8L_ROW (0: 128x128 weight scales; 1: 1x128 weight scales) and FP8L_TILE_N (the tile's width,
 // 128 unless a probe build asks another; CUTLASS needs a multiple of the weight scales' N
 // granularity: 128 for 128x128 weight scales).
-// FP8L_PDL: the kernel waits in griddepcontrol.wait, in every warp, before its first global access,
-// what a launch with programmatic dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
+// FP8L_PDL: every producer warp of the kernel waits in griddepcontrol.wait before its first global
+// access (the consumer warps read only what those warps loaded), what a launch with programmatic
+// dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
 // launch). The ping-pong kernel does in CUTLASS's own header. The cooperative kernel's scale-loading
 // warp (MainloopAux) does not in CUTLASS 4.2: it does with FP8L_COOPERATIVE_PDL=1, which the build
 // passes with the include folder of its copy of that header where the warp waits
