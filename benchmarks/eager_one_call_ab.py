@@ -1,12 +1,14 @@
 """Eager A/B of the one-host-call CUTLASS plan (the library quantizes the input, the plan-call module
-allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its GEMM's programmatic dependent launch
+allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its programmatic dependent launch
 (``cutlass_gemm.pdl_supported``): eager wall and host us per call, BF16 ``nn.Linear`` in the same
 interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
-one-call rule), ``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and
-``p64-pdl``/``c128-pdl`` (the same routes with ``Route.pdl``, the library's quantize-and-GEMM call
-launching both its kernels with PDL, for the kernels the build made for it). Before timing, PDL and
-plain launches of each kernel must give the same bits (else it stops) on 20 inputs each made by the kernel just before. Needs a Hopper GPU and
-``fp8linear build-cutlass`` (the plan-call module included).
+one-call rule), ``graph-<kernel>`` (the route a CUDA-graph call of that shape runs, launched
+eagerly: act_quant and our split-K, tiled or warp-specialized kernel, cuBLAS or CUTLASS),
+``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and ``p64-pdl``/``c128-pdl``
+(the same routes with ``Route.pdl``, the library's quantize-and-GEMM call launching both its kernels
+with PDL, for the kernels the build made for it). Before timing, PDL and plain launches of each
+kernel must give the same bits on 20 inputs each made by the kernel just before (else it stops).
+Needs a Hopper GPU and ``fp8linear build-cutlass`` (the plan-call module included).
 
     python benchmarks/eager_one_call_ab.py [--m 16 64 96 256 333 512] [--shapes 2112x7168 7168x2048]
 """
@@ -54,6 +56,10 @@ def _layers(lin: nn.Linear, x: torch.Tensor) -> dict[str, nn.Module]:
         layers["no-one-call"] = _forced_layer(lin, x, None)
     finally:
         router.EAGER_ONE_CALL_MIN_M = real_min_m
+    m, k = x.shape
+    graph = router.route_linear(x.device, m, lin.out_features, k, "block", torch.float8_e4m3fn, torch.bfloat16,
+                                None, True, True, eager=False, weight_contiguous=True)
+    layers[f"graph-{graph.kernel}"] = _route_layer(lin, x, graph)  # what CUDA graphs run, launched eagerly
     for name, tile in (("p64", 64), ("c128", 128)):
         layers[name] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile)))
         if pdl_supported(CutlassConfig(tile)):
