@@ -489,9 +489,10 @@ EAGER_ONE_CALL_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # H100, benchmarks/eager_one_call_ab.py, eager wall with / without PDL, same kernel, weights up to 38M
 # elements (6 shapes, N, K <= 24576, 7168), M 96-512, 30 cases: the cooperative kernel 0.87-0.99x
 # (geomean 0.914; 2112x7168 M=512 29.0 against 31.6 us), the ping-pong kernel 0.89-1.08x in the 18
-# cases where eager_cutlass_config runs it (geomean 0.926; above 1 only at 2112x7168 M=333). On weights of 117M-132M elements (7168x16384, 7168x18432, 18432x7168),
-# GPU-bound, with the GEMM alone under PDL: 0.89-0.97x at M 32-96 but 1.06-1.22x at M 160-227
-# (cooperative), up to 1.29x (ping-pong). At M 2-64 (the one-call rule's decode range) the GEMM
+# cases where eager_cutlass_config runs it (geomean 0.926; above 1 only at 2112x7168 M=333). On
+# weights of 117M-132M elements (7168x16384, 7168x18432, 18432x7168), GPU-bound, with the GEMM alone
+# under PDL: 0.89-0.97x at M 32-96 but 1.06-1.22x at M 160-227 (cooperative), up to 1.29x
+# (ping-pong). At M 2-64 (the one-call rule's decode range) the GEMM
 # alone under PDL took 0.88-1.02x (geomean 0.945 over 25 cases of M 2-512); both kernels under PDL
 # are not timed there yet. The cut is EAGER_ONE_CALL_MAX_WEIGHT's, between the 38M and 117M measured.
 EAGER_CUTLASS_PDL_MAX_WEIGHT = EAGER_ONE_CALL_MAX_WEIGHT

@@ -133,8 +133,8 @@ def cooperative_overlay(cutlass: Path, out: Path) -> Path | None:
 def compile_command(nvcc: str, cutlass: Path, symbol: str, macros: dict[str, int], out: Path,
                     overlay: Path | None = None) -> list[str]:
     """The nvcc command that compiles one variant of the source into object `out`; with `overlay`
-    (:func:`cooperative_overlay`'s folder) the cooperative kernel waits in every warp, and is built
-    for PDL launches."""
+    (:func:`cooperative_overlay`'s folder) the cooperative kernel waits in every producer warp, and
+    is built for PDL launches."""
     defines = [f"-DFP8L_NAME={symbol}"] + [f"-D{k}={v}" for k, v in sorted(macros.items())]
     defines.append(f"-DFP8L_COOPERATIVE_PDL={int(overlay is not None)}")
     includes = [f"-I{overlay}"] if overlay is not None else []

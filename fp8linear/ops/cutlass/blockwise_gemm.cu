@@ -23,12 +23,12 @@
 // granularity: 128 for 128x128 weight scales).
 // FP8L_PDL: every producer warp of the kernel waits in griddepcontrol.wait before its first global
 // access (the consumer warps read only what those warps loaded), what a launch with programmatic
-// dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain
-// launch). The ping-pong kernel does in CUTLASS's own header. The cooperative kernel's scale-loading
-// warp (MainloopAux) does not in CUTLASS 4.2: it does with FP8L_COOPERATIVE_PDL=1, which the build
-// passes with the include folder of its copy of that header where the warp waits
-// (fp8linear/tools/cutlass_build.py, cooperative_overlay). CUTLASS's stream-K scheduler does not
-// compile with the wait, and runs no prepared call.
+// dependent launch needs (_quant_run_prepared_pdl; a no-op in a plain launch). The ping-pong kernel
+// does in CUTLASS's own header. The cooperative kernel's scale-loading warp (MainloopAux) does not
+// in CUTLASS 4.2: it does with FP8L_COOPERATIVE_PDL=1, which the build passes with the include
+// folder of its copy of that header where the warp waits (fp8linear/tools/cutlass_build.py,
+// cooperative_overlay). CUTLASS's stream-K scheduler does not compile with the wait, and runs no
+// prepared call.
 #ifndef FP8L_COOPERATIVE_PDL
 #define FP8L_COOPERATIVE_PDL 0
 #endif
