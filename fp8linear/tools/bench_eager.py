@@ -168,6 +168,11 @@ def _py_calls(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> int:
     return max(count[0] - 1, 0)  # not the lambda itself
 
 
+def _device(device: str | torch.device | None) -> torch.device:
+    """The device asked for, else the GPU where there is one, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _details(rows: Sequence[EagerRow], methods: dict[str, Callable[[Any], Any]],
              make_inputs: Callable[[], Sequence[Any]], gpu: bool) -> Callable[[], None]:
     """A call that fills the rows' GPU-time, kernel and Python-call columns (graph capture, the
@@ -218,8 +223,7 @@ def measure_eager(shapes: Sequence[tuple[int, int]] = EAGER_SHAPES, ms: Sequence
                   log: Callable[[str], None] | None = None) -> list[EagerRow]:
     """Rows of both methods for every (shape, M), each (shape, M) timed as one interleaved pair; the
     GPU-time, kernel and Python-call columns after every burst (see :func:`_details`)."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rows, fills = _time_linear(shapes, ms, device, granularity, log)
+    rows, fills = _time_linear(shapes, ms, _device(device), granularity, log)
     for fill in fills:
         fill()
     return rows
@@ -270,7 +274,7 @@ def measure_eager_experts(tokens: Sequence[int] = EAGER_EXPERT_TOKENS, device: s
                           log: Callable[[str], None] | None = None) -> list[EagerRow]:
     """Rows of Fp8Experts ("ours") and transformers' BF16 DeepseekV3Experts ("bf16") per token count;
     none without a GPU or transformers. The detail columns after every burst (see :func:`_details`)."""
-    rows, fills = _time_experts(tokens, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")), log)
+    rows, fills = _time_experts(tokens, _device(device), log)
     for fill in fills:
         fill()
     return rows
@@ -309,7 +313,7 @@ def run_eager(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else EAGER_SHAPES
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args.device)
     log = None if args.json else print
     # every burst first, then the detail columns (the profiler slows later launches: _details)
     rows, fills = _time_linear(shapes, tuple(args.m) if args.m else EAGER_MS, device, "block", log)
