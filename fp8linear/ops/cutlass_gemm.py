@@ -287,8 +287,8 @@ def _several_gpus() -> bool:
 
 def one_call_available() -> bool:
     """Whether eager CUTLASS plans allocate, quantize and launch in one host call
-    (:meth:`CutlassCall.allocating_call`): the plan-call module loads and one GPU is visible."""
-    return not _several_gpus() and _plan_call() is not None
+    (:meth:`CutlassCall.allocating_call`): the plan-call module loads."""
+    return _plan_call() is not None
 
 
 def pdl_supported(config: CutlassConfig, bias: bool = False, granularity: str = "block") -> bool:
@@ -466,11 +466,12 @@ class CutlassCall:
         """A call ``f(x, keep=False)`` that runs :meth:`with_quantization`'s two kernels on buffers it
         allocates in the same C++ call (the plan-call module, :func:`plan_call_path`): y (`out_shape`,
         x's dtype, bf16) and a scratch of `scratch_bytes` bytes holding the quantized x at its start and
-        its scales at `scale_offset` (16-byte aligned). Returns y, with `keep` (y, scratch). None where
-        the parameters are not prepared, the module is not built or does not load, or several GPUs are
-        visible (the launch must follow the weight's GPU: :meth:`with_quantization` sets it)."""
+        its scales at `scale_offset` (16-byte aligned). Returns y, with `keep` (y, scratch). x is on the
+        weight's GPU; where several GPUs are visible the C++ call makes it current for the allocations
+        and launches. None where the parameters are not prepared or the module is not built or does
+        not load."""
         module = _plan_call()
-        if not self.prepared or module is None or self.several:
+        if not self.prepared or module is None:
             return None
         if scale_offset % _ALIGN_BYTES or not 0 < scale_offset < scratch_bytes:
             raise ValueError(f"CutlassCall.allocating_call: the scales' offset must be 16-byte aligned inside the "
@@ -478,7 +479,7 @@ class CutlassCall:
         owner = self  # read per call: keeps the prepared parameters alive as long as the call
         m, n, k = self.shape
         entry = ctypes.cast(self.quant_run_prepared, ctypes.c_void_p).value
-        index, shape = self.index, list(out_shape)
+        index, shape, guard = self.index, list(out_shape), self.several
         what = f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} with its input quantization"
         run, run_kept = module.quantize_and_run, module.quantize_and_run_kept
         current_stream = torch._C._cuda_getCurrentRawStream
@@ -486,7 +487,7 @@ class CutlassCall:
         def allocate_quantize_and_run(x: torch.Tensor, keep: bool = False):
             call = run_kept if keep else run
             return call(x, shape, entry, owner.prepared, scratch_bytes, scale_offset, m, k, index,
-                        current_stream(index), what)
+                        current_stream(index), guard, what)
 
         return allocate_quantize_and_run
 

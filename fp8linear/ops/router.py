@@ -39,7 +39,7 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   EAGER_CUTLASS_PDL_MAX_WEIGHT elements, unless ``FP8LINEAR_PDL=0``;
 - ``decode``: asked for by eager callers only (``eager=True``: ``Fp8BlockLinear``'s plans
   outside CUDA-graph capture) where the one-call CUTLASS rule above does not apply (CUTLASS or
-  its plan-call module not built, several GPUs visible, another GPU), a weight below
+  its plan-call module not built, another GPU), a weight below
   ONE_LAUNCH_MAX_WEIGHT elements, NVIDIA GPUs (and
   the CPU interpreter); 2 to SMALL_M_MAX tokens, or more up to ONE_LAUNCH_MAX_MNK multiply-adds
   where the GEMM would run on our split-K or tiled kernel (with that config) -> activation

@@ -217,3 +217,6 @@ def test_gpu_norm_and_linear_on_a_gpu_that_is_not_current():
                 assert torch.cuda.current_device() == 0
                 assert torch.equal(norm(x), n_ref) and torch.equal(lin(x), l_ref)
         torch.cuda.synchronize(1)
+    from fp8linear.ops.cutlass_gemm import cutlass_available, one_call_available
+    if cutlass_available(torch.device("cuda:1")) and one_call_available():  # the one-C++-call plans ran too
+        assert "cutlass" in {plan.route.kernel for plan in lin._plans.values()}

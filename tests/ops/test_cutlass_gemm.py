@@ -286,8 +286,9 @@ def test_an_allocating_call_allocates_and_quantizes_in_one_cpp_call(fake_gpu, pl
     output of the plan's shape in x's dtype, after calling the library's entry point once with the
     prepared parameters, x's address and row length, the scratch it allocated (x_q at its start, x_s
     at the offset), the output, M, K, the device and the stream; with `keep` it returns the scratch
-    too; a failed status is an error naming the GEMM; it keeps the prepared parameters alive; None
-    where nothing is prepared, the module is missing or several GPUs are visible."""
+    too; a failed status is an error naming the GEMM; it keeps the prepared parameters alive; with
+    several GPUs visible it runs the same call under a device guard (x's device: a no-op for these
+    CPU tensors); None where nothing is prepared or the module is missing."""
     fake, w, w_s = fake_gpu
     monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(plan_call_cache))
     monkeypatch.setattr(cutlass_gemm, "_plan_call", cutlass_gemm._plan_call.__wrapped__)  # no cached module
@@ -325,7 +326,12 @@ def test_an_allocating_call_allocates_and_quantizes_in_one_cpp_call(fake_gpu, pl
         (8, 256), 8192, 4096) is None
     monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096) is None
+    status[0] = 0
+    guarded = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096)
+    y3 = guarded(x)
+    assert y3.shape == (8, 256) and seen[-1][5] == y3.data_ptr() and seen[-1][1] == x.data_ptr()
+    assert cutlass_gemm.one_call_available()  # several GPUs visible, the module built
+    del guarded
     monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
     monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(plan_call_cache / "empty"))  # not built there
     assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096) is None

@@ -6,9 +6,12 @@
 // Built by `fp8linear build-cutlass` against the installed torch (a Python extension module, no
 // CUDA headers: the stream and the entry point come in as addresses), loaded by
 // fp8linear/ops/cutlass_gemm.py. The entry point, its prepared parameters and the stream are the
-// caller's to keep valid; x must be contiguous and 16-byte aligned (the plan checks both).
+// caller's to keep valid; x must be contiguous and 16-byte aligned (the plan checks both), on the
+// GPU the prepared GEMM was made for. With `guard` (several GPUs visible) that GPU is made current
+// for the call: the allocations and launches go to the current device.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
@@ -26,7 +29,11 @@ using QuantRunPrepared = int (*)(const void*, const void*, long long, void*, voi
 std::pair<at::Tensor, at::Tensor> allocate_and_run(const at::Tensor& x, const std::vector<int64_t>& out_shape,
                                                    int64_t entry, int64_t prepared, int64_t scratch_bytes,
                                                    int64_t scale_offset, int64_t m, int64_t k, int64_t device,
-                                                   int64_t stream, const std::string& what) {
+                                                   int64_t stream, bool guard, const std::string& what) {
+  c10::OptionalDeviceGuard device_guard;
+  if (guard) {
+    device_guard.reset_device(x.device());
+  }
   at::Tensor y = at::empty(out_shape, x.options());
   at::Tensor scratch = at::empty({scratch_bytes}, x.options().dtype(at::kByte));
   auto* base = static_cast<char*>(scratch.data_ptr());
@@ -42,8 +49,9 @@ std::pair<at::Tensor, at::Tensor> allocate_and_run(const at::Tensor& x, const st
 
 at::Tensor quantize_and_run(const at::Tensor& x, const std::vector<int64_t>& out_shape, int64_t entry,
                             int64_t prepared, int64_t scratch_bytes, int64_t scale_offset, int64_t m, int64_t k,
-                            int64_t device, int64_t stream, const std::string& what) {
-  return allocate_and_run(x, out_shape, entry, prepared, scratch_bytes, scale_offset, m, k, device, stream, what)
+                            int64_t device, int64_t stream, bool guard, const std::string& what) {
+  return allocate_and_run(x, out_shape, entry, prepared, scratch_bytes, scale_offset, m, k, device, stream, guard,
+                          what)
       .first;
 }
 
