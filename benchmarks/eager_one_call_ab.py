@@ -74,7 +74,7 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     if not cutlass_available(dev) or not one_call_available():
-        raise SystemExit("needs the CUTLASS kernels and the plan-call module (`fp8linear build-cutlass`) and one GPU")
+        raise SystemExit("needs the CUTLASS kernels and the plan-call module (`fp8linear build-cutlass`)")
     print(f"{torch.cuda.get_device_name()}; per method: eager wall us / host us")
     auto_bf16, auto_old, pdl_plain = [], [], {}
     for text in args.shapes:
