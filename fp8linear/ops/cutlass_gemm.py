@@ -50,7 +50,7 @@ __all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTL
            "CutlassConfig", "SOURCE", "BUILD_FLAGS", "PLAN_CALL_SOURCE", "PLAN_CALL_MODULE", "library_path",
            "plan_call_path",
            "CutlassCall", "candidates_for", "configs_for", "cutlass_accepts", "cutlass_available",
-           "cutlass_fp8_gemm", "one_call_available", "pdl_supported", "variants"]
+           "cutlass_fp8_gemm", "narrow_block_scale", "one_call_available", "pdl_supported", "variants"]
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +77,25 @@ class CutlassConfig:
     wave, SMs share the K loops of those tiles instead of idling. `splits` > 1 (with `stream_k`)
     runs that kernel as split-K instead: every tile's K loop in `splits` parts, their partial sums
     reduced in a fixed order (a runtime argument: :attr:`kernel` is the built kernel it runs on).
-    Written ``p64x128`` / ``c128x128`` / ``s128x128`` / ``kS_128x128`` (:attr:`name`), and in
-    tune-routes' labels ``cutlass:64`` / ``cutlass:128`` / ``cutlass:128sk`` / ``cutlass:128kS``."""
+    `tile_n` 64 (64-row tiles, 128x128 weights only) runs the ping-pong kernel on 64x64 tiles: twice
+    the tiles of a 64x128 tile at half the work each, where the 64x128 tiles leave most SMs idle on
+    a long K loop; it reads the weight scale per 64 weight rows (:func:`narrow_block_scale`).
+    Written ``p64x128`` / ``p64x64`` / ``c128x128`` / ``s128x128`` / ``kS_128x128`` (:attr:`name`),
+    and in tune-routes' labels ``cutlass:64`` / ``cutlass:64x64`` / ``cutlass:128`` /
+    ``cutlass:128sk`` / ``cutlass:128kS``."""
 
     tile_m: int
     stream_k: bool = False
     splits: int = 1
+    tile_n: int = 128
 
     def __post_init__(self) -> None:
         if self.tile_m not in (64, 128):
             raise ValueError(f"CutlassConfig.tile_m must be 64 or 128, got {self.tile_m!r}")
+        if type(self.tile_n) is not int or self.tile_n not in (64, 128):
+            raise ValueError(f"CutlassConfig.tile_n must be 64 or 128, got {self.tile_n!r}")
+        if self.tile_n == 64 and (self.tile_m != 64 or self.stream_k):
+            raise ValueError("CutlassConfig.tile_n 64 runs the ping-pong kernel: tile_m must be 64, without stream_k")
         if not isinstance(self.stream_k, bool):
             raise TypeError(f"CutlassConfig.stream_k must be a bool, got {self.stream_k!r}")
         if self.stream_k and self.tile_m != 128:
@@ -103,7 +112,7 @@ class CutlassConfig:
         if self.splits > 1:
             return f"k{self.splits}_{self.tile_m}x128"
         kind = "s" if self.stream_k else ("p" if self.tile_m == 64 else "c")
-        return f"{kind}{self.tile_m}x128"
+        return f"{kind}{self.tile_m}x{self.tile_n}"
 
     @property
     def kernel(self) -> CutlassConfig:
@@ -114,10 +123,11 @@ class CutlassConfig:
 # Split-K parts a config may name: a bound for the tables' values only (CUTLASS's scheduler also
 # caps the parts at a tile's K blocks); the candidates below use 2-4.
 MAX_SPLITS = 16
-# The N width of every kernel's tile.
+# The N width of the kernels' tiles (but the 64x64 ping-pong kernel's: CutlassConfig.tile_n).
 CUTLASS_TILE_N = 128
 # The built kernels (one object each, with and without bias).
-CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(128), CutlassConfig(128, stream_k=True))
+CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(64, tile_n=64), CutlassConfig(128),
+                   CutlassConfig(128, stream_k=True))
 # What tune-routes times: the built kernels, and the stream-K kernel as split-K in 2, 3 and 4 parts.
 # H200, the shipped entries re-timed against all six: split-K won one entry by more than 3%
 # (8192x29568 at M=128, 72.2 against 78.3 us); on long K with tiles that leave SMs idle it did not
@@ -146,8 +156,8 @@ def variants() -> list[tuple[str, dict[str, int]]]:
         for cfg in configs_for(granularity):
             for bias in (0, 1):
                 out.append((_symbol(cfg, bool(bias), granularity),
-                            {"FP8L_TILE_M": cfg.tile_m, "FP8L_STREAMK": int(cfg.stream_k), "FP8L_BIAS": bias,
-                             "FP8L_ROW": int(granularity == "row")}))
+                            {"FP8L_TILE_M": cfg.tile_m, "FP8L_TILE_N": cfg.tile_n, "FP8L_STREAMK": int(cfg.stream_k),
+                             "FP8L_BIAS": bias, "FP8L_ROW": int(granularity == "row")}))
     return out
 
 
@@ -388,6 +398,8 @@ class CutlassCall:
             raise ValueError(f"CUTLASS GEMMs need a 128x128 weight's w_s contiguous, got strides {w_s.stride()}")
         if granularity == "row":
             w_s = _row_scale(w_q, w_s)
+        elif config.tile_n != CUTLASS_TILE_N:
+            w_s = narrow_block_scale(w_s, n, config.tile_n)
         if w_q.data_ptr() % _ALIGN_BYTES:
             raise ValueError("CUTLASS GEMMs need w_q 16-byte aligned")
         key = (config.kernel, bias is not None, granularity)
@@ -490,6 +502,20 @@ class CutlassCall:
                         current_stream(index), guard, what)
 
         return allocate_quantize_and_run
+
+
+def narrow_block_scale(w_s: torch.Tensor, n: int, tile_n: int) -> torch.Tensor:
+    """A 128x128 weight's (ceil(N/128), ceil(K/128)) fp32 scale grid as the kernels on `tile_n`-wide
+    tiles read it: one row per `tile_n` weight rows, (ceil(N/tile_n), ceil(K/128)) contiguous, each
+    block's scale repeated for the row blocks inside it (CUTLASS takes no tile narrower than the
+    weight scales' N granularity). A copy, made when a call is prepared (so a scale changed in place
+    afterwards needs new plans: ``Fp8BlockLinear.clear_plans``)."""
+    if w_s.dim() != 2 or w_s.shape[0] != -(-n // 128):
+        raise ValueError(f"narrow_block_scale takes the (ceil(N/128), K/128) grid of an N={n} weight, "
+                         f"got shape {tuple(w_s.shape)}")
+    if tile_n not in (32, 64):
+        raise ValueError(f"narrow_block_scale: tile_n must divide 128 and be narrower, got {tile_n!r}")
+    return w_s.repeat_interleave(128 // tile_n, dim=0)[:-(-n // tile_n)].contiguous()
 
 
 def _row_scale(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:

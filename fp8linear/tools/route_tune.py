@@ -126,7 +126,8 @@ def _label(kernel: str, cfg: Any) -> str:
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     if kernel == "cutlass":
-        return f"cutlass:{cfg.tile_m}" + (f"k{cfg.splits}" if cfg.splits > 1 else "sk" if cfg.stream_k else "")
+        return (f"cutlass:{cfg.tile_m}" + (f"x{cfg.tile_n}" if cfg.tile_n != 128 else "")
+                + (f"k{cfg.splits}" if cfg.splits > 1 else "sk" if cfg.stream_k else ""))
     if kernel == "ws":
         return (f"ws:{cfg.block_n}s{cfg.stages}g{cfg.group_m}" + ("p" if cfg.persistent else "")
                 + (f"t{cfg.tail_split}" if cfg.tail_split > 1 else ""))
@@ -395,8 +396,11 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
 def _entry_from_label(label: str) -> dict[str, Any]:
     if label == "cublas":
         return {"kernel": "cublas"}
-    if label.startswith("cutlass:"):  # cutlass:TILE, cutlass:TILEsk (stream-K), cutlass:TILEkS (S split-K parts)
-        spec = label[len("cutlass:"):]
+    if label.startswith("cutlass:"):  # cutlass:TILE, cutlass:TILEsk (stream-K), cutlass:TILEkS (S split-K parts),
+        spec = label[len("cutlass:"):]  # cutlass:TILExWIDTH (a tile narrower than 128 columns)
+        if "x" in spec:
+            tile, _, width = spec.partition("x")
+            return {"kernel": "cutlass", "tile_m": int(tile), "tile_n": int(width)}
         if spec.endswith("sk"):
             return {"kernel": "cutlass", "tile_m": int(spec[:-2]), "stream_k": True}
         tile, _, splits = spec.partition("k")

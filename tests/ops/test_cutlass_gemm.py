@@ -19,14 +19,15 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
 def test_configs_and_variants():
-    assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "c128x128", "s128x128"]
+    assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "p64x64", "c128x128", "s128x128"]
     assert [c.name for c in cutlass_gemm.CUTLASS_ROW_CONFIGS] == ["p64x128", "c128x128"]
     symbols = [s for s, _ in cutlass_gemm.variants()]
-    assert len(set(symbols)) == len(symbols) == 10
+    assert len(set(symbols)) == len(symbols) == 12
     assert {tuple(sorted(m.items())) for _, m in cutlass_gemm.variants()} == {
-        (("FP8L_BIAS", b), ("FP8L_ROW", 0), ("FP8L_STREAMK", sk), ("FP8L_TILE_M", t))
-        for b in (0, 1) for t, sk in ((64, 0), (128, 0), (128, 1))} | {
-        (("FP8L_BIAS", b), ("FP8L_ROW", 1), ("FP8L_STREAMK", 0), ("FP8L_TILE_M", t)) for b in (0, 1) for t in (64, 128)}
+        (("FP8L_BIAS", b), ("FP8L_ROW", 0), ("FP8L_STREAMK", sk), ("FP8L_TILE_M", t), ("FP8L_TILE_N", w))
+        for b in (0, 1) for t, w, sk in ((64, 128, 0), (64, 64, 0), (128, 128, 0), (128, 128, 1))} | {
+        (("FP8L_BIAS", b), ("FP8L_ROW", 1), ("FP8L_STREAMK", 0), ("FP8L_TILE_M", t), ("FP8L_TILE_N", 128))
+        for b in (0, 1) for t in (64, 128)}
     assert cutlass_gemm.candidates_for("row") == cutlass_gemm.CUTLASS_ROW_CONFIGS
     assert cutlass_gemm.candidates_for("block") == cutlass_gemm.CUTLASS_CANDIDATES
     assert cutlass_gemm.candidates_for("tensor") == ()
@@ -44,6 +45,14 @@ def test_configs_and_variants():
             CutlassConfig(128, stream_k=True, splits=bad)
     with pytest.raises(ValueError, match="stream_k must be True"):
         CutlassConfig(128, splits=2)
+    for bad in (32, 96, 256, 64.0):
+        with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
+            CutlassConfig(64, tile_n=bad)
+    assert CutlassConfig(128, tile_n=128).name == "c128x128"
+    with pytest.raises(ValueError, match="tile_n 64 runs the ping-pong kernel"):
+        CutlassConfig(128, tile_n=64)
+    narrow = CutlassConfig(64, tile_n=64)
+    assert narrow.name == "p64x64" and narrow.kernel == narrow and narrow != CutlassConfig(64)
     split = CutlassConfig(128, stream_k=True, splits=3)
     assert split.name == "k3_128x128" and split.kernel == CutlassConfig(128, stream_k=True)
     assert CutlassConfig(64).kernel == CutlassConfig(64)
@@ -183,6 +192,22 @@ def fake_gpu(monkeypatch):
     return fake, torch.zeros(256, 512, dtype=torch.uint8).view(FP8), torch.ones(2, 4)
 
 
+@pytest.mark.parametrize("n", [64, 128, 300, 576, 640])
+def test_narrow_block_scale_repeats_each_block_per_64_rows(n):
+    """The 64-wide tiles' weight scale: row j holds the 128x128 grid's row j // 2, ceil(N/64) rows,
+    contiguous fp32 (a 300-row weight: 5 rows from a 3-row grid)."""
+    k_groups = 3
+    grid = torch.arange(-(-n // 128) * k_groups, dtype=torch.float32).view(-1, k_groups) + 0.5
+    narrow = cutlass_gemm.narrow_block_scale(grid.t().contiguous().t(), n, 64)  # a strided grid too
+    assert narrow.shape == (-(-n // 64), k_groups) and narrow.is_contiguous() and narrow.dtype == torch.float32
+    for j in range(narrow.shape[0]):
+        assert torch.equal(narrow[j], grid[j // 2])
+    with pytest.raises(ValueError, match=r"takes the \(ceil\(N/128\), K/128\) grid of an N=300 weight"):
+        cutlass_gemm.narrow_block_scale(torch.ones(2, 3), 300, 64)
+    with pytest.raises(ValueError, match="tile_n must divide 128"):
+        cutlass_gemm.narrow_block_scale(grid, n, 128)
+
+
 def test_cutlass_call_prepares_data_parallel_kernels(fake_gpu):
     """A data-parallel config's parameters are prepared once, with the weight's addresses, and a call
     passes only the activations', scales' and output's addresses to the prepared launch; stream-K
@@ -206,6 +231,21 @@ def test_cutlass_call_prepares_data_parallel_kernels(fake_gpu):
     assert fake.released == [4097]
     once = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(128), prepare=False)  # the functional path's
     assert once.prepared is None and len(fake.prepared) == 2  # the stream-K call asked, this one did not
+
+
+def test_the_64_wide_kernel_is_prepared_on_the_narrow_scale(fake_gpu):
+    """A p64x64 call gives the library the weight scale per 64 rows (narrow_block_scale of the
+    grid), held by the call; the 1x128 kernels have no 64-wide variant."""
+    fake, w, w_s = fake_gpu
+    w_s = torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8]])
+    cfg = CutlassConfig(64, tile_n=64)
+    call = cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg)
+    (key, args), = fake.prepared
+    narrow = call.held[1]
+    assert key == (cfg, False, "block") and args[1] == narrow.data_ptr() != w_s.data_ptr()
+    assert torch.equal(narrow, cutlass_gemm.narrow_block_scale(w_s, 256, 64)) and narrow.shape == (4, 4)
+    with pytest.raises(ValueError, match="no CUTLASS kernel p64x64 is built for 'row' weights"):
+        cutlass_gemm.CutlassCall(w, torch.ones(256, 4), None, 8, cfg, "row")
 
 
 def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
@@ -232,7 +272,7 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     for cfg in (CutlassConfig(128), CutlassConfig(128, stream_k=True), CutlassConfig(128, stream_k=True, splits=2)):
         assert not cutlass_gemm.pdl_supported(cfg)
         with pytest.raises(ValueError, match=rf"{cfg.name} kernel without bias is not built to wait.*without bias: "
-                                             r"\['p64x128'\]"):
+                                             r"\['p64x128', 'p64x64'\]"):
             cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg, pdl=True)
     with pytest.raises(TypeError, match="takes a CutlassConfig, got str"):
         cutlass_gemm.pdl_supported("c128x128")
@@ -648,8 +688,8 @@ def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypa
 @pytest.mark.parametrize("m,n,k", [(2, 576, 2112), (16, 7168, 2048), (96, 2112, 7168), (333, 24576, 1536),
                                    (512, 1536, 7168)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tile_m", [64, 128])
-def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias, tile_m):
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (64, 64), (128, 128)])
+def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias, tile_m, tile_n):
     """Each data-parallel kernel's GEMM launched with PDL after the library's quantization (Route.pdl)
     gives the bits of the plain launch and of run_linear_route, on 30 inputs each written by the
     kernel launched just before (the GEMM must wait for the quantization, which waits for that
@@ -657,7 +697,7 @@ def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias, tile_m):
     from fp8linear.ops.linear import LinearPlan, run_linear_route
     from fp8linear.ops.router import Route
 
-    cfg = CutlassConfig(tile_m)
+    cfg = CutlassConfig(tile_m, tile_n=tile_n)
     assert cutlass_gemm.pdl_supported(cfg, bias)
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     _, _, w_q, w_s, b = _operands(m, n, k, bias, gen)

@@ -166,9 +166,12 @@ using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using ScaleConfig =
     cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
 #else
-// 1x128 activation scales, 128x128 weight scales, both K-major (row-major) as stored.
-using ScaleConfig =
-    cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+// 1x128 activation scales, 128x128 weight scales, both K-major (row-major) as stored; with a tile
+// narrower than 128 columns, the weight scales of FP8L_TILE_N-row blocks ((ceil(N/FP8L_TILE_N),
+// ceil(K/128)), each 128x128 block's scale repeated for its row blocks: CUTLASS needs the tile width
+// to be a multiple of the weight scales' N granularity).
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, (FP8L_TILE_N < 128 ? FP8L_TILE_N : 128), 128,
+                                                              cute::GMMA::Major::K, cute::GMMA::Major::K>;
 #endif
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
