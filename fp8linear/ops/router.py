@@ -131,6 +131,7 @@ __all__ = [
     "LONG_SPLITK_K",
     "MID_M_CONFIG",
     "MID_SPLIT_TILE",
+    "NARROW_TILE_N",
     "N_MAJOR_SCALE_MIN_M",
     "N_MAJOR_SCALE_WS_MIN_K",
     "ONE_LAUNCH_MAX_MNK",
@@ -496,6 +497,9 @@ EAGER_ONE_CALL_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # alone under PDL took 0.88-1.02x (geomean 0.945 over 25 cases of M 2-512); both kernels under PDL
 # are not timed there yet. The cut is EAGER_ONE_CALL_MAX_WEIGHT's, between the 38M and 117M measured.
 EAGER_CUTLASS_PDL_MAX_WEIGHT = EAGER_ONE_CALL_MAX_WEIGHT
+# The tile width of the narrow ping-pong kernel eager_cutlass_config runs where its tiles fit in one
+# wave (CutlassConfig.tile_n; measured there).
+NARROW_TILE_N = 64
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
 # 128x128 tiles give a quarter of a tile per SM, or from 1024 rows on; below that our kernels do.
 # Fitted on an H100 sweep of every kernel (fp8linear tune-routes, the 31 shapes of `bench --grid`,
@@ -962,16 +966,30 @@ def use_library_quantization(m: int, k: int, x_dtype: torch.dtype) -> bool:
 
 
 def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
-    """The CUTLASS kernel an eager call runs in place of our tiled kernel: the 64x128 ping-pong kernel
-    where its tiles fit in one wave of the SMs, else the 128x128 cooperative kernel. H200,
-    benchmarks/eager_cutlass_ab.py, GPU time under CUDA graphs (act_quant included): where the 64-row
-    tiles fit one wave, 0.83-0.88x the cooperative kernel's (2112x7168 M=333 24.2 against 28.1 us,
-    576x7168 M=1024 28.8 against 32.9, 1536x7168 M=512 25.6 against 30.1); where they do not,
-    1.21-1.38x (2112x7168 M=512, 136 tiles on 132 SMs: 39.9 against 29.0). Up to 64 rows both make
-    the same number of tiles, the 64-row ones without empty rows: the ping-pong kernel at any N (H100,
-    benchmarks/eager_one_call_ab.py, 24576x1536 eager wall M=2 19.9 against 24.1 us, M=8 19.3 against
-    22.9, M=64 25.9 against 25.5)."""
-    if m <= 64 or _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sm_count(device):
+    """The CUTLASS kernel an eager call runs in place of our tiled kernel: the ping-pong kernel on
+    64x64 tiles where those fit in one wave of the SMs, else on 64x128 tiles where those do, else the
+    128x128 cooperative kernel.
+
+    64x64 tiles: twice the tiles at half the work each, which pays where the 64x128 tiles leave most
+    SMs idle on a long K loop. H100, forced routes, the library's quantization included, CUDA graphs
+    (GPU us), 64x64 against 64x128 tiles: 576x7168 M 16-512 13.7-18.1 against 19.2-23.5 (M=512:
+    18.1 against 23.5, BF16 15.2); 1536x7168 M 16-256 and 2112x7168 M 16-256 13.8-18.4 against
+    19.2-21.5; 7168x2048 M 16 and 64 (112 tiles) 9.7 / 8.4 against 10.1 / 9.1. Where they overflow a
+    wave they lose: 1536x7168 M=333 (144 tiles) 28.1 against 22.7, 2112x7168 M=333 30.3 against
+    23.1, 7168x2048 M=96 12.8 against 9.9, 24576x1536 M 16-512 up to 1.5x. Eager wall (PDL), the
+    same cases: 576x7168 M=512 19.2 against 24.5 us, M=333 18.6 against 23.8.
+
+    64x128 against 128x128 tiles (H200, benchmarks/eager_cutlass_ab.py, CUDA graphs, act_quant
+    included): where the 64-row tiles fit one wave, 0.83-0.88x the cooperative kernel's time
+    (2112x7168 M=333 24.2 against 28.1 us, 576x7168 M=1024 28.8 against 32.9, 1536x7168 M=512 25.6
+    against 30.1); where they do not, 1.21-1.38x (2112x7168 M=512, 136 tiles on 132 SMs: 39.9 against
+    29.0). Up to 64 rows both make the same number of tiles, the 64-row ones without empty rows: the
+    ping-pong kernel at any N (H100, benchmarks/eager_one_call_ab.py, 24576x1536 eager wall M=2 19.9
+    against 24.1 us, M=8 19.3 against 22.9, M=64 25.9 against 25.5)."""
+    sms = sm_count(device)
+    if _cdiv(m, 64) * _cdiv(n, NARROW_TILE_N) <= sms:
+        return CutlassConfig(64, tile_n=NARROW_TILE_N)
+    if m <= 64 or _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sms:
         return CutlassConfig(64)
     return CutlassConfig(128)
 
@@ -983,7 +1001,8 @@ def eager_cutlass_over_cublas(device: torch.device, m: int, n: int, k: int) -> b
     if m * n * k > EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK:
         return False
     sms = sm_count(device)
-    tiles = _cdiv(m, eager_cutlass_config(device, m, n).tile_m) * _cdiv(n, CUTLASS_TILE_N)
+    cfg = eager_cutlass_config(device, m, n)
+    tiles = _cdiv(m, cfg.tile_m) * _cdiv(n, cfg.tile_n)
     return tiles >= EAGER_CUTLASS_MIN_WAVE_FILL * _cdiv(tiles, sms) * sms
 
 

@@ -289,6 +289,23 @@ def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtyp
 
 
 @pytest.mark.parametrize("m,n,expected", [
+    (512, 576, CutlassConfig(64, tile_n=64)),  # 8 x 9 tiles of 64x64 fit one wave of 132 SMs
+    (256, 2112, CutlassConfig(64, tile_n=64)),  # 4 x 33 = 132: still one wave
+    (16, 7168, CutlassConfig(64, tile_n=64)),  # 112
+    (333, 1536, CutlassConfig(64)),  # 6 x 24 = 144 do not; 6 x 12 64x128 tiles do
+    (64, 24576, CutlassConfig(64)),  # 384 64x64 tiles; up to 64 rows the 64x128 tiles at any N
+    (96, 7168, CutlassConfig(64)),  # 2 x 112 64x64 tiles, 2 x 56 64x128 ones
+    (512, 2112, CutlassConfig(128)),  # 8 x 17 = 136 64x128 tiles do not: cooperative 128x128
+    (1, 576, CutlassConfig(64, tile_n=64)),
+])
+def test_eager_cutlass_config_runs_64x64_tiles_where_they_fit_one_wave(monkeypatch, m, n, expected):
+    """64x64 tiles where they fit in one wave of the SMs (a long K loop then runs on twice the SMs),
+    else 64x128 tiles where those do or up to 64 rows, else 128x128 tiles."""
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    assert router.eager_cutlass_config(CPU, m, n) == expected
+
+
+@pytest.mark.parametrize("m,n,expected", [
     (448, 2112, CutlassConfig(64)),  # 7 x 17 64-row tiles fit one wave of 132 SMs: ping-pong
     (512, 2112, CutlassConfig(128)),  # 8 x 17 = 136 do not: cooperative 128x128
     (1024, 1536, CutlassConfig(128)),
