@@ -4,7 +4,9 @@ once by ``fp8linear build-cutlass`` and loaded from the cache.
 CUTLASS's sm_90a kernels (``fp8linear/ops/cutlass/blockwise_gemm.cu``) run the DeepSeek-V3 recipe
 with a TMA producer warp and consumer warpgroups that get the registers (what a Triton ``tl``
 kernel cannot do on Hopper, see :mod:`fp8linear.ops.gemm`): the ping-pong kernel on 64x128 tiles
-and the cooperative kernel on 128x128 tiles, data-parallel or stream-K. They read the activation
+(and, for 128x128 weights, on 64x64 tiles, reading the weight scale per 64 rows:
+:func:`narrow_block_scale`) and the cooperative kernel on 128x128 tiles, data-parallel or
+stream-K. They read the activation
 scales row-major and the 128x128 weight scale grid as stored (1x128 weight scales N-major: the
 (K/128, N) layout :func:`fp8linear.ops.cublas_gemm.held_weight_scale` gives, a view of the copy
 ``Fp8BlockLinear`` keeps), and take any M, so nothing is padded
