@@ -8,7 +8,8 @@ method with CUDA graphs over operand sets rotated past L2, interleaved (fp8linea
     python benchmarks/cutlass_probe.py --lib "$(fp8linear build-cutlass --print-path)" \
         --configs p64x128 c128x128 s128x128 k2_128x128 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
 
-(Config names as ``CutlassConfig.name``: ``kS_128x128`` is the stream-K kernel with S split-K parts.)
+(Config names as ``CutlassConfig.name``: ``kS_128x128`` is the stream-K kernel with S split-K parts;
+``p64x64`` gets the weight scale per 64 rows, as CutlassCall gives it.)
 
 The results in docs/results/cutlass_probe_h100.csv came from a first build of the source (entry
 points without the device, SM-count and split arguments, and more tile and cluster shapes: c128x128_1x1 /
@@ -26,6 +27,7 @@ import sys
 import torch
 
 from fp8linear.functional import quantize_activation
+from fp8linear.ops.cutlass_gemm import narrow_block_scale
 from fp8linear.reference import block_fp8_matmul_ref
 from fp8linear.tools.bench import BenchConfig, _make_shape_operands, _method_setup
 from fp8linear.tools.shapes import Shape
@@ -111,10 +113,12 @@ def main(argv=None) -> int:
                 fn = cutlass_fn(run, ws(m, n, k, device.index or 0,
                                         torch.cuda.get_device_properties(device).multi_processor_count, splits),
                                 m, n, k, device, splits)
-                y = fn(x_q, x_s, w_q, w_s)[sel].double().cpu()
+                # the 64x64 tiles read the grid per 64 rows (what CutlassCall passes them)
+                sb = narrow_block_scale(w_s, n, 64) if name.endswith("x64") else w_s
+                y = fn(x_q, x_s, w_q, sb)[sel].double().cpu()
                 errs[name] = ((y - ref).norm() / ref.norm()).item()
-                a = (x_q, x_s, w_q, w_s)
-                nbytes = m * k + n * k + x_s.numel() * 4 + w_s.numel() * 4 + m * n * 2
+                a = (x_q, x_s, w_q, sb)
+                nbytes = m * k + n * k + x_s.numel() * 4 + sb.numel() * 4 + m * n * 2
                 rounds[name], _ = prepare_cuda(fn, rotation_sets(a, nbytes, device), 3, True)
             times = time_rounds(rounds, args.replays)
             line = f"{n:6d}x{k:<6d} M={m:<5d} " + " ".join(f"{k_}={v:8.1f}" for k_, v in times.items())

@@ -39,6 +39,7 @@ tests/test_cublas_gemm.py check these rules against the reference):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -49,7 +50,7 @@ from .cublaslt import LT_WORKSPACE_LIMIT, lt_aligned, lt_operands_ok, shape_gemm
 
 __all__ = ["CublasConfig", "algo_rows", "workspace_limit", "CUBLAS_ROW_ALIGN", "CUBLAS_EXPANDED_MIN_K", "cublas_accepts",
            "cublas_device_ok", "cublas_fp8_gemm", "padded_rows_view", "config_row_scales", "cublas_row_scales",
-           "cublas_weight_scale", "held_weight_scale"]
+           "cublas_weight_scale", "held_scale", "held_weight_scale"]
 
 # cuBLAS wants 16-byte aligned rows: K and N multiples of 16.
 _ALIGN_KN = 16
@@ -264,8 +265,9 @@ def cublas_row_scales(w_q: torch.Tensor, granularity: str, config: CublasConfig 
 
 
 class _HeldScales(dict):
-    """The cuBLAS layouts made from one weight-scale tensor, keyed by (1x128 form, N); `source` is the
-    scale's (version counter, address) they were made from. Pickles empty (a cache, not data)."""
+    """The layouts made from one weight-scale tensor (cuBLAS's, keyed by (1x128 form, N); the narrow
+    CUTLASS tiles', by ("narrow", tile width, N)); `source` is the scale's (version counter, address)
+    they were made from. Pickles empty (a cache, not data)."""
 
     __slots__ = ("source",)
 
@@ -294,38 +296,46 @@ def held_weight_scale(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as
         return w_s.t()  # dense N-major: the (K/128, N) layout is a view
     if granularity == "block" and not as_rows and not _block_grid_needs_padding(w_q.shape[1]) and w_s.is_contiguous():
         return w_s.t()
+    return held_scale(w_s, (as_rows, n), lambda: cublas_weight_scale(w_q, w_s, granularity, as_rows))
+
+
+def held_scale(w_s: torch.Tensor, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, a layout of the weight scale `w_s`, made once per scale tensor and `key` and kept
+    on `w_s` itself (see :func:`held_weight_scale`): on a GPU made outside any CUDA-graph memory pool
+    (:func:`_made_outside_pools`); not kept while a CUDA graph is being captured (a captured copy
+    holds its values only once the graph replays)."""
     held = w_s.__dict__.get(_HELD_ATTR)
     source = (None if w_s.is_inference() else w_s._version, w_s.data_ptr())  # inference tensors have no version
-    scale = held.get((as_rows, n)) if held is not None and held.source == source else None
+    scale = held.get(key) if held is not None and held.source == source else None
     if scale is not None:
         return scale
     if w_s.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
-            return cublas_weight_scale(w_q, w_s, granularity, as_rows)
-        scale = _made_outside_pools(w_q, w_s, granularity, as_rows)
+            return make()
+        scale = _made_outside_pools(make, w_s.device)
     else:
-        scale = cublas_weight_scale(w_q, w_s, granularity, as_rows)
+        scale = make()
     if held is None or held.source != source:
         held = _HeldScales(source)
         setattr(w_s, _HELD_ATTR, held)
-    held[(as_rows, n)] = scale
+    held[key] = scale
     return scale
 
 
-def _made_outside_pools(w_q: torch.Tensor, w_s: torch.Tensor, granularity: str, as_rows: bool) -> torch.Tensor:
-    """cublas_weight_scale made on a helper thread and its own stream, ordered after the caller's
+def _made_outside_pools(make_scale: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``make_scale()`` run on a helper thread and its own stream, ordered after the caller's
     stream: a CUDA-graph memory pool may be taking the calling thread's allocations
     (torch.compile's "reduce-overhead" warm-up runs allocate from its graphs' pool, whose memory
     later runs reuse), and a layout kept past the call must not live there."""
-    current = torch.cuda.current_stream(w_s.device)
-    side = torch.cuda.Stream(w_s.device)
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
     side.wait_stream(current)
     made: list = []
 
     def make() -> None:
         try:
             with torch.cuda.stream(side):
-                made.append(cublas_weight_scale(w_q, w_s, granularity, as_rows))
+                made.append(make_scale())
         except Exception as e:  # handed to the caller below
             made.append(e)
 

@@ -10,7 +10,7 @@ stream-K. They read the activation
 scales row-major and the 128x128 weight scale grid as stored (1x128 weight scales N-major: the
 (K/128, N) layout :func:`fp8linear.ops.cublas_gemm.held_weight_scale` gives, a view of the copy
 ``Fp8BlockLinear`` keeps), and take any M, so nothing is padded
-or copied, where cuBLAS needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
+(the 64x64 tiles read a small copy of the grid), where cuBLAS needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
 (:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
 16 shapes x M 64-4096, 160 cases): the faster of the 64- and 128-row kernels beat the routed
 kernel by more than 3% in 55 cases, e.g. 2048x7168 at M=333 19.0 against 22.6 us (BF16 20.6),
@@ -46,7 +46,7 @@ import torch
 
 from .config_tables import cache_dir
 from .configs import sm_count
-from .cublas_gemm import held_weight_scale
+from .cublas_gemm import held_scale, held_weight_scale
 
 __all__ = ["CUTLASS_CANDIDATES", "CUTLASS_CONFIGS", "CUTLASS_ROW_CONFIGS", "CUTLASS_ENV", "CUTLASS_TILE_N", "MAX_SPLITS",
            "CutlassConfig", "SOURCE", "BUILD_FLAGS", "PLAN_CALL_SOURCE", "PLAN_CALL_MODULE", "library_path",
@@ -94,12 +94,13 @@ class CutlassConfig:
     def __post_init__(self) -> None:
         if self.tile_m not in (64, 128):
             raise ValueError(f"CutlassConfig.tile_m must be 64 or 128, got {self.tile_m!r}")
+        if not isinstance(self.stream_k, bool):
+            raise TypeError(f"CutlassConfig.stream_k must be a bool, got {self.stream_k!r}")
         if type(self.tile_n) is not int or self.tile_n not in (64, 128):
             raise ValueError(f"CutlassConfig.tile_n must be 64 or 128, got {self.tile_n!r}")
         if self.tile_n == 64 and (self.tile_m != 64 or self.stream_k):
-            raise ValueError("CutlassConfig.tile_n 64 runs the ping-pong kernel: tile_m must be 64, without stream_k")
-        if not isinstance(self.stream_k, bool):
-            raise TypeError(f"CutlassConfig.stream_k must be a bool, got {self.stream_k!r}")
+            raise ValueError(f"CutlassConfig.tile_n 64 runs the ping-pong kernel: tile_m must be 64, without "
+                             f"stream_k, got tile_m={self.tile_m}, stream_k={self.stream_k}")
         if self.stream_k and self.tile_m != 128:
             raise ValueError("CutlassConfig.stream_k runs the cooperative kernel: tile_m must be 128")
         if type(self.splits) is not int:
@@ -348,7 +349,8 @@ class CutlassCall:
     w_q (N, K) e4m3fn, contiguous, on a device where :func:`cutlass_available`; w_s for
     `granularity` "block" (ceil(N/128), ceil(K/128)) fp32 contiguous, for "row" (N, ceil(K/128))
     fp32, read N-major (:func:`_row_scale`); the shape must pass :func:`cutlass_accepts`. The weight
-    tensors are held (their addresses stay valid while they are updated in place).
+    tensors are held (their addresses stay valid while they are updated in place; the 64x64 tiles'
+    scale per 64 rows is a copy, :func:`narrow_block_scale`).
 
     With `prepare` (for calls made many times: a plan's), a data-parallel config's kernel parameters
     are made once here (``_prepare`` in the C source: TMA descriptors encoded, scheduler set up), and
@@ -400,8 +402,9 @@ class CutlassCall:
             raise ValueError(f"CUTLASS GEMMs need a 128x128 weight's w_s contiguous, got strides {w_s.stride()}")
         if granularity == "row":
             w_s = _row_scale(w_q, w_s)
-        elif config.tile_n != CUTLASS_TILE_N:
-            w_s = narrow_block_scale(w_s, n, config.tile_n)
+        elif config.tile_n != CUTLASS_TILE_N:  # kept on w_s: made once per scale, outside graph pools
+            grid, tile_n = w_s, config.tile_n
+            w_s = held_scale(grid, ("narrow", tile_n, n), lambda: narrow_block_scale(grid, n, tile_n))
         if w_q.data_ptr() % _ALIGN_BYTES:
             raise ValueError("CUTLASS GEMMs need w_q 16-byte aligned")
         key = (config.kernel, bias is not None, granularity)
@@ -510,13 +513,15 @@ def narrow_block_scale(w_s: torch.Tensor, n: int, tile_n: int) -> torch.Tensor:
     """A 128x128 weight's (ceil(N/128), ceil(K/128)) fp32 scale grid as the kernels on `tile_n`-wide
     tiles read it: one row per `tile_n` weight rows, (ceil(N/tile_n), ceil(K/128)) contiguous, each
     block's scale repeated for the row blocks inside it (CUTLASS takes no tile narrower than the
-    weight scales' N granularity). A copy, made when a call is prepared (so a scale changed in place
-    afterwards needs new plans: ``Fp8BlockLinear.clear_plans``)."""
+    weight scales' N granularity). A copy: :class:`CutlassCall` keeps it on `w_s`
+    (:func:`~fp8linear.ops.cublas_gemm.held_scale`, made again when `w_s` changes in place), but a
+    prepared call holds the copy it was made with (after changing a scale in place by other means
+    than loading, ``Fp8BlockLinear.clear_plans``)."""
     if w_s.dim() != 2 or w_s.shape[0] != -(-n // 128):
         raise ValueError(f"narrow_block_scale takes the (ceil(N/128), K/128) grid of an N={n} weight, "
                          f"got shape {tuple(w_s.shape)}")
     if tile_n not in (32, 64):
-        raise ValueError(f"narrow_block_scale: tile_n must divide 128 and be narrower, got {tile_n!r}")
+        raise ValueError(f"narrow_block_scale: tile_n must be 32 or 64 (dividing 128, narrower), got {tile_n!r}")
     return w_s.repeat_interleave(128 // tile_n, dim=0)[:-(-n // tile_n)].contiguous()
 
 

@@ -997,11 +997,14 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
 def eager_cutlass_over_cublas(device: torch.device, m: int, n: int, k: int) -> bool:
     """Whether an eager call runs CUTLASS (:func:`eager_cutlass_config`) where the router chose cuBLAS:
     GEMMs up to EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK whose kernel tiles fill at least
-    EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take."""
+    EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take (measured on 64x128 and 128x128 tiles: not
+    where the 64x64 tiles run, whose 64x128 tiles would fill under half a wave)."""
     if m * n * k > EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK:
         return False
     sms = sm_count(device)
     cfg = eager_cutlass_config(device, m, n)
+    if cfg.tile_n != CUTLASS_TILE_N:  # measured on 64x128 and 128x128 tiles; there, under half a wave
+        return False
     tiles = _cdiv(m, cfg.tile_m) * _cdiv(n, cfg.tile_n)
     return tiles >= EAGER_CUTLASS_MIN_WAVE_FILL * _cdiv(tiles, sms) * sms
 

@@ -198,11 +198,17 @@ def _two_gpus():
 
 @pytest.mark.gpu
 @_two_gpus()
-def test_gpu_norm_and_linear_on_a_gpu_that_is_not_current():
+def test_gpu_norm_and_linear_on_a_gpu_that_is_not_current(monkeypatch):
     """Triton launches on the current device: modules on cuda:1 called while cuda:0 is current
-    (a device_map model) must still compute on cuda:1, first call, plan and planned calls alike."""
+    (a device_map model) must still compute on cuda:1, first call, plan and planned calls alike;
+    eager CUTLASS plans through the one-C++-call path too, where it is built."""
     from fp8linear import Fp8BlockLinear
+    from fp8linear.ops.cutlass_gemm import CutlassCall, cutlass_available, one_call_available
 
+    allocating = []
+    real_allocating_call = CutlassCall.allocating_call
+    monkeypatch.setattr(CutlassCall, "allocating_call",
+                        lambda self, *a: allocating.append(real_allocating_call(self, *a)) or allocating[-1])
     torch.cuda.set_device(0)
     _, norm = _pair(7168, torch.bfloat16, "cuda:1")
     lin = Fp8BlockLinear.from_linear(nn.Linear(7168, 2112, bias=False, device="cuda:1", dtype=torch.bfloat16))
@@ -217,6 +223,6 @@ def test_gpu_norm_and_linear_on_a_gpu_that_is_not_current():
                 assert torch.cuda.current_device() == 0
                 assert torch.equal(norm(x), n_ref) and torch.equal(lin(x), l_ref)
         torch.cuda.synchronize(1)
-    from fp8linear.ops.cutlass_gemm import cutlass_available, one_call_available
     if cutlass_available(torch.device("cuda:1")) and one_call_available():  # the one-C++-call plans ran too
         assert "cutlass" in {plan.route.kernel for plan in lin._plans.values()}
+        assert any(call is not None for call in allocating)

@@ -49,8 +49,10 @@ def test_configs_and_variants():
         with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
             CutlassConfig(64, tile_n=bad)
     assert CutlassConfig(128, tile_n=128).name == "c128x128"
-    with pytest.raises(ValueError, match="tile_n 64 runs the ping-pong kernel"):
+    with pytest.raises(ValueError, match="tile_n 64 runs the ping-pong kernel.*got tile_m=128, stream_k=False"):
         CutlassConfig(128, tile_n=64)
+    with pytest.raises(TypeError, match="stream_k must be a bool"):
+        CutlassConfig(64, stream_k=1, tile_n=64)
     narrow = CutlassConfig(64, tile_n=64)
     assert narrow.name == "p64x64" and narrow.kernel == narrow and narrow != CutlassConfig(64)
     split = CutlassConfig(128, stream_k=True, splits=3)
@@ -170,7 +172,7 @@ def test_cutlass_call_checks_its_inputs(monkeypatch):
     from fp8linear.ops import cublas_gemm  # the fake CUDA tensors are CPU ones: no stream, no capture
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(cublas_gemm, "_made_outside_pools", cublas_gemm.cublas_weight_scale)
+    monkeypatch.setattr(cublas_gemm, "_made_outside_pools", lambda make, device: make())
     k_major = n_major.contiguous()  # the checkpoint layout: an N-major copy, made once and kept on it
     row = cutlass_gemm.CutlassCall(w, k_major, None, 8, CutlassConfig(64), "row")
     again = cutlass_gemm.CutlassCall(w, k_major, None, 8, CutlassConfig(128), "row")
@@ -189,6 +191,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    from fp8linear.ops import cublas_gemm  # scales kept on the weight's scale: no stream, no capture here
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(cublas_gemm, "_made_outside_pools", lambda make, device: make())
     return fake, torch.zeros(256, 512, dtype=torch.uint8).view(FP8), torch.ones(2, 4)
 
 
@@ -204,7 +210,7 @@ def test_narrow_block_scale_repeats_each_block_per_64_rows(n):
         assert torch.equal(narrow[j], grid[j // 2])
     with pytest.raises(ValueError, match=r"takes the \(ceil\(N/128\), K/128\) grid of an N=300 weight"):
         cutlass_gemm.narrow_block_scale(torch.ones(2, 3), 300, 64)
-    with pytest.raises(ValueError, match="tile_n must divide 128"):
+    with pytest.raises(ValueError, match=r"tile_n must be 32 or 64 \(dividing 128, narrower\), got 128"):
         cutlass_gemm.narrow_block_scale(grid, n, 128)
 
 
@@ -233,10 +239,16 @@ def test_cutlass_call_prepares_data_parallel_kernels(fake_gpu):
     assert once.prepared is None and len(fake.prepared) == 2  # the stream-K call asked, this one did not
 
 
-def test_the_64_wide_kernel_is_prepared_on_the_narrow_scale(fake_gpu):
+def test_the_64_wide_kernel_is_prepared_on_the_narrow_scale(fake_gpu, monkeypatch):
     """A p64x64 call gives the library the weight scale per 64 rows (narrow_block_scale of the
-    grid), held by the call; the 1x128 kernels have no 64-wide variant."""
+    grid), held by the call and kept on the grid: made once per scale (outside CUDA-graph pools),
+    again after an in-place change, and not kept when made during a capture; the 1x128 kernels have
+    no 64-wide variant."""
+    from fp8linear.ops import cublas_gemm
+
     fake, w, w_s = fake_gpu
+    made = []
+    monkeypatch.setattr(cublas_gemm, "_made_outside_pools", lambda make, device: made.append(device) or make())
     w_s = torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8]])
     cfg = CutlassConfig(64, tile_n=64)
     call = cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg)
@@ -244,6 +256,16 @@ def test_the_64_wide_kernel_is_prepared_on_the_narrow_scale(fake_gpu):
     narrow = call.held[1]
     assert key == (cfg, False, "block") and args[1] == narrow.data_ptr() != w_s.data_ptr()
     assert torch.equal(narrow, cutlass_gemm.narrow_block_scale(w_s, 256, 64)) and narrow.shape == (4, 4)
+    assert made == [torch.device("cuda", 0)]
+    again = cutlass_gemm.CutlassCall(w, w_s, None, 16, cfg)
+    assert again.held[1] is narrow and len(made) == 1  # kept on w_s
+    w_s.mul_(2)  # changed in place: made again
+    assert torch.equal(cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg).held[1], narrow * 2) and len(made) == 2
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    w_s.add_(1)
+    captured = cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg).held[1]
+    assert torch.equal(captured, narrow * 2 + 1) and len(made) == 2  # made in the capture, not kept
+    assert cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg).held[1] is not captured
     with pytest.raises(ValueError, match="no CUTLASS kernel p64x64 is built for 'row' weights"):
         cutlass_gemm.CutlassCall(w, torch.ones(256, 4), None, 8, cfg, "row")
 
@@ -375,6 +397,33 @@ def test_an_allocating_call_allocates_and_quantizes_in_one_cpp_call(fake_gpu, pl
     monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: False)
     monkeypatch.setenv("FP8LINEAR_CACHE_DIR", str(plan_call_cache / "empty"))  # not built there
     assert cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096) is None
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_an_allocating_call_asks_for_the_device_guard_where_several_gpus_are_visible(fake_gpu, monkeypatch, several):
+    """The plan-call module gets `guard` set exactly where several GPUs are visible (it then makes
+    x's GPU current for its allocations and launches), with the weight's device index and stream."""
+    fake, w, w_s = fake_gpu
+    seen = []
+
+    class PlanCall:
+        def quantize_and_run(self, *args):
+            seen.append(args)
+            return "y"
+
+        quantize_and_run_kept = quantize_and_run
+
+    c_entry = _QUANT_RUN_PREPARED(lambda *args: 0)
+    fake.quant_run_prepared = {key: c_entry for key in fake.quant_run_prepared}
+    monkeypatch.setattr(cutlass_gemm, "_plan_call", lambda: PlanCall())
+    monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: several)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    run = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096)
+    x = torch.randn(8, 512, dtype=BF16)
+    assert run(x) == "y"
+    (x_arg, shape, entry, prepared, nbytes, offset, m, k, device, stream, guard, what), = seen
+    assert entry == ctypes.cast(c_entry, ctypes.c_void_p).value and x_arg is x and shape == [8, 256] and (nbytes, offset, m, k, device, stream) == (8192, 4096, 8, 512, 0, 77)
+    assert guard is several and prepared == 4097 and "p64x128 GEMM 8x256x512" in what
 
 
 @pytest.mark.parametrize("capability,env,hip,probe_rc,ok", [
@@ -712,6 +761,46 @@ def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias, tile_m, tile_n):
         assert same_bits(y_pdl, y_plain)
     x, y_pdl, _ = outs[-1]
     assert same_bits(y_pdl, run_linear_route(Route("cutlass", cfg), x, w_q, w_s, "block", b))
+
+
+@pytest.mark.gpu
+@needs_cutlass
+def test_a_plan_made_during_capture_reads_the_narrow_scale_kept_by_the_eager_call_before():
+    """An eager call on the 64x64 tiles keeps their scale per 64 rows on the weight's scale; a plan
+    then made inside a CUDA-graph capture (the layer's second call) reads that copy, not one made in
+    the capture (which holds values only after a replay): eager calls right after the capture, before
+    any replay, give the bits of the 64x64 kernel."""
+    from fp8linear import Fp8BlockLinear
+    from fp8linear.ops.cublas_gemm import _HELD_ATTR
+    from fp8linear.reference import dequantize_activation_ref, dequantize_weight_ref
+
+    if not cutlass_gemm.one_call_available():
+        pytest.skip("the plan-call module is not built: eager calls of this size do not run CUTLASS")
+    lin = torch.nn.Linear(2112, 576, bias=False, device="cuda", dtype=BF16)
+    layer = Fp8BlockLinear.from_linear(lin, "block")
+    x = torch.randn(96, 2112, device="cuda", dtype=BF16)
+    with torch.no_grad():
+        graph, out = capture_graph(layer, x)  # an eager call (routed), then the plan made while capturing
+        y = layer(x)  # the plan, eagerly, before any replay
+        plan = next(iter(layer._plans.values()))
+        assert plan.route.config == CutlassConfig(64, tile_n=64)
+        assert ("narrow", 64, 576) in getattr(layer.weight_scale_inv, _HELD_ATTR)
+        expected = cutlass_gemm.cutlass_fp8_gemm(*quantize_activation_for(x), layer.weight, layer.weight_scale_inv,
+                                                 None, CutlassConfig(64, tile_n=64))
+        assert same_bits(y, expected)
+        graph.replay()  # the capture route (another kernel may run there): the same product
+        torch.cuda.synchronize()
+        x_q, x_s = quantize_activation_for(x)
+        ref = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(
+            layer.weight, layer.weight_scale_inv).double().t()
+        assert rel_err(out, ref) < GEMM_TOL[BF16] and rel_err(y, ref) < GEMM_TOL[BF16]
+
+
+def quantize_activation_for(x):
+    from fp8linear import quantize_activation
+
+    x_q, x_s = quantize_activation(x, fp8_dtype=FP8, backend="triton")
+    return x_q, x_s.contiguous()
 
 
 def test_library_quantization_rule():

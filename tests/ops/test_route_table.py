@@ -446,6 +446,7 @@ def test_the_one_call_rule_launches_the_cooperative_kernel_with_pdl_where_it_is_
     (1024, 2112, 7168, False),  # 136 tiles: 0.52 of 2 waves
     (2048, 24576, 1536, False),  # above EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK: the GPU sets the pace
     (512, 7168, 18432, False),
+    (128, 4096, 24576, False),  # 64x64 tiles (128: one wave) run there; their 64x128 tiles fill 0.48 of one
 ])
 def test_eager_calls_run_cutlass_in_place_of_cublas_where_its_tiles_fill_their_waves(monkeypatch, m, n, k, replaced):
     """An eager call routed to cuBLAS (128x128 weights, above SMALL_M_MAX rows, M*N*K at most
