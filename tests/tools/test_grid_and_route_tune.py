@@ -146,10 +146,13 @@ def test_entry_labels_round_trip_through_the_table():
 
 @pytest.mark.parametrize("cfg", CUTLASS_CANDIDATES, ids=lambda c: c.name)
 def test_cutlass_labels_round_trip(cfg):
-    """Every CUTLASS candidate's label reads back as its config (split-K parts included)."""
+    """Every CUTLASS candidate's label reads back as its config (split-K parts and the tile width
+    included), and so does the table entry written from it."""
     entry = route_tune._entry_from_label(route_tune._label("cutlass", cfg))
     doc = {"kernel": "cutlass", **{k: v for k, v in entry.items() if k != "kernel"}, "fallback": {"kernel": "cublas"}}
-    assert route_table._entry(doc, "test").config == cfg
+    parsed = route_table._entry(doc, "test")
+    assert parsed.config == cfg
+    assert route_table.parse_entry(json.loads(json.dumps(route_table.entry_to_json(parsed)))).config == cfg
 
 
 def test_cutlass_entries_need_a_margin_and_keep_a_fallback():
