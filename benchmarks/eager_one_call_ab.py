@@ -4,7 +4,8 @@ allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its programmatic dependent la
 interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
 one-call rule), ``graph-<kernel>`` (the route a CUDA-graph call of that shape runs, launched
 eagerly: act_quant and our split-K, tiled or warp-specialized kernel, cuBLAS or CUTLASS),
-``p64``/``c128`` (the CUTLASS kernels forced, their GEMM launched plain) and ``p64-pdl``/``c128-pdl``
+``p64``/``p64x64``/``c128`` (the CUTLASS kernels forced: 64x128 and 64x64 ping-pong, 128x128
+cooperative; their GEMM launched plain) and ``p64-pdl``/``p64x64-pdl``/``c128-pdl``
 (the same routes with ``Route.pdl``, the library's quantize-and-GEMM call launching both its kernels
 with PDL, for the kernels the build made for it). Before timing, PDL and plain launches of each
 kernel must give the same bits on 20 inputs each made by the kernel just before (else it stops).
@@ -31,6 +32,8 @@ from fp8linear.tools.bench_eager import _burst_times
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eager_cutlass_ab import _forced_layer  # noqa: E402
 
+# the CUTLASS kernels forced: 64x128 ping-pong, 64x64 ping-pong, 128x128 cooperative
+FORCED = {"p64": CutlassConfig(64), "p64x64": CutlassConfig(64, tile_n=64), "c128": CutlassConfig(128)}
 SHAPES = ("2112x7168", "7168x2048", "1536x7168", "24576x1536", "576x7168", "4096x4096", "7168x18432",
           "18432x7168")
 
@@ -60,10 +63,10 @@ def _layers(lin: nn.Linear, x: torch.Tensor) -> dict[str, nn.Module]:
     graph = router.route_linear(x.device, m, lin.out_features, k, "block", torch.float8_e4m3fn, torch.bfloat16,
                                 None, True, True, eager=False, weight_contiguous=True)
     layers[f"graph-{graph.kernel}"] = _route_layer(lin, x, graph)  # what CUDA graphs run, launched eagerly
-    for name, tile in (("p64", 64), ("c128", 128)):
-        layers[name] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile)))
-        if pdl_supported(CutlassConfig(tile)):
-            layers[f"{name}-pdl"] = _route_layer(lin, x, router.Route("cutlass", CutlassConfig(tile), pdl=True))
+    for name, cfg in FORCED.items():
+        layers[name] = _route_layer(lin, x, router.Route("cutlass", cfg))
+        if pdl_supported(cfg):
+            layers[f"{name}-pdl"] = _route_layer(lin, x, router.Route("cutlass", cfg, pdl=True))
     return layers
 
 
@@ -99,7 +102,7 @@ def main() -> None:
             routes = [next(iter(layers[nm]._plans.values())).route.kernel for nm in ("auto", "no-one-call")]
             auto_bf16.append(times["auto"][0] / times["bf16"][0])
             auto_old.append(times["auto"][0] / times["no-one-call"][0])
-            ratios = {nm: times[f"{nm}-pdl"][0] / times[nm][0] for nm in ("p64", "c128") if f"{nm}-pdl" in times}
+            ratios = {nm: times[f"{nm}-pdl"][0] / times[nm][0] for nm in FORCED if f"{nm}-pdl" in times}
             for nm, r in ratios.items():
                 pdl_plain.setdefault(nm, []).append(r)
             cells = " ".join(f"{nm}={w:6.1f}/{h:5.1f}" for nm, (w, h) in times.items())
