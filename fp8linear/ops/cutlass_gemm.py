@@ -9,9 +9,9 @@ kernel cannot do on Hopper, see :mod:`fp8linear.ops.gemm`): the ping-pong kernel
 stream-K. They read the activation
 scales row-major and the 128x128 weight scale grid as stored (1x128 weight scales N-major: the
 (K/128, N) layout :func:`fp8linear.ops.cublas_gemm.held_weight_scale` gives, a view of the copy
-``Fp8BlockLinear`` keeps), and take any M, so nothing is padded
-(the 64x64 tiles read a small copy of the grid), where cuBLAS needs M a multiple of 4 and, for K/128 not a multiple of 4, a padded grid
-(:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
+``Fp8BlockLinear`` keeps), and take any M, so nothing is padded (the 64x64 tiles read a small
+copy of the grid), where cuBLAS needs M a multiple of 4 and, for K/128 not a multiple of 4, a
+padded grid (:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
 16 shapes x M 64-4096, 160 cases): the faster of the 64- and 128-row kernels beat the routed
 kernel by more than 3% in 55 cases, e.g. 2048x7168 at M=333 19.0 against 22.6 us (BF16 20.6),
 1536x576 at M=4096 12.7 against 18.4; at M >= 1024 on large weights they are cuBLAS blockwise's

@@ -20,8 +20,8 @@ per-tensor weights use the heuristic.
 ``kernel`` is ``cublas`` (with an optional ``workspace_mib``, ``row_scales`` and ``algo_m``, a
 :class:`~fp8linear.ops.cublas_gemm.CublasConfig`), ``tiled`` (a
 :class:`~fp8linear.ops.configs.GemmConfig`), ``splitk`` (a
-:class:`~fp8linear.ops.configs.SplitKConfig`), ``cutlass`` (``tile_m`` and optional ``stream_k``, ``splits`` and ``tile_n``, a
-:class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`) or ``ws`` (``stages`` and optional ``block_n``,
+:class:`~fp8linear.ops.configs.SplitKConfig`), ``cutlass`` (``tile_m`` and optional ``stream_k``,
+``splits`` and ``tile_n``, a :class:`~fp8linear.ops.cutlass_gemm.CutlassConfig`) or ``ws`` (``stages`` and optional ``block_n``,
 ``group_m``, ``persistent`` and ``tail_split``, a :class:`~fp8linear.ops.ws_gemm.WsConfig`). The optional kernels'
 entries (OPTIONAL_KERNELS) carry ``fallback``: the entry of the fastest other kernel, which runs where
 the CUTLASS library is not built, where the warp-specialized kernel cannot run (no Gluon with warp
@@ -137,7 +137,8 @@ def _kernel_entry(raw: Any, where: str) -> RouteEntry:
                               _entry(raw["fallback"], f"{where}.fallback"))
         if kernel == "cutlass":
             config = CutlassConfig(tile_m=int(raw["tile_m"]), stream_k=_typed_field(raw, "stream_k", False, bool),
-                                   splits=_typed_field(raw, "splits", 1, int), tile_n=_typed_field(raw, "tile_n", 128, int))
+                                   splits=_typed_field(raw, "splits", 1, int),
+                                   tile_n=_typed_field(raw, "tile_n", 128, int))
             return RouteEntry(kernel, config, _entry(raw["fallback"], f"{where}.fallback"))
         if kernel == "splitk":
             return RouteEntry(kernel, SplitKConfig(block_m=int(raw["block_m"]), block_n=int(raw["block_n"]),

@@ -422,7 +422,8 @@ def test_an_allocating_call_asks_for_the_device_guard_where_several_gpus_are_vis
     x = torch.randn(8, 512, dtype=BF16)
     assert run(x) == "y"
     (x_arg, shape, entry, prepared, nbytes, offset, m, k, device, stream, guard, what), = seen
-    assert entry == ctypes.cast(c_entry, ctypes.c_void_p).value and x_arg is x and shape == [8, 256] and (nbytes, offset, m, k, device, stream) == (8192, 4096, 8, 512, 0, 77)
+    assert entry == ctypes.cast(c_entry, ctypes.c_void_p).value and x_arg is x and shape == [8, 256]
+    assert (nbytes, offset, m, k, device, stream) == (8192, 4096, 8, 512, 0, 77)
     assert guard is several and prepared == 4097 and "p64x128 GEMM 8x256x512" in what
 
 
@@ -785,18 +786,18 @@ def test_a_plan_made_during_capture_reads_the_narrow_scale_kept_by_the_eager_cal
         plan = next(iter(layer._plans.values()))
         assert plan.route.config == CutlassConfig(64, tile_n=64)
         assert ("narrow", 64, 576) in getattr(layer.weight_scale_inv, _HELD_ATTR)
-        expected = cutlass_gemm.cutlass_fp8_gemm(*quantize_activation_for(x), layer.weight, layer.weight_scale_inv,
+        expected = cutlass_gemm.cutlass_fp8_gemm(*_quantized(x), layer.weight, layer.weight_scale_inv,
                                                  None, CutlassConfig(64, tile_n=64))
         assert same_bits(y, expected)
         graph.replay()  # the capture route (another kernel may run there): the same product
         torch.cuda.synchronize()
-        x_q, x_s = quantize_activation_for(x)
+        x_q, x_s = _quantized(x)
         ref = dequantize_activation_ref(x_q, x_s).double() @ dequantize_weight_ref(
             layer.weight, layer.weight_scale_inv).double().t()
         assert rel_err(out, ref) < GEMM_TOL[BF16] and rel_err(y, ref) < GEMM_TOL[BF16]
 
 
-def quantize_activation_for(x):
+def _quantized(x):
     from fp8linear import quantize_activation
 
     x_q, x_s = quantize_activation(x, fp8_dtype=FP8, backend="triton")
