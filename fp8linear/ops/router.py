@@ -530,6 +530,19 @@ _ROW_FORM = CublasConfig(row_scales=True)
 DECODE_CUBLAS_MIN_NK = 1024
 DECODE_CUBLAS_MAX_N = 8192
 DECODE_CUBLAS_MAX_K_OVER_N = 1.5
+# From DECODE_CUBLAS_LONG_K_MIN_M rows the 1x128-scaled cuBLAS kernels also win on long K (any K from
+# DECODE_CUBLAS_MIN_NK on weights of N in [DECODE_CUBLAS_MIN_NK, DECODE_CUBLAS_MAX_N]) and, for
+# row-wise weights, on wider weights from DECODE_CUBLAS_WIDE_ROW_MIN_K. The shipped routes tables'
+# entries at M 32 and 64 on the shapes this adds (27 per M, both sections): cuBLAS won 42 of 54 on
+# H100 and 53 of 54 on H200 (e.g. H100 4096x14336 block M=32 25.0 against our 29.3 us, 7168x18432 row
+# M=64 51.4 against 69.7); at M=16 our split-K won most of them. Shapes in no table (H100, tune-routes,
+# the time of our kernel the heuristic ran, M=32 / 64): 4096x12288 block 0.86 / 0.82x and row 0.78 /
+# 0.74x, 5120x13824 block 0.86 / 0.74x and row 0.80 / 0.71x, 13824x5120 row 0.80 / 0.89x. The cut is
+# the middle of 16 and 32. Left out: block weights wider than DECODE_CUBLAS_MAX_N (our tiled kernel
+# or CUTLASS won 23 of their 24 entries at M 32 and 64), and row-wise 24576x1536 (K=1536; our tiled
+# kernel on H100).
+DECODE_CUBLAS_LONG_K_MIN_M = 24
+DECODE_CUBLAS_WIDE_ROW_MIN_K = 2048
 # Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per
 # SM; in that sweep 1 program per SM beat 2), and the tiled kernel with 64x64 tiles where 128x128
 # tiles leave SMs idle (N=576, K=1536, M=512: 6.3 vs 7.8 us for 128x128).
@@ -889,6 +902,20 @@ def mid_splitk_config(m: int, n: int, k: int, device: torch.device) -> SplitKCon
     return SplitKConfig(block_m=bm, block_n=bn, split_k=split, num_warps=4, num_stages=4)
 
 
+def decode_cublas(m: int, n: int, k: int, granularity: str) -> bool:
+    """Whether a shape in no table runs cuBLAS with 1x128 scales at up to SMALL_M_MAX rows (where
+    cuBLAS takes it): square-ish weights of mid width at any M (DECODE_CUBLAS_MIN_NK,
+    DECODE_CUBLAS_MAX_N, DECODE_CUBLAS_MAX_K_OVER_N); from DECODE_CUBLAS_LONG_K_MIN_M rows also long K
+    there, and row-wise weights of any width from DECODE_CUBLAS_WIDE_ROW_MIN_K."""
+    if n < DECODE_CUBLAS_MIN_NK or k < DECODE_CUBLAS_MIN_NK:
+        return False
+    if n <= DECODE_CUBLAS_MAX_N and k <= DECODE_CUBLAS_MAX_K_OVER_N * n:
+        return True
+    if m < DECODE_CUBLAS_LONG_K_MIN_M:
+        return False
+    return n <= DECODE_CUBLAS_MAX_N or (granularity == "row" and k >= DECODE_CUBLAS_WIDE_ROW_MIN_K)
+
+
 def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, cublas_ok: bool,
                operands_tma_ok: bool, pdl: bool) -> Route:
     """Shapes without a table entry: above SMALL_M_MAX rows, cuBLAS with 1x128 scales (row-wise
@@ -896,10 +923,8 @@ def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, c
     tiles per SM, and cuBLAS once the tiles
     give CUBLAS_MIN_TILES_PER_SM per SM; else our split-K where it applies; else cuBLAS from
     CUBLAS_ANY_TILES_M rows; else our persistent or tiled kernel. Up to SMALL_M_MAX rows, cuBLAS
-    with 1x128 scales on square-ish weights of mid width (DECODE_CUBLAS_*)."""
-    if (cublas_ok and m <= SMALL_M_MAX and granularity != "tensor"
-            and DECODE_CUBLAS_MIN_NK <= n <= DECODE_CUBLAS_MAX_N
-            and DECODE_CUBLAS_MIN_NK <= k <= DECODE_CUBLAS_MAX_K_OVER_N * n):
+    with 1x128 scales where :func:`decode_cublas` says so."""
+    if cublas_ok and m <= SMALL_M_MAX and granularity != "tensor" and decode_cublas(m, n, k, granularity):
         return Route("cublas", _ROW_FORM if granularity == "block" else None)
     if cublas_ok and m > SMALL_M_MAX:
         tiles = _tiles(m, n, 128, 128)

@@ -266,6 +266,14 @@ def _our_candidates(m: int, n: int, k: int, device: torch.device, granularity: s
     return out
 
 
+def cublas_runs(n: int, k: int, device: torch.device, granularity: str) -> bool:
+    """Whether cuBLAS blockwise takes this weight shape on `device` (bf16 output, no bias): the
+    heuristic's `cublas_ok` for a layer of this shape."""
+    from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
+
+    return cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
+
+
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
                challengers: Sequence[str] = (), algo_ms: Sequence[int] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
@@ -275,13 +283,12 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     of the next ALGO_NEXT_MS of `algo_ms` and of the ALGO_PREV_MS before M; CUBLAS: cuBLAS in every
     form; TILED: our tiled and split-K kernels on every config a full sweep times)."""
     from ..ops import router
-    from ..ops.cublas_gemm import cublas_accepts, cublas_device_ok
 
     unknown = set(challengers) - set(CHALLENGERS) - {ALGO, CUBLAS, TILED}
     if unknown:
         raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)}, {ALGO!r}, {CUBLAS!r} or {TILED!r}, "
                          f"got {sorted(unknown)}")
-    cublas_ok = cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
+    cublas_ok = cublas_runs(n, k, device, granularity)
     heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
     optional = {"cutlass": _cutlass_candidates, "ws": _ws_candidates}
     if challengers:
@@ -381,7 +388,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                         log(f"  {gran} {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
                 us = time_rounds(rounds, _REPLAYS)
                 del rounds
-                heur = router._heuristic(device, m, n, k, gran, "cublas" in us, True, False)
+                # the route a shape in no table gets on this GPU (cuBLAS where it takes the shape, timed or not)
+                heur = router._heuristic(device, m, n, k, gran, cublas_runs(n, k, device, gran), True, False)
                 rows.append({"granularity": gran, "n": n, "k": k, "m": m, "us": us,
                              "heuristic": _label(heur.kernel, heur.config)})
                 best = min((v, lab) for lab, v in us.items() if lab != "bf16")
@@ -643,6 +651,9 @@ def run(args: argparse.Namespace) -> int:
     write_table({"gpu": name, "meta": meta, "rows": rows}, out / "route_sweep.json")
     merge = bool(challengers) or getattr(args, "merge_ms", False)
     path = write_table(build_table(rows, name, meta, base, merge_ms=merge), routes_path(name, out))
-    print(heuristic_report(rows))
+    if challengers:  # only the table's entries and the challengers were timed: the heuristic's choice mostly not
+        print("heuristic / fastest: not reported with --challengers (run without it on shapes in no table)")
+    else:
+        print(heuristic_report(rows))
     print(f"wrote {path} ({len(rows)} cases) and {out / 'route_sweep.json'}")
     return 0

@@ -179,17 +179,25 @@ def test_few_tiles_above_decode_sizes_go_to_cublas_with_1x128_scales(granularity
     assert route.kernel == kernel and route.config == config
 
 
-@pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("n,k,on_cublas", [
-    (3072, 3072, True), (7168, 2048, True), (2048, 1408, True), (8192, 8192, True), (1408, 2048, True),
-    (576, 7168, False), (2112, 7168, False), (1024, 8192, False), (18944, 3584, False), (576, 576, False),
-    (5120, 13824, False), (1024, 768, False)])
-def test_decode_goes_to_cublas_on_square_mid_width_weights(m, n, k, on_cublas, monkeypatch):
+@pytest.mark.parametrize("m", [1, 16, 23, 24, 64])
+@pytest.mark.parametrize("n,k,square,long_k_block,long_k_row", [
+    (3072, 3072, True, True, True), (7168, 2048, True, True, True), (2048, 1408, True, True, True),
+    (8192, 8192, True, True, True), (1408, 2048, True, True, True),
+    (2112, 7168, False, True, True), (1024, 8192, False, True, True), (5120, 13824, False, True, True),
+    (4096, 12288, False, True, True),
+    (18944, 3584, False, False, True), (13824, 5120, False, False, True), (24576, 2048, False, False, True),
+    (24576, 1536, False, False, False), (576, 7168, False, False, False), (576, 576, False, False, False),
+    (1024, 768, False, False, False)])
+def test_decode_goes_to_cublas_on_mid_width_weights(m, n, k, square, long_k_block, long_k_row, monkeypatch):
     """Up to 64 rows, shapes in no table run cuBLAS with 1x128 scales where N is 1024-8192 and K is
-    1024 to 1.5 N (measured 0.64-0.94x our split-K's time there), our kernels elsewhere; not without
-    cuBLAS, nor above 64 rows by this rule."""
+    1024 to 1.5 N (measured 0.64-0.94x our split-K's time there); from 24 rows also on long K there
+    and, for row-wise weights, on wider weights from K=2048; our kernels elsewhere; not without
+    cuBLAS."""
     monkeypatch.setattr(router, "sm_count", lambda device: 132)
-    for granularity, config in (("block", ROW_FORM), ("row", None)):
+    long_rows = m >= router.DECODE_CUBLAS_LONG_K_MIN_M
+    for granularity, config, long_k in (("block", ROW_FORM, long_k_block), ("row", None, long_k_row)):
+        on_cublas = square or (long_rows and long_k)
+        assert router.decode_cublas(m, n, k, granularity) is on_cublas
         route = router._heuristic(CPU, m, n, k, granularity, True, False, False)
         assert (route.kernel == "cublas") is on_cublas, (granularity, route)
         if on_cublas:

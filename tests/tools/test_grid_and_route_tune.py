@@ -542,3 +542,21 @@ def test_merge_ms_needs_update(capsys, monkeypatch):
 def test_tune_routes_needs_a_gpu(capsys):
     assert route_tune.run(argparse.Namespace(shapes=None, m=None, quick=True, deadline_s=1.0, out="x")) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n,k,gran,device_ok,expected", [
+    (2112, 7168, "block", True, True), (2112, 7168, "row", True, True), (2112, 7168, "block", False, False),
+    (2112, 300, "block", True, False), (300, 7168, "row", True, False)])
+def test_the_sweeps_heuristic_may_take_cublas_wherever_cublas_takes_the_shape(monkeypatch, n, k, gran, device_ok,
+                                                                             expected):
+    """The heuristic's choice recorded per sweep row is the route of a shape in no table on this GPU:
+    cuBLAS is open to it wherever cuBLAS takes the shape, whether or not a candidate named plainly
+    "cublas" was timed (--challengers times the table's entries only)."""
+    from fp8linear.ops import cublas_gemm, router
+
+    monkeypatch.setattr(cublas_gemm, "cublas_device_ok", lambda device: device_ok)
+    monkeypatch.setattr(router, "sm_count", lambda device: 132)
+    assert route_tune.cublas_runs(n, k, torch.device("cpu"), gran) is expected
+    heur = router._heuristic(torch.device("cpu"), 384, n, k, gran, route_tune.cublas_runs(n, k, torch.device("cpu"),
+                                                                                            gran), True, False)
+    assert (heur.kernel == "cublas") is expected
