@@ -524,23 +524,26 @@ _ROW_FORM = CublasConfig(row_scales=True)
 # DECODE_CUBLAS_MIN_NK to DECODE_CUBLAS_MAX_K_OVER_N x N. H100, CUDA graphs, cuBLAS timed with the
 # weight scale held (tune-routes --challengers cublas): on every table shape the rule picks
 # (1408x2048, 2048x1408, 3584x3584, 4096x4096, 7168x2048, 8192x8192) cuBLAS took 0.64-0.94x our
-# kernels' time at M 1-64, both granularities; outside it our kernels tie or win at some M (576x7168
-# 1.24-1.33x, 2112x7168 1.07-1.12x, 1024x8192 1.08-1.11x, 18944x3584 1.05-1.16x); shapes in no table
+# kernels' time at M 1-64, both granularities; outside it our kernels tie or win at some M below
+# DECODE_CUBLAS_LONG_K_MIN_M (576x7168 1.24-1.33x, 2112x7168 1.07-1.12x, 1024x8192 1.08-1.11x,
+# 18944x3584 1.05-1.16x); shapes in no table
 # (tune-routes --quick, M=16): 3072x3072 0.77x, 2560x2560 0.82x, 5120x5120 0.83x, 8192x3072 0.89x.
 DECODE_CUBLAS_MIN_NK = 1024
 DECODE_CUBLAS_MAX_N = 8192
 DECODE_CUBLAS_MAX_K_OVER_N = 1.5
 # From DECODE_CUBLAS_LONG_K_MIN_M rows the 1x128-scaled cuBLAS kernels also win on long K (any K from
 # DECODE_CUBLAS_MIN_NK on weights of N in [DECODE_CUBLAS_MIN_NK, DECODE_CUBLAS_MAX_N]) and, for
-# row-wise weights, on wider weights from DECODE_CUBLAS_WIDE_ROW_MIN_K. The shipped routes tables'
-# entries at M 32 and 64 on the shapes this adds (27 per M, both sections): cuBLAS won 42 of 54 on
-# H100 and 53 of 54 on H200 (e.g. H100 4096x14336 block M=32 25.0 against our 29.3 us, 7168x18432 row
-# M=64 51.4 against 69.7); at M=16 our split-K won most of them. Shapes in no table (H100, tune-routes,
-# the time of our kernel the heuristic ran, M=32 / 64): 4096x12288 block 0.86 / 0.82x and row 0.78 /
-# 0.74x, 5120x13824 block 0.86 / 0.74x and row 0.80 / 0.71x, 13824x5120 row 0.80 / 0.89x. The cut is
-# the middle of 16 and 32. Left out: block weights wider than DECODE_CUBLAS_MAX_N (our tiled kernel
-# or CUTLASS won 23 of their 24 entries at M 32 and 64), and row-wise 24576x1536 (K=1536; our tiled
-# kernel on H100).
+# row-wise weights, on wider weights from DECODE_CUBLAS_WIDE_ROW_MIN_K. The routes tables' entries at
+# M 32 and 64 on the shapes this adds (27 per M, both sections) name cuBLAS in 45 of 54 on H100 and 53
+# of 54 on H200 (e.g. H100 4096x14336 block M=32 25.0 against our 29.3 us, 7168x18432 row M=64 51.4
+# against 69.7); the known loss is 1024x8192 on H100, where our split-K is the entry in both sections
+# at M 32 and 64 (cuBLAS 1.08-1.11x its time, above). At M=16 the entries split: cuBLAS in 11 of 27
+# on H100, 15 of 27 on H200, our kernels or CUTLASS in the rest. Shapes in no table (H100, tune-routes,
+# cuBLAS's time over our kernel's, the route without this rule, M=32 / 64): 4096x12288 block 0.86 /
+# 0.82x and row 0.78 / 0.74x, 5120x13824 block 0.86 / 0.74x and row 0.80 / 0.71x, 13824x5120 row 0.80
+# / 0.89x. The cut is the middle of 16 and 32. Left out: block weights wider than DECODE_CUBLAS_MAX_N
+# (our tiled kernel or CUTLASS is the entry in 22 of their 24 at M 32 and 64), and row-wise 24576x1536
+# (K=1536; our tiled kernel on H100).
 DECODE_CUBLAS_LONG_K_MIN_M = 24
 DECODE_CUBLAS_WIDE_ROW_MIN_K = 2048
 # Above SMALL_M_MAX rows, split-K with 64x64 tiles where they do not fill the SMs (one program per
@@ -906,8 +909,9 @@ def decode_cublas(m: int, n: int, k: int, granularity: str) -> bool:
     """Whether a shape in no table runs cuBLAS with 1x128 scales at up to SMALL_M_MAX rows (where
     cuBLAS takes it): square-ish weights of mid width at any M (DECODE_CUBLAS_MIN_NK,
     DECODE_CUBLAS_MAX_N, DECODE_CUBLAS_MAX_K_OVER_N); from DECODE_CUBLAS_LONG_K_MIN_M rows also long K
-    there, and row-wise weights of any width from DECODE_CUBLAS_WIDE_ROW_MIN_K."""
-    if n < DECODE_CUBLAS_MIN_NK or k < DECODE_CUBLAS_MIN_NK:
+    there, and row-wise weights of any width from DECODE_CUBLAS_WIDE_ROW_MIN_K; never per-tensor
+    weights."""
+    if granularity not in ("block", "row") or n < DECODE_CUBLAS_MIN_NK or k < DECODE_CUBLAS_MIN_NK:
         return False
     if n <= DECODE_CUBLAS_MAX_N and k <= DECODE_CUBLAS_MAX_K_OVER_N * n:
         return True
@@ -924,7 +928,7 @@ def _heuristic(device: torch.device, m: int, n: int, k: int, granularity: str, c
     give CUBLAS_MIN_TILES_PER_SM per SM; else our split-K where it applies; else cuBLAS from
     CUBLAS_ANY_TILES_M rows; else our persistent or tiled kernel. Up to SMALL_M_MAX rows, cuBLAS
     with 1x128 scales where :func:`decode_cublas` says so."""
-    if cublas_ok and m <= SMALL_M_MAX and granularity != "tensor" and decode_cublas(m, n, k, granularity):
+    if cublas_ok and m <= SMALL_M_MAX and decode_cublas(m, n, k, granularity):
         return Route("cublas", _ROW_FORM if granularity == "block" else None)
     if cublas_ok and m > SMALL_M_MAX:
         tiles = _tiles(m, n, 128, 128)

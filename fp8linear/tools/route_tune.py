@@ -274,6 +274,16 @@ def cublas_runs(n: int, k: int, device: torch.device, granularity: str) -> bool:
     return cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
 
 
+def heuristic_label(device: torch.device, m: int, n: int, k: int, granularity: str) -> str:
+    """The label of the route a shape in no table gets on `device` (what a sweep row records as the
+    heuristic's choice): cuBLAS open to it wherever cuBLAS takes the shape, whether or not this
+    sweep timed cuBLAS there."""
+    from ..ops import router
+
+    heur = router._heuristic(device, m, n, k, granularity, cublas_runs(n, k, device, granularity), True, False)
+    return _label(heur.kernel, heur.config)
+
+
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
                challengers: Sequence[str] = (), algo_ms: Sequence[int] = ()) -> dict[str, tuple[str, Any]]:
     """label -> (kernel, config) of every candidate for one GEMM (cuBLAS where it accepts the shape,
@@ -388,10 +398,8 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                         log(f"  {gran} {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
                 us = time_rounds(rounds, _REPLAYS)
                 del rounds
-                # the route a shape in no table gets on this GPU (cuBLAS where it takes the shape, timed or not)
-                heur = router._heuristic(device, m, n, k, gran, cublas_runs(n, k, device, gran), True, False)
                 rows.append({"granularity": gran, "n": n, "k": k, "m": m, "us": us,
-                             "heuristic": _label(heur.kernel, heur.config)})
+                             "heuristic": heuristic_label(device, m, n, k, gran)})
                 best = min((v, lab) for lab, v in us.items() if lab != "bf16")
                 log(f"[{time.monotonic() - t0:5.0f}s] {gran} {n}x{k} M={m}: BF16 {us['bf16']:.1f} "
                     f"best {best[1]} {best[0]:.1f}")

@@ -184,7 +184,8 @@ def test_few_tiles_above_decode_sizes_go_to_cublas_with_1x128_scales(granularity
     (3072, 3072, True, True, True), (7168, 2048, True, True, True), (2048, 1408, True, True, True),
     (8192, 8192, True, True, True), (1408, 2048, True, True, True),
     (2112, 7168, False, True, True), (1024, 8192, False, True, True), (5120, 13824, False, True, True),
-    (4096, 12288, False, True, True),
+    (4096, 12288, False, True, True), (8192, 28672, False, True, True),
+    (8193, 28672, False, False, True), (14336, 16384, False, False, True),
     (18944, 3584, False, False, True), (13824, 5120, False, False, True), (24576, 2048, False, False, True),
     (24576, 1536, False, False, False), (576, 7168, False, False, False), (576, 576, False, False, False),
     (1024, 768, False, False, False)])
@@ -203,6 +204,7 @@ def test_decode_goes_to_cublas_on_mid_width_weights(m, n, k, square, long_k_bloc
         if on_cublas:
             assert route.config == config
         assert router._heuristic(CPU, m, n, k, granularity, False, False, False).kernel != "cublas"
+    assert not router.decode_cublas(m, n, k, "tensor")  # per-tensor weights: never by this rule
 
 
 def test_mid_splitk_config():
