@@ -46,7 +46,7 @@ import torch
 from .config_tables import table_filename
 from .configs import GemmConfig, SplitKConfig
 from .cublas_gemm import CublasConfig
-from .cutlass_gemm import CutlassConfig, configs_for
+from .cutlass_gemm import CUTLASS_TILE_N, CutlassConfig, configs_for
 from .ws_gemm import WsConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS",
@@ -179,7 +179,7 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
             out.update(tail_split=c.tail_split)
     elif isinstance(c, CutlassConfig):
         out.update(tile_m=c.tile_m)
-        if c.tile_n != 128:
+        if c.tile_n != CUTLASS_TILE_N:
             out.update(tile_n=c.tile_n)
         if c.stream_k:
             out.update(stream_k=True)

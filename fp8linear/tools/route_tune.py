@@ -126,7 +126,9 @@ def _label(kernel: str, cfg: Any) -> str:
     if kernel == "splitk":
         return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
     if kernel == "cutlass":
-        return (f"cutlass:{cfg.tile_m}" + (f"x{cfg.tile_n}" if cfg.tile_n != 128 else "")
+        from ..ops.cutlass_gemm import CUTLASS_TILE_N
+
+        return (f"cutlass:{cfg.tile_m}" + (f"x{cfg.tile_n}" if cfg.tile_n != CUTLASS_TILE_N else "")
                 + (f"k{cfg.splits}" if cfg.splits > 1 else "sk" if cfg.stream_k else ""))
     if kernel == "ws":
         return (f"ws:{cfg.block_n}s{cfg.stages}g{cfg.group_m}" + ("p" if cfg.persistent else "")
@@ -274,13 +276,17 @@ def cublas_runs(n: int, k: int, device: torch.device, granularity: str) -> bool:
     return cublas_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cublas_device_ok(device)
 
 
-def heuristic_label(device: torch.device, m: int, n: int, k: int, granularity: str) -> str:
-    """The label of the route a shape in no table gets on `device` (what a sweep row records as the
-    heuristic's choice): cuBLAS open to it wherever cuBLAS takes the shape, whether or not this
-    sweep timed cuBLAS there."""
+def heuristic_route(device: torch.device, m: int, n: int, k: int, granularity: str):
+    """The route a shape in no table gets on `device` as CUDA graphs run it: cuBLAS open to it wherever
+    cuBLAS takes the shape (:func:`cublas_runs`), whether or not a sweep times cuBLAS there."""
     from ..ops import router
 
-    heur = router._heuristic(device, m, n, k, granularity, cublas_runs(n, k, device, granularity), True, False)
+    return router._heuristic(device, m, n, k, granularity, cublas_runs(n, k, device, granularity), True, False)
+
+
+def heuristic_label(device: torch.device, m: int, n: int, k: int, granularity: str) -> str:
+    """The label of :func:`heuristic_route` (what a sweep row records as the heuristic's choice)."""
+    heur = heuristic_route(device, m, n, k, granularity)
     return _label(heur.kernel, heur.config)
 
 
@@ -292,14 +298,12 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     TILED): the shipped table's entry and those kernels' candidates (ALGO: cuBLAS on the algorithms
     of the next ALGO_NEXT_MS of `algo_ms` and of the ALGO_PREV_MS before M; CUBLAS: cuBLAS in every
     form; TILED: our tiled and split-K kernels on every config a full sweep times)."""
-    from ..ops import router
-
     unknown = set(challengers) - set(CHALLENGERS) - {ALGO, CUBLAS, TILED}
     if unknown:
         raise ValueError(f"challengers are optional kernels {tuple(CHALLENGERS)}, {ALGO!r}, {CUBLAS!r} or {TILED!r}, "
                          f"got {sorted(unknown)}")
     cublas_ok = cublas_runs(n, k, device, granularity)
-    heur = router._heuristic(device, m, n, k, granularity, cublas_ok, True, False)
+    heur = heuristic_route(device, m, n, k, granularity)
     optional = {"cutlass": _cutlass_candidates, "ws": _ws_candidates}
     if challengers:
         # a shape in no table: the heuristic's choice is what the challengers must beat
