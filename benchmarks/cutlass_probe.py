@@ -9,7 +9,9 @@ method with CUDA graphs over operand sets rotated past L2, interleaved (fp8linea
         --configs p64x128 c128x128 s128x128 k2_128x128 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
 
 (Config names as ``CutlassConfig.name``: ``kS_128x128`` is the stream-K kernel with S split-K parts;
-``p64x64`` gets the weight scale per 64 rows, as CutlassCall gives it.)
+``p64x64`` gets the weight scale per 64 rows, as CutlassCall gives it. A ``row_`` prefix runs the
+1x128-weight kernel of that name, ``fp8l_row_<name>``, on the 128x128 weights' scales expanded to
+one per weight row, N-major: what a tile whose width is no multiple of 128 reads.)
 
 The results in docs/results/cutlass_probe_h100.csv came from a first build of the source (entry
 points without the device, SM-count and split arguments, and more tile and cluster shapes: c128x128_1x1 /
@@ -42,8 +44,10 @@ def load(lib_path: str, names: list[str]):
     lib = ctypes.CDLL(lib_path)
     fns = {}
     for label in names:
-        split = re.fullmatch(r"k(\d+)_(\d+)x128", label)
-        name, splits = (f"s{split.group(2)}x128", split.group(1)) if split else (label, "")
+        row, base = label.startswith("row_"), label.removeprefix("row_")
+        split = re.fullmatch(r"k(\d+)_(\d+)x128", base)
+        name, splits = (f"s{split.group(2)}x128", split.group(1)) if split else (base, "")
+        name = f"row_{name}" if row else name
         run = getattr(lib, f"fp8l_{name}_run")
         run.restype = ctypes.c_int
         run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
@@ -55,6 +59,12 @@ def load(lib_path: str, names: list[str]):
         ws.argtypes = [ctypes.c_int] * 6
         fns[label] = (run, can, ws, int(splits or 1))
     return fns
+
+
+def row_expanded_scale(w_s: torch.Tensor, n: int) -> torch.Tensor:
+    """A 128x128 weight's (ceil(N/128), ceil(K/128)) scale grid as one scale per weight row and K
+    group, N-major ((ceil(K/128), N) contiguous): what the 1x128-weight kernels read."""
+    return w_s.repeat_interleave(128, dim=0)[:n].t().contiguous()
 
 
 def cutlass_fn(run, ws_size, m, n, k, device, splits=1):
@@ -114,7 +124,8 @@ def main(argv=None) -> int:
                                         torch.cuda.get_device_properties(device).multi_processor_count, splits),
                                 m, n, k, device, splits)
                 # the 64x64 tiles read the grid per 64 rows (what CutlassCall passes them)
-                sb = narrow_block_scale(w_s, n, 64) if name.endswith("x64") else w_s
+                sb = (row_expanded_scale(w_s, n) if name.startswith("row_")
+                      else narrow_block_scale(w_s, n, 64) if name.endswith("x64") else w_s)
                 y = fn(x_q, x_s, w_q, sb)[sel].double().cpu()
                 errs[name] = ((y - ref).norm() / ref.norm()).item()
                 a = (x_q, x_s, w_q, sb)

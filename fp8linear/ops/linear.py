@@ -331,16 +331,12 @@ class LinearPlan:
         if cublas_linear is None:
             def cublas_linear() -> CublasLinear:
                 return CublasLinear(w_q, w_s, granularity, bias)
-        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_linear, share)
-        capture_calls: tuple[KernelCall, ...] = ()
+        capture_run, capture_calls = None, ()
         if capture_route is not None and not serves_capture(route, capture_route) and x.device.type == "cuda":
             # the eager route's choice does not hold inside CUDA-graph capture: there the other one runs
             capture_run, capture_calls = self._prepare(capture_route, x, w_q, w_s, granularity, bias, counters,
                                                        cublas_linear, None)
-            eager_run, is_capturing = run, torch.cuda.is_current_stream_capturing
-
-            def run(x: torch.Tensor) -> torch.Tensor:
-                return capture_run(x) if is_capturing() else eager_run(x)
+        run, calls = self._prepare(route, x, w_q, w_s, granularity, bias, counters, cublas_linear, share, capture_run)
 
         self.run: Callable[[torch.Tensor], torch.Tensor] = run
         self.calls: tuple[KernelCall, ...] = calls  # the prepared launches of the eager route (none: unprepared)
@@ -354,19 +350,32 @@ class LinearPlan:
     @staticmethod
     def _prepare(route: Route, x_in: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                  bias: torch.Tensor | None, counters: torch.Tensor | None,
-                 cublas_linear: Callable[[], CublasLinear],
-                 share: SharedActivations | None) -> tuple[Callable, tuple[KernelCall, ...]]:
+                 cublas_linear: Callable[[], CublasLinear], share: SharedActivations | None,
+                 capture_run: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> tuple[Callable, tuple[KernelCall, ...]]:
+        """(run, its prepared launches) of `route`; with `capture_run`, run calls that instead inside
+        CUDA-graph capture (the CUTLASS route in its own capture check, the others through a wrapper)."""
         k = x_in.shape[-1]
         x = x_in.reshape(-1, k)
         m, n = x.shape[0], w_q.shape[0]
         out_shape = (*x_in.shape[:-1], n)
         device, out_dtype = x.device, x.dtype
 
+        def either(run: Callable, calls: tuple[KernelCall, ...]) -> tuple[Callable, tuple[KernelCall, ...]]:
+            if capture_run is None:
+                return run, calls
+            is_capturing = torch.cuda.is_current_stream_capturing
+
+            def run_either(x: torch.Tensor) -> torch.Tensor:
+                return capture_run(x) if is_capturing() else run(x)
+
+            return run_either, calls
+
         def unprepared(x: torch.Tensor) -> torch.Tensor:
             return run_linear_route(route, x.reshape(m, k), w_q, w_s, granularity, bias, counters).reshape(out_shape)
 
         if m == 0 or n == 0 or k == 0 or route.kernel in ("persistent", "ws") or not aligned(x):
-            return unprepared, ()
+            return either(unprepared, ())
         fp8_dtype = w_q.dtype
         if route.kernel == "cublas":
             runner = cublas_linear()  # the layer's: shared by its cuBLAS plans, for any M
@@ -379,7 +388,7 @@ class LinearPlan:
                     return runner(x, *form, share)
             else:
                 run = runner if form == (LT_WORKSPACE_LIMIT, runner.row_scales, 0) else (lambda x: runner(x, *form))
-            return run, (runner.quant_call(x, x_q0, x_s0),)
+            return either(run, (runner.quant_call(x, x_q0, x_s0),))
         y0 = torch.empty((m, n), dtype=out_dtype, device=device)
         groups = triton.cdiv(k, GROUP_SIZE)
         quant_bufs = [((m, k), fp8_dtype), ((m, groups), torch.float32)]
@@ -387,7 +396,7 @@ class LinearPlan:
             tile_counters, sync = split_counters(counters, m, n, route.config, device)
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, tile_counters)
             if tile_counters is None:
-                return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
+                return either(unprepared, ())  # no counters to count in: fresh counters per call, as unprepared
             scratch = Scratch(quant_bufs + ([(part_shape, torch.float32)] if part_shape else []))
             x_q0, x_s0, *part0 = scratch.views(scratch.allocate(device))
             grid, args, options = fused_decode_args(x, x_q0, x_s0, w_q, w_s, y0, granularity, bias, route.config, split,
@@ -409,7 +418,7 @@ class LinearPlan:
                     one(xv, *bufs[:2], yv, yv, *bufs[2:])
                 return y
 
-            return run_decode, (one,)
+            return either(run_decode, (one,))
         if route.kernel == "gemv":
             grid, args, options = fused_gemv_args(x, w_q, w_s, y0, granularity, bias, route.config)
             gemv = KernelCall(_fused_fp8_gemv_kernel, grid, args, options, ("x_ptr", "y_ptr") + (() if bias is not None else ("bias_ptr",)))
@@ -423,14 +432,15 @@ class LinearPlan:
                     gemv(x, y, y)  # without a bias, the kernel's unused bias pointer is y
                 return y
 
-            return run_gemv, (gemv,)
+            return either(run_gemv, (gemv,))
         if route.kernel == "cutlass":
-            return LinearPlan._prepare_cutlass(route, x, w_q, w_s, granularity, bias, out_shape, quant_bufs, share)
+            return LinearPlan._prepare_cutlass(route, x, w_q, w_s, granularity, bias, out_shape, quant_bufs, share,
+                                               capture_run)
         split, count, part_shape = ((1, 0), None, None)
         if route.kernel == "splitk":
             split, count, part_shape = splitk_buffers(m, n, route.config, k, device, counters)
             if part_shape is not None and count is not counters:
-                return unprepared, ()  # no counters to count in: fresh counters per call, as unprepared
+                return either(unprepared, ())  # no counters to count in: fresh counters per call, as unprepared
         scratch = Scratch(quant_bufs + ([(part_shape, torch.float32)] if part_shape else []))
         x_q0, x_s0, *part0 = scratch.views(scratch.allocate(device))
         grid, args, options = act_quant_args(x, x_q0, x_s0, route.release_early)
@@ -470,18 +480,22 @@ class LinearPlan:
             gemm(bufs[0], bufs[1], yv, *(yv,) * fill, *bufs[2:])
             return y
 
-        return run_two, (quant, gemm)
+        return either(run_two, (quant, gemm))
 
     @staticmethod
     def _prepare_cutlass(route: Route, x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                          bias: torch.Tensor | None, out_shape: tuple[int, ...], quant_bufs: list,
-                         share: SharedActivations | None) -> tuple[Callable, tuple[KernelCall, ...]]:
+                         share: SharedActivations | None,
+                         capture_run: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         ) -> tuple[Callable, tuple[KernelCall, ...]]:
         """act_quant (row-major scales), then the CUTLASS GEMM called on raw addresses; the quantized
         activations, their scales and CUTLASS's workspace share one allocation. Eagerly, on inputs
         the router gives to it (:func:`fp8linear.ops.router.use_library_quantization`), a prepared
         GEMM's call quantizes x itself: both kernels from one host call (act_quant's bytes), which
         also allocates the output and the scratch where the plan-call module is built
-        (:meth:`~fp8linear.ops.cutlass_gemm.CutlassCall.allocating_call`)."""
+        (:meth:`~fp8linear.ops.cutlass_gemm.CutlassCall.allocating_call`). With `capture_run`, that
+        runs inside CUDA-graph capture instead, decided in the same capture check as the eager call's
+        (one check a call: host time)."""
         m, device = x.shape[0], x.device
         gemm = CutlassCall(w_q, w_s, bias, m, route.config, granularity, pdl=route.pdl)
         fused = gemm.with_quantization() if use_library_quantization(m, x.shape[1], x.dtype) else None
@@ -496,9 +510,14 @@ class LinearPlan:
         if share is not None:
             share.register(key, w_q)
 
+        watch_capture = fused is not None or capture_run is not None
+
         def run_cutlass(x: torch.Tensor) -> torch.Tensor:
+            eager = watch_capture and not capturing()
+            if capture_run is not None and not eager:
+                return capture_run(x)
             shared = share.lookup(x, key) if share is not None else None
-            if shared is None and fused is not None and not capturing():  # eager: host time sets the pace
+            if shared is None and fused is not None and eager:  # eager: host time sets the pace
                 if allocating is not None:  # the allocations too, in the same C++ call
                     if share is None:
                         return allocating(x)

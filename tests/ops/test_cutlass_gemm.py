@@ -735,6 +735,40 @@ def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypa
 
 @pytest.mark.gpu
 @needs_cutlass
+@pytest.mark.parametrize("capture_route", ["cublas", "tiled", "cutlass"])
+def test_an_eager_cutlass_plan_checks_for_capture_once_a_call(monkeypatch, capture_route):
+    """An eager one-call CUTLASS plan whose capture route is another kernel asks whether the stream
+    is capturing once a call (host time), runs the library eagerly and the capture route inside a
+    CUDA-graph capture, each with its own route's bits."""
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.ops.linear import LinearPlan, run_linear_route
+    from fp8linear.ops.router import Route
+
+    real, asked = torch.cuda.is_current_stream_capturing, []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(1) or real())
+    calls = []
+    spy_cutlass_library_calls(monkeypatch, lambda method, args: calls.append(method))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    m, n, k = 96, 576, 2048
+    _, _, w_q, w_s, _ = _operands(m, n, k, False, gen)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+    route = Route("cutlass", CutlassConfig(64, tile_n=64), pdl=True)
+    other = {"cublas": Route("cublas"), "tiled": Route("tiled", GemmConfig(64, 64, 128, 8, 4, 4)),
+             "cutlass": Route("cutlass", CutlassConfig(128))}[capture_route]
+    plan = LinearPlan(route, x, w_q, w_s, "block", None, None, capture_route=other)
+    asked.clear()
+    calls.clear()
+    y = plan(x)
+    assert len(asked) == 1 and len(calls) == 1  # one capture check, one library call (quantize and GEMM)
+    assert same_bits(y, run_linear_route(Route("cutlass", CutlassConfig(64, tile_n=64)), x, w_q, w_s, "block", None))
+    graph, out = capture_graph(plan, x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, run_linear_route(other, x, w_q, w_s, "block", None))
+
+
+@pytest.mark.gpu
+@needs_cutlass
 @pytest.mark.parametrize("m,n,k", [(2, 576, 2112), (16, 7168, 2048), (96, 2112, 7168), (333, 24576, 1536),
                                    (512, 1536, 7168)])
 @pytest.mark.parametrize("bias", [False, True])
