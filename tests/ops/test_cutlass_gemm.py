@@ -737,9 +737,9 @@ def test_eager_cutlass_plans_quantize_in_the_library_call_up_to_the_cut(monkeypa
 @needs_cutlass
 @pytest.mark.parametrize("capture_route", ["cublas", "tiled", "cutlass"])
 def test_an_eager_cutlass_plan_checks_for_capture_once_a_call(monkeypatch, capture_route):
-    """An eager one-call CUTLASS plan whose capture route is another kernel asks whether the stream
-    is capturing once a call (host time), runs the library eagerly and the capture route inside a
-    CUDA-graph capture, each with its own route's bits."""
+    """An eager one-call CUTLASS plan whose capture route differs (cuBLAS, our tiled kernel, another
+    CUTLASS tile) asks whether the stream is capturing once a call (host time), runs the library
+    eagerly and the capture route inside a CUDA-graph capture, each with its own route's bits."""
     from fp8linear.ops.configs import GemmConfig
     from fp8linear.ops.linear import LinearPlan, run_linear_route
     from fp8linear.ops.router import Route
@@ -761,7 +761,12 @@ def test_an_eager_cutlass_plan_checks_for_capture_once_a_call(monkeypatch, captu
     y = plan(x)
     assert len(asked) == 1 and len(calls) == 1  # one capture check, one library call (quantize and GEMM)
     assert same_bits(y, run_linear_route(Route("cutlass", CutlassConfig(64, tile_n=64)), x, w_q, w_s, "block", None))
-    graph, out = capture_graph(plan, x)
+    ran = []  # the CUTLASS GEMMs launched by a plan's act_quant + GEMM path (the one under capture)
+    real_call = cutlass_gemm.CutlassCall.__call__
+    monkeypatch.setattr(cutlass_gemm.CutlassCall, "__call__",
+                        lambda self, *a: ran.append(self.config) or real_call(self, *a))
+    graph, out = capture_graph(plan, x)  # an eager warm-up call (the library's), then the capture
+    assert len(calls) == 2 and ran == ([CutlassConfig(128)] if capture_route == "cutlass" else [])
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(out, run_linear_route(other, x, w_q, w_s, "block", None))
