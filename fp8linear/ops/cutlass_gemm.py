@@ -493,19 +493,19 @@ class CutlassCall:
         if scale_offset % _ALIGN_BYTES or not 0 < scale_offset < scratch_bytes:
             raise ValueError(f"CutlassCall.allocating_call: the scales' offset must be 16-byte aligned inside the "
                              f"{scratch_bytes}-byte scratch, got {scale_offset}")
-        owner = self  # read per call: keeps the prepared parameters alive as long as the call
         m, n, k = self.shape
         entry = ctypes.cast(self.quant_run_prepared, ctypes.c_void_p).value
-        index, shape, guard = self.index, list(out_shape), self.several
+        index = self.index
         what = f"CUTLASS {self.config.name} GEMM {m}x{n}x{k} with its input quantization"
-        run, run_kept = module.quantize_and_run, module.quantize_and_run_kept
+        prepared_run = module.PreparedRun(list(out_shape), entry, self.prepared, scratch_bytes, scale_offset, m, k,
+                                          index, self.several, what)
+        run, run_kept = prepared_run.__call__, prepared_run.kept
         current_stream = torch._C._cuda_getCurrentRawStream
 
         def allocate_quantize_and_run(x: torch.Tensor, keep: bool = False):
-            call = run_kept if keep else run
-            return call(x, shape, entry, owner.prepared, scratch_bytes, scale_offset, m, k, index,
-                        current_stream(index), guard, what)
+            return (run_kept if keep else run)(x, current_stream(index))
 
+        allocate_quantize_and_run.holds = self  # the prepared parameters live as long as the call
         return allocate_quantize_and_run
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import types
 
 import pytest
 import torch
@@ -406,22 +407,25 @@ def test_an_allocating_call_asks_for_the_device_guard_where_several_gpus_are_vis
     fake, w, w_s = fake_gpu
     seen = []
 
-    class PlanCall:
-        def quantize_and_run(self, *args):
+    class PreparedRun:
+        def __init__(self, *args):
+            seen.append(args)
+
+        def __call__(self, *args):
             seen.append(args)
             return "y"
 
-        quantize_and_run_kept = quantize_and_run
+        kept = __call__
 
     c_entry = _QUANT_RUN_PREPARED(lambda *args: 0)
     fake.quant_run_prepared = {key: c_entry for key in fake.quant_run_prepared}
-    monkeypatch.setattr(cutlass_gemm, "_plan_call", lambda: PlanCall())
+    monkeypatch.setattr(cutlass_gemm, "_plan_call", lambda: types.SimpleNamespace(PreparedRun=PreparedRun))
     monkeypatch.setattr(cutlass_gemm, "_several_gpus", lambda: several)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     run = cutlass_gemm.CutlassCall(w, w_s, None, 8, CutlassConfig(64)).allocating_call((8, 256), 8192, 4096)
     x = torch.randn(8, 512, dtype=BF16)
     assert run(x) == "y"
-    (x_arg, shape, entry, prepared, nbytes, offset, m, k, device, stream, guard, what), = seen
+    (shape, entry, prepared, nbytes, offset, m, k, device, guard, what), (x_arg, stream) = seen
     assert entry == ctypes.cast(c_entry, ctypes.c_void_p).value and x_arg is x and shape == [8, 256]
     assert (nbytes, offset, m, k, device, stream) == (8192, 4096, 8, 512, 0, 77)
     assert guard is several and prepared == 4097 and "p64x128 GEMM 8x256x512" in what
