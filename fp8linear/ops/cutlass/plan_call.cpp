@@ -5,10 +5,11 @@
 //
 // Built by `fp8linear build-cutlass` against the installed torch (a Python extension module, no
 // CUDA headers: the stream and the entry point come in as addresses), loaded by
-// fp8linear/ops/cutlass_gemm.py. The entry point, its prepared parameters and the stream are the
-// caller's to keep valid; x must be contiguous and 16-byte aligned (the plan checks both), on the
-// GPU the prepared GEMM was made for. With `guard` (several GPUs visible) that GPU is made current
-// for the call: the allocations and launches go to the current device.
+// fp8linear/ops/cutlass_gemm.py. The entry point and its prepared parameters are the caller's to
+// keep valid for as long as a PreparedRun holding them lives, the stream for the call; x must be
+// contiguous and 16-byte aligned (the plan checks both), on the GPU the prepared GEMM was made for.
+// With `guard` (several GPUs visible) that GPU is made current for the call: the allocations and
+// launches go to the current device.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
