@@ -29,6 +29,7 @@ import sys
 import torch
 
 from fp8linear.functional import quantize_activation
+from fp8linear.ops.cublas_gemm import cublas_weight_scale
 from fp8linear.ops.cutlass_gemm import narrow_block_scale
 from fp8linear.reference import block_fp8_matmul_ref
 from fp8linear.tools.bench import BenchConfig, _make_shape_operands, _method_setup
@@ -59,12 +60,6 @@ def load(lib_path: str, names: list[str]):
         ws.argtypes = [ctypes.c_int] * 6
         fns[label] = (run, can, ws, int(splits or 1))
     return fns
-
-
-def row_expanded_scale(w_s: torch.Tensor, n: int) -> torch.Tensor:
-    """A 128x128 weight's (ceil(N/128), ceil(K/128)) scale grid as one scale per weight row and K
-    group, N-major ((ceil(K/128), N) contiguous): what the 1x128-weight kernels read."""
-    return w_s.repeat_interleave(128, dim=0)[:n].t().contiguous()
 
 
 def cutlass_fn(run, ws_size, m, n, k, device, splits=1):
@@ -124,7 +119,7 @@ def main(argv=None) -> int:
                                         torch.cuda.get_device_properties(device).multi_processor_count, splits),
                                 m, n, k, device, splits)
                 # the 64x64 tiles read the grid per 64 rows (what CutlassCall passes them)
-                sb = (row_expanded_scale(w_s, n) if name.startswith("row_")
+                sb = (cublas_weight_scale(w_q, w_s, "block", as_rows=True) if name.startswith("row_")
                       else narrow_block_scale(w_s, n, 64) if name.endswith("x64") else w_s)
                 y = fn(x_q, x_s, w_q, sb)[sel].double().cpu()
                 errs[name] = ((y - ref).norm() / ref.norm()).item()
