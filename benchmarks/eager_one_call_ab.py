@@ -4,8 +4,8 @@ allocates, ``router.EAGER_ONE_CALL_MIN_M``) and of its programmatic dependent la
 interleaved bursts. Columns: ``auto`` (the router), ``no-one-call`` (the router without the
 one-call rule), ``graph-<kernel>`` (the route a CUDA-graph call of that shape runs, launched
 eagerly: act_quant and our split-K, tiled or warp-specialized kernel, cuBLAS or CUTLASS),
-``p64``/``p64x64``/``c128`` (the CUTLASS kernels forced: 64x128 and 64x64 ping-pong, 128x128
-cooperative; their GEMM launched plain) and ``p64-pdl``/``p64x64-pdl``/``c128-pdl``
+``p64``/``p64x64``/``c128``/``c128x64`` (the CUTLASS kernels forced: 64x128 and 64x64 ping-pong,
+128x128 and 128x64 cooperative; their GEMM launched plain) and ``p64-pdl`` ... ``c128x64-pdl``
 (the same routes with ``Route.pdl``, the library's quantize-and-GEMM call launching both its kernels
 with PDL, for the kernels the build made for it). Before timing, PDL and plain launches of each
 kernel must give the same bits on 20 inputs each made by the kernel just before (else it stops).
@@ -32,8 +32,9 @@ from fp8linear.tools.bench_eager import _burst_times
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eager_cutlass_ab import _forced_layer  # noqa: E402
 
-# the CUTLASS kernels forced: 64x128 ping-pong, 64x64 ping-pong, 128x128 cooperative
-FORCED = {"p64": CutlassConfig(64), "p64x64": CutlassConfig(64, tile_n=64), "c128": CutlassConfig(128)}
+# the CUTLASS kernels forced: 64x128 ping-pong, 64x64 ping-pong, 128x128 and 128x64 cooperative
+FORCED = {"p64": CutlassConfig(64), "p64x64": CutlassConfig(64, tile_n=64), "c128": CutlassConfig(128),
+          "c128x64": CutlassConfig(128, tile_n=64)}
 SHAPES = ("2112x7168", "7168x2048", "1536x7168", "24576x1536", "576x7168", "4096x4096", "7168x18432",
           "18432x7168")
 

@@ -79,12 +79,13 @@ class CutlassConfig:
     wave, SMs share the K loops of those tiles instead of idling. `splits` > 1 (with `stream_k`)
     runs that kernel as split-K instead: every tile's K loop in `splits` parts, their partial sums
     reduced in a fixed order (a runtime argument: :attr:`kernel` is the built kernel it runs on).
-    `tile_n` 64 (64-row tiles, 128x128 weights only) runs the ping-pong kernel on 64x64 tiles: twice
-    the tiles of a 64x128 tile at half the work each, where the 64x128 tiles leave most SMs idle on
-    a long K loop; it reads the weight scale per 64 weight rows (:func:`narrow_block_scale`).
-    Written ``p64x128`` / ``p64x64`` / ``c128x128`` / ``s128x128`` / ``kS_128x128`` (:attr:`name`),
-    and in tune-routes' labels ``cutlass:64`` / ``cutlass:64x64`` / ``cutlass:128`` /
-    ``cutlass:128sk`` / ``cutlass:128kS``."""
+    `tile_n` 64 (128x128 weights only, without `stream_k`) runs 64-column tiles: the ping-pong kernel
+    on 64x64 tiles, or the cooperative kernel on 128x64 tiles: twice the tiles of the 128-column
+    kernel of the same rows at half the work each, where those leave SMs idle on a long K loop; they
+    read the weight scale per 64 weight rows (:func:`narrow_block_scale`).
+    Written ``p64x128`` / ``p64x64`` / ``c128x128`` / ``c128x64`` / ``s128x128`` / ``kS_128x128``
+    (:attr:`name`), and in tune-routes' labels ``cutlass:64`` / ``cutlass:64x64`` / ``cutlass:128`` /
+    ``cutlass:128x64`` / ``cutlass:128sk`` / ``cutlass:128kS``."""
 
     tile_m: int
     stream_k: bool = False
@@ -98,9 +99,9 @@ class CutlassConfig:
             raise TypeError(f"CutlassConfig.stream_k must be a bool, got {self.stream_k!r}")
         if type(self.tile_n) is not int or self.tile_n not in (64, 128):
             raise ValueError(f"CutlassConfig.tile_n must be 64 or 128, got {self.tile_n!r}")
-        if self.tile_n == 64 and (self.tile_m != 64 or self.stream_k):
-            raise ValueError(f"CutlassConfig.tile_n 64 runs the ping-pong kernel: tile_m must be 64, without "
-                             f"stream_k, got tile_m={self.tile_m}, stream_k={self.stream_k}")
+        if self.tile_n == 64 and self.stream_k:
+            raise ValueError("CutlassConfig.tile_n 64 runs the ping-pong or cooperative kernel: stream_k must be "
+                             "False")
         if self.stream_k and self.tile_m != 128:
             raise ValueError("CutlassConfig.stream_k runs the cooperative kernel: tile_m must be 128")
         if type(self.splits) is not int:
@@ -126,11 +127,11 @@ class CutlassConfig:
 # Split-K parts a config may name: a bound for the tables' values only (CUTLASS's scheduler also
 # caps the parts at a tile's K blocks); the candidates below use 2-4.
 MAX_SPLITS = 16
-# The N width of the kernels' tiles (but the 64x64 ping-pong kernel's: CutlassConfig.tile_n).
+# The N width of the kernels' tiles (but the 64-column kernels': CutlassConfig.tile_n).
 CUTLASS_TILE_N = 128
 # The built kernels (one object each, with and without bias).
 CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(64, tile_n=64), CutlassConfig(128),
-                   CutlassConfig(128, stream_k=True))
+                   CutlassConfig(128, tile_n=64), CutlassConfig(128, stream_k=True))
 # What tune-routes times: the built kernels, and the stream-K kernel as split-K in 2, 3 and 4 parts.
 # H200, the shipped entries re-timed against all six: split-K won one entry by more than 3%
 # (8192x29568 at M=128, 72.2 against 78.3 us); on long K with tiles that leave SMs idle it did not

@@ -497,7 +497,7 @@ EAGER_ONE_CALL_MAX_WEIGHT = ONE_LAUNCH_MAX_WEIGHT
 # alone under PDL took 0.88-1.02x (geomean 0.945 over 25 cases of M 2-512); both kernels under PDL
 # are not timed there yet. The cut is EAGER_ONE_CALL_MAX_WEIGHT's, between the 38M and 117M measured.
 EAGER_CUTLASS_PDL_MAX_WEIGHT = EAGER_ONE_CALL_MAX_WEIGHT
-# The tile width of the narrow ping-pong kernel eager_cutlass_config runs where its tiles fit in one
+# The tile width of the 64-column kernels eager_cutlass_config runs where their tiles fit in one
 # wave (CutlassConfig.tile_n; measured there).
 NARROW_TILE_N = 64
 # Shapes in no routes table (the heuristic): above SMALL_M_MAX rows cuBLAS blockwise runs once its
@@ -997,7 +997,14 @@ def use_library_quantization(m: int, k: int, x_dtype: torch.dtype) -> bool:
 def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
     """The CUTLASS kernel an eager call runs in place of our tiled kernel: the ping-pong kernel on
     64x64 tiles where those fit in one wave of the SMs, else on 64x128 tiles where those do, else the
-    128x128 cooperative kernel.
+    cooperative kernel on 128x64 tiles where those do, else on 128x128 tiles.
+
+    128x64 tiles where the 64-row ones overflow a wave (H100): 2112x7168 M=512 (136 tiles of 64x128,
+    132 of 128x64, 68 of 128x128) eager wall with PDL 25.5 us against 29.7 on 128x128 tiles and 31.5
+    for BF16's nn.Linear (benchmarks/eager_one_call_ab.py); the GEMM alone under CUDA graphs 16.8
+    against 22.7 (benchmarks/cutlass_probe.py). Where the 64x128 tiles fit too, the 128x64 ones were
+    faster in 7 of 10 cases but slower on 1024x8192 M 768-1024 (24.3 against 20.9 us) and 4096x4096
+    M=256 (14.1 against 12.9), so they keep the 64x128 tiles.
 
     64x64 tiles: twice the tiles at half the work each, which pays where the 64x128 tiles leave most
     SMs idle on a long K loop. H100, forced routes, the library's quantization included, CUDA graphs
@@ -1020,19 +1027,23 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
         return CutlassConfig(64, tile_n=NARROW_TILE_N)
     if m <= 64 or _cdiv(m, 64) * _cdiv(n, CUTLASS_TILE_N) <= sms:
         return CutlassConfig(64)
+    if _cdiv(m, 128) * _cdiv(n, NARROW_TILE_N) <= sms:
+        return CutlassConfig(128, tile_n=NARROW_TILE_N)
     return CutlassConfig(128)
 
 
 def eager_cutlass_over_cublas(device: torch.device, m: int, n: int, k: int) -> bool:
     """Whether an eager call runs CUTLASS (:func:`eager_cutlass_config`) where the router chose cuBLAS:
     GEMMs up to EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK whose kernel tiles fill at least
-    EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take (measured on 64x128 and 128x128 tiles: not
-    where the 64x64 tiles run, whose 64x128 tiles would fill under half a wave)."""
+    EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take (measured on 64x128, 128x128 and 128x64 tiles:
+    not where the 64x64 tiles run, whose 64x128 tiles would fill under half a wave). 128x64 tiles
+    (one wave where the 64-row tiles overflow one): H100, benchmarks/eager_one_call_ab.py, eager wall
+    at 2112x7168 M=512 25.5 us against 37.3 for the cuBLAS route launched eagerly."""
     if m * n * k > EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK:
         return False
     sms = sm_count(device)
     cfg = eager_cutlass_config(device, m, n)
-    if cfg.tile_n != CUTLASS_TILE_N:  # measured on 64x128 and 128x128 tiles; there, under half a wave
+    if cfg == CutlassConfig(64, tile_n=NARROW_TILE_N):  # not measured against cuBLAS: see above
         return False
     tiles = _cdiv(m, cfg.tile_m) * _cdiv(n, cfg.tile_n)
     return tiles >= EAGER_CUTLASS_MIN_WAVE_FILL * _cdiv(tiles, sms) * sms

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .shapes import parse_shape
+
 __all__ = ["EAGER_EXPERTS", "EAGER_EXPERT_TOKENS", "EAGER_SHAPES", "EAGER_MS", "EagerRow", "interleaved_wall_us",
            "measure_eager", "measure_eager_experts", "format_eager", "run_eager"]
 
@@ -312,7 +314,8 @@ def run_eager(args: argparse.Namespace) -> int:
     """`fp8linear bench --eager [--shapes N,K ...] [--m M ...] [--json]`."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else EAGER_SHAPES
+    # 'N,K' or 'NxK', with the grid's and bench's clear error on anything else
+    shapes = [(s.n, s.k) for s in map(parse_shape, args.shapes)] if args.shapes else EAGER_SHAPES
     device = _device(args.device)
     log = None if args.json else print
     # every burst first, then the detail columns (the profiler slows later launches: _details)

@@ -20,13 +20,13 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
 def test_configs_and_variants():
-    assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "p64x64", "c128x128", "s128x128"]
+    assert [c.name for c in cutlass_gemm.CUTLASS_CONFIGS] == ["p64x128", "p64x64", "c128x128", "c128x64", "s128x128"]
     assert [c.name for c in cutlass_gemm.CUTLASS_ROW_CONFIGS] == ["p64x128", "c128x128"]
     symbols = [s for s, _ in cutlass_gemm.variants()]
-    assert len(set(symbols)) == len(symbols) == 12
+    assert len(set(symbols)) == len(symbols) == 14
     assert {tuple(sorted(m.items())) for _, m in cutlass_gemm.variants()} == {
         (("FP8L_BIAS", b), ("FP8L_ROW", 0), ("FP8L_STREAMK", sk), ("FP8L_TILE_M", t), ("FP8L_TILE_N", w))
-        for b in (0, 1) for t, w, sk in ((64, 128, 0), (64, 64, 0), (128, 128, 0), (128, 128, 1))} | {
+        for b in (0, 1) for t, w, sk in ((64, 128, 0), (64, 64, 0), (128, 128, 0), (128, 64, 0), (128, 128, 1))} | {
         (("FP8L_BIAS", b), ("FP8L_ROW", 1), ("FP8L_STREAMK", 0), ("FP8L_TILE_M", t), ("FP8L_TILE_N", 128))
         for b in (0, 1) for t in (64, 128)}
     assert cutlass_gemm.candidates_for("row") == cutlass_gemm.CUTLASS_ROW_CONFIGS
@@ -50,8 +50,10 @@ def test_configs_and_variants():
         with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
             CutlassConfig(64, tile_n=bad)
     assert CutlassConfig(128, tile_n=128).name == "c128x128"
-    with pytest.raises(ValueError, match="tile_n 64 runs the ping-pong kernel.*got tile_m=128, stream_k=False"):
-        CutlassConfig(128, tile_n=64)
+    with pytest.raises(ValueError, match="tile_n 64 runs the ping-pong or cooperative kernel: stream_k must be False"):
+        CutlassConfig(128, stream_k=True, tile_n=64)
+    wide = CutlassConfig(128, tile_n=64)
+    assert wide.name == "c128x64" and wide.kernel == wide and wide != CutlassConfig(128)
     with pytest.raises(TypeError, match="stream_k must be a bool"):
         CutlassConfig(64, stream_k=1, tile_n=64)
     narrow = CutlassConfig(64, tile_n=64)
@@ -295,7 +297,7 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     for cfg in (CutlassConfig(128), CutlassConfig(128, stream_k=True), CutlassConfig(128, stream_k=True, splits=2)):
         assert not cutlass_gemm.pdl_supported(cfg)
         with pytest.raises(ValueError, match=rf"{cfg.name} kernel without bias is not built to wait.*without bias: "
-                                             r"\['p64x128', 'p64x64'\]"):
+                                             r"\['c128x64', 'p64x128', 'p64x64'\]"):
             cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg, pdl=True)
     with pytest.raises(TypeError, match="takes a CutlassConfig, got str"):
         cutlass_gemm.pdl_supported("c128x128")

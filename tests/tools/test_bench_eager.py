@@ -72,3 +72,25 @@ def test_every_burst_is_timed_before_any_detail_column(monkeypatch):
     assert events.index("detail") > max(i for i, e in enumerate(events) if e == "burst")
     rows = bench_eager.measure_eager([(256, 384)], (1, 3), "cpu")
     assert all(r.py_calls > 0 for r in rows)
+
+
+@pytest.mark.parametrize("text,shape", [("2112,7168", (2112, 7168)), ("2112x7168", (2112, 7168))])
+def test_eager_shapes_take_the_bench_forms_and_refuse_others_clearly(monkeypatch, text, shape):
+    """--shapes takes 'N,K' or 'NxK' as the other bench modes do; anything else is a ValueError
+    naming the form, before anything is timed."""
+    import argparse
+
+    seen = []
+
+    def fake_time_linear(shapes, ms, device, granularity, log):
+        seen.append(list(shapes))
+        raise RuntimeError("stop after parsing")
+
+    monkeypatch.setattr(bench_eager, "_time_linear", fake_time_linear)
+    args = argparse.Namespace(threads=None, shapes=[text], device="cpu", json=True, m=[1])
+    with pytest.raises(RuntimeError, match="stop after parsing"):
+        bench_eager.run_eager(args)
+    assert seen == [[shape]]
+    for bad in ("2112", "2112x7168x1", "ax7168"):
+        with pytest.raises(ValueError, match="a shape is 'N,K'"):
+            bench_eager.run_eager(argparse.Namespace(threads=None, shapes=[bad], device="cpu", json=True, m=[1]))

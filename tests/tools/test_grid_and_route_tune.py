@@ -310,11 +310,12 @@ def test_cutlass_challengers_are_the_shipped_entry_and_cutlass(monkeypatch):
     got = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", challengers=("cutlass",))
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: None)  # a shape in no table: the heuristic's route
     alone = route_tune.candidates(96, 576, 7168, torch.device("cpu"), "block", challengers=("cutlass",))
-    assert len(alone) == 8 and sum(not label.startswith("cutlass") for label in alone) == 1
+    assert len(alone) == 9 and sum(not label.startswith("cutlass") for label in alone) == 1
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
     assert got == {"tiled:64x64x128w4s4g8": ("tiled", tiled), "cutlass:64": ("cutlass", cutlass_gemm.CutlassConfig(64)),
                    "cutlass:64x64": ("cutlass", cutlass_gemm.CutlassConfig(64, tile_n=64)),
                    "cutlass:128": ("cutlass", cutlass_gemm.CutlassConfig(128)),
+                   "cutlass:128x64": ("cutlass", cutlass_gemm.CutlassConfig(128, tile_n=64)),
                    "cutlass:128sk": ("cutlass", cutlass_gemm.CutlassConfig(128, stream_k=True)),
                    **{f"cutlass:128k{s}": ("cutlass", cutlass_gemm.CutlassConfig(128, stream_k=True, splits=s))
                       for s in (2, 3, 4)}}
