@@ -9,7 +9,7 @@ method with CUDA graphs over operand sets rotated past L2, interleaved (fp8linea
         --configs p64x128 c128x128 s128x128 k2_128x128 --shapes 7168x2048 2112x7168 --ms 77 512 4096 --csv out.csv
 
 (Config names as ``CutlassConfig.name``: ``kS_128x128`` is the stream-K kernel with S split-K parts;
-``p64x64`` gets the weight scale per 64 rows, as CutlassCall gives it. A ``row_`` prefix runs the
+``p64x64`` and ``c128x64`` get the weight scale per 64 rows, as CutlassCall gives it. A ``row_`` prefix runs the
 1x128-weight kernel of that name, ``fp8l_row_<name>``, on the 128x128 weights' scales expanded to
 one per weight row, N-major: what a tile whose width is no multiple of 128 reads.)
 
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                 fn = cutlass_fn(run, ws(m, n, k, device.index or 0,
                                         torch.cuda.get_device_properties(device).multi_processor_count, splits),
                                 m, n, k, device, splits)
-                # the 64x64 tiles read the grid per 64 rows (what CutlassCall passes them)
+                # the 64-column tiles read the grid per 64 rows (what CutlassCall passes them)
                 sb = (cublas_weight_scale(w_q, w_s, "block", as_rows=True) if name.startswith("row_")
                       else narrow_block_scale(w_s, n, 64) if name.endswith("x64") else w_s)
                 y = fn(x_q, x_s, w_q, sb)[sel].double().cpu()

@@ -242,7 +242,7 @@ class Fp8BlockLinear(QuantizedDtypesMixin):
     def clear_plans(self) -> None:
         """Forget the launch plans (done on replacement, loading and moves; call it after changing
         ``weight_scale_inv`` in place by other means: a cuBLAS plan holds it in cuBLAS's layout,
-        1x128 scales are also held N-major, and a plan on CUTLASS's 64x64 tiles holds it per 64 rows)."""
+        1x128 scales are also held N-major, and a plan on CUTLASS's 64-column tiles holds it per 64 rows)."""
         self._plans.clear()
         self.__dict__.setdefault("_seen", set()).clear()
         self.__dict__["_cublas_linear"] = None  # holds the weight scale in cuBLAS's layout

@@ -4,12 +4,12 @@ once by ``fp8linear build-cutlass`` and loaded from the cache.
 CUTLASS's sm_90a kernels (``fp8linear/ops/cutlass/blockwise_gemm.cu``) run the DeepSeek-V3 recipe
 with a TMA producer warp and consumer warpgroups that get the registers (what a Triton ``tl``
 kernel cannot do on Hopper, see :mod:`fp8linear.ops.gemm`): the ping-pong kernel on 64x128 tiles
-(and, for 128x128 weights, on 64x64 tiles, reading the weight scale per 64 rows:
-:func:`narrow_block_scale`) and the cooperative kernel on 128x128 tiles, data-parallel or
-stream-K. They read the activation
+and the cooperative kernel on 128x128 tiles, data-parallel or stream-K, and for 128x128 weights
+both on 64-column tiles too (64x64 and 128x64, reading the weight scale per 64 rows:
+:func:`narrow_block_scale`). They read the activation
 scales row-major and the 128x128 weight scale grid as stored (1x128 weight scales N-major: the
 (K/128, N) layout :func:`fp8linear.ops.cublas_gemm.held_weight_scale` gives, a view of the copy
-``Fp8BlockLinear`` keeps), and take any M, so nothing is padded (the 64x64 tiles read a small
+``Fp8BlockLinear`` keeps), and take any M, so nothing is padded (the 64-column tiles read a small
 copy of the grid), where cuBLAS needs M a multiple of 4 and, for K/128 not a multiple of 4, a
 padded grid (:mod:`fp8linear.ops.cublas_gemm`). H100, CUDA graphs, GEMM alone (benchmarks/cutlass_probe.py,
 16 shapes x M 64-4096, 160 cases): the faster of the 64- and 128-row kernels beat the routed
@@ -133,7 +133,7 @@ CUTLASS_TILE_N = 128
 CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(64, tile_n=64), CutlassConfig(128),
                    CutlassConfig(128, tile_n=64), CutlassConfig(128, stream_k=True))
 # What tune-routes times: the built kernels, and the stream-K kernel as split-K in 2, 3 and 4 parts.
-# H200, the shipped entries re-timed against all six: split-K won one entry by more than 3%
+# H200, the shipped entries re-timed against the six other than the 128x64 tiles: split-K won one entry by more than 3%
 # (8192x29568 at M=128, 72.2 against 78.3 us); on long K with tiles that leave SMs idle it did not
 # help (docs/benchmarks.md, "Split-K on CUTLASS").
 CUTLASS_CANDIDATES = CUTLASS_CONFIGS + tuple(CutlassConfig(128, stream_k=True, splits=s) for s in (2, 3, 4))
@@ -350,8 +350,8 @@ class CutlassCall:
     w_q (N, K) e4m3fn, contiguous, on a device where :func:`cutlass_available`; w_s for
     `granularity` "block" (ceil(N/128), ceil(K/128)) fp32 contiguous, for "row" (N, ceil(K/128))
     fp32, read N-major (:func:`_row_scale`); the shape must pass :func:`cutlass_accepts`. The weight
-    tensors are held (their addresses stay valid while they are updated in place; the 64x64 tiles'
-    scale per 64 rows is a copy, :func:`narrow_block_scale`).
+    tensors are held (their addresses stay valid while they are updated in place; the 64-column
+    tiles' scale per 64 rows is a copy, :func:`narrow_block_scale`).
 
     With `prepare` (for calls made many times: a plan's), a data-parallel config's kernel parameters
     are made once here (``_prepare`` in the C source: TMA descriptors encoded, scheduler set up), and

@@ -315,7 +315,7 @@ class LinearPlan:
     (the one-launch decode kernel is an eager choice, :mod:`fp8linear.ops.router`).
     The weight, scales, bias and `counters` are held by reference: a plan stays valid while
     they are updated in place (except a cuBLAS route's weight scale, a copy where cuBLAS needs
-    another layout, and the 64x64 CUTLASS tiles' scale per 64 rows, a copy), and must be made again
+    another layout, and the 64-column CUTLASS tiles' scale per 64 rows, a copy), and must be made again
     when they are replaced. `cublas_linear`: a callable
     giving the layer's :class:`CublasLinear`, which its cuBLAS plans share (one weight scale in
     cuBLAS's layout, one prepared quantization launch); without it a cuBLAS plan makes its own.

@@ -1003,8 +1003,8 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
     132 of 128x64, 68 of 128x128) eager wall with PDL 25.5 us against 29.7 on 128x128 tiles and 31.5
     for BF16's nn.Linear (benchmarks/eager_one_call_ab.py); the GEMM alone under CUDA graphs 16.8
     against 22.7 (benchmarks/cutlass_probe.py). Where the 64x128 tiles fit too, the 128x64 ones were
-    faster in 7 of 10 cases but slower on 1024x8192 M 768-1024 (24.3 against 20.9 us) and 4096x4096
-    M=256 (14.1 against 12.9), so they keep the 64x128 tiles.
+    faster in 7 of 10 cases but slower on 1024x8192 M=768 (24.3 against 20.9 us) and M=1024 (24.2
+    against 21.4) and 4096x4096 M=256 (14.1 against 12.9), so they keep the 64x128 tiles.
 
     64x64 tiles: twice the tiles at half the work each, which pays where the 64x128 tiles leave most
     SMs idle on a long K loop. H100, forced routes, the library's quantization included, CUDA graphs
@@ -1035,15 +1035,13 @@ def eager_cutlass_config(device: torch.device, m: int, n: int) -> CutlassConfig:
 def eager_cutlass_over_cublas(device: torch.device, m: int, n: int, k: int) -> bool:
     """Whether an eager call runs CUTLASS (:func:`eager_cutlass_config`) where the router chose cuBLAS:
     GEMMs up to EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK whose kernel tiles fill at least
-    EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take (measured on 64x128, 128x128 and 128x64 tiles:
-    not where the 64x64 tiles run, whose 64x128 tiles would fill under half a wave). 128x64 tiles
-    (one wave where the 64-row tiles overflow one): H100, benchmarks/eager_one_call_ab.py, eager wall
-    at 2112x7168 M=512 25.5 us against 37.3 for the cuBLAS route launched eagerly."""
+    EAGER_CUTLASS_MIN_WAVE_FILL of the waves they take (measured on 64x128 and 128x128 tiles: not
+    where the 64-column tiles run; against cuBLAS those were not timed at these sizes)."""
     if m * n * k > EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK:
         return False
     sms = sm_count(device)
     cfg = eager_cutlass_config(device, m, n)
-    if cfg == CutlassConfig(64, tile_n=NARROW_TILE_N):  # not measured against cuBLAS: see above
+    if cfg.tile_n != CUTLASS_TILE_N:  # measured on 64x128 and 128x128 tiles only
         return False
     tiles = _cdiv(m, cfg.tile_m) * _cdiv(n, cfg.tile_n)
     return tiles >= EAGER_CUTLASS_MIN_WAVE_FILL * _cdiv(tiles, sms) * sms

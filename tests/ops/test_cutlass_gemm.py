@@ -290,14 +290,17 @@ def test_a_prepared_call_quantizes_its_input_in_the_same_host_call(fake_gpu):
     with_pdl(10, 11, 12, 13)
     assert fake.quantized[-1] == ("pdl", 4098, 10, 512, 11, 12, 13, 8, 512, 0, 77)
     del with_pdl
-    assert cutlass_gemm.pdl_supported(CutlassConfig(64)) and cutlass_gemm.pdl_supported(CutlassConfig(128))
-    fake.pdl[(CutlassConfig(128), False, "block")] = False  # a build that did not recognise CUTLASS's header
+    wide = CutlassConfig(128, tile_n=64)
+    assert all(cutlass_gemm.pdl_supported(c) for c in (CutlassConfig(64), CutlassConfig(128), wide))
+    for cfg in (CutlassConfig(128), wide):  # a build that did not recognise CUTLASS's cooperative header
+        fake.pdl[(cfg, False, "block")] = False
     assert not cutlass_gemm.pdl_supported(CutlassConfig(128))
     assert cutlass_gemm.pdl_supported(CutlassConfig(128), True)
-    for cfg in (CutlassConfig(128), CutlassConfig(128, stream_k=True), CutlassConfig(128, stream_k=True, splits=2)):
+    for cfg in (CutlassConfig(128), wide, CutlassConfig(128, stream_k=True),
+                CutlassConfig(128, stream_k=True, splits=2)):
         assert not cutlass_gemm.pdl_supported(cfg)
         with pytest.raises(ValueError, match=rf"{cfg.name} kernel without bias is not built to wait.*without bias: "
-                                             r"\['c128x64', 'p64x128', 'p64x64'\]"):
+                                             r"\['p64x128', 'p64x64'\]"):
             cutlass_gemm.CutlassCall(w, w_s, None, 8, cfg, pdl=True)
     with pytest.raises(TypeError, match="takes a CutlassConfig, got str"):
         cutlass_gemm.pdl_supported("c128x128")
@@ -783,7 +786,7 @@ def test_an_eager_cutlass_plan_checks_for_capture_once_a_call(monkeypatch, captu
 @pytest.mark.parametrize("m,n,k", [(2, 576, 2112), (16, 7168, 2048), (96, 2112, 7168), (333, 24576, 1536),
                                    (512, 1536, 7168)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (64, 64), (128, 128)])
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (64, 64), (128, 128), (128, 64)])
 def test_pdl_one_call_plans_give_the_plain_bits(m, n, k, bias, tile_m, tile_n):
     """Each data-parallel kernel's GEMM launched with PDL after the library's quantization (Route.pdl)
     gives the bits of the plain launch and of run_linear_route, on 30 inputs each written by the

@@ -302,12 +302,11 @@ def test_routes_ask_for_cutlass_only_where_it_runs(monkeypatch, allow, bias_dtyp
     (512, 576, CutlassConfig(64, tile_n=64)),  # 8 x 9 tiles of 64x64 fit one wave of 132 SMs
     (256, 2112, CutlassConfig(64, tile_n=64)),  # 4 x 33 = 132: still one wave
     (16, 7168, CutlassConfig(64, tile_n=64)),  # 112
-    (333, 1536, CutlassConfig(64)),  # 6 x 24 = 144 do not; 6 x 12 64x128 tiles do
+    (333, 1536, CutlassConfig(64)),  # 6 x 24 = 144 do not; 6 x 12 64x128 tiles do (128x64 too: the 64-row first)
     (64, 24576, CutlassConfig(64)),  # 384 64x64 tiles; up to 64 rows the 64x128 tiles at any N
     (96, 7168, CutlassConfig(64)),  # 2 x 112 64x64 tiles, 2 x 56 64x128 ones
     (512, 2112, CutlassConfig(128, tile_n=64)),  # 8 x 17 = 136 64x128 tiles do not; 4 x 33 128x64 ones do
     (1024, 2112, CutlassConfig(128)),  # 264 128x64 tiles do not either: cooperative 128x128
-    (333, 1536, CutlassConfig(64)),  # 128x64 tiles fit too (72): the 64-row tiles first
     (1, 576, CutlassConfig(64, tile_n=64)),
 ])
 def test_eager_cutlass_config_runs_64x64_tiles_where_they_fit_one_wave(monkeypatch, m, n, expected):
@@ -458,7 +457,7 @@ def test_the_one_call_rule_launches_the_cooperative_kernel_with_pdl_where_it_is_
     (2048, 1536, 7168, False),  # 192 tiles: 0.73 of 2 waves
     (2048, 2112, 7168, False),  # 272 tiles: 0.69 of 3 waves
     (1024, 2112, 7168, False),  # 136 tiles: 0.52 of 2 waves
-    (512, 2112, 18432, True),  # 132 tiles of 128x64 (the 64-row ones overflow a wave): one wave
+    (512, 2112, 18432, False),  # 128x64 tiles (one wave) run there, not timed against cuBLAS
     (2048, 24576, 1536, False),  # above EAGER_CUTLASS_OVER_CUBLAS_MAX_MNK: the GPU sets the pace
     (512, 7168, 18432, False),
     (128, 4096, 24576, False),  # 64x64 tiles (128: one wave) run there; their 64x128 tiles fill 0.48 of one

@@ -19,7 +19,7 @@
 // instead of leaving them idle; or, asked per call, split-K: every tile's K loop in a given number
 // of parts, their partial sums reduced in a fixed order), FP8L_BIAS (0 or 1: a fused bias),
 // FP8L_ROW (0: 128x128 weight scales; 1: 1x128 weight scales) and FP8L_TILE_N (the tile's width:
-// 128, or 64 for the ping-pong kernel on 128x128 weights, whose scales it then reads per 64 rows:
+// 128, or 64 for either kernel on 128x128 weights, whose scales it then reads per 64 rows:
 // CUTLASS needs the tile width to be a multiple of the weight scales' N granularity).
 // FP8L_PDL: every producer warp of the kernel waits in griddepcontrol.wait before its first global
 // access (the consumer warps read only what those warps loaded), what a launch with programmatic
