@@ -43,6 +43,11 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     HAS_GLUON_WS = hasattr(gl, "warp_specialize")
+    # Gluon names that moved between Triton releases (same arguments and meaning): the TMA load into
+    # shared memory, `async_copy_global_to_shared` in Triton 3.6, `async_load` in newer ones (3.9 has
+    # only that); the CTA barrier, `thread_barrier` in 3.6, `barrier` in 3.9.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError:  # no Triton or no Gluon: the router never picks this kernel
     HAS_GLUON_WS = False
 
@@ -220,10 +225,10 @@ if HAS_GLUON_WS:
                 # empty barriers start with phase 1 complete, so the first round does not wait
                 mbarrier.wait(empty.index(s), ((it // stages) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
-                tma.async_copy_global_to_shared(x_desc, [off_m, k * block_k], ready.index(s), a_bufs.index(2 * s))
-                tma.async_copy_global_to_shared(x_desc, [off_m + half, k * block_k], ready.index(s),
+                _tma_load(x_desc, [off_m, k * block_k], ready.index(s), a_bufs.index(2 * s))
+                _tma_load(x_desc, [off_m + half, k * block_k], ready.index(s),
                                                 a_bufs.index(2 * s + 1))
-                tma.async_copy_global_to_shared(w_desc, [off_n, k * block_k], ready.index(s), b_bufs.index(s))
+                _tma_load(w_desc, [off_n, k * block_k], ready.index(s), b_bufs.index(s))
                 it += 1
 
     @gluon.jit
@@ -278,7 +283,7 @@ if HAS_GLUON_WS:
     def _count_in(count_ptr, v, tail_split, HALF: gl.constexpr):
         """Once tail unit `v`'s partial is stored: count it in on its (tile, consumer) counter. True for
         the last of the tile's `tail_split` units to arrive, which sets the counter back to zero."""
-        gl.thread_barrier()  # every thread's partial is written before the counter says so
+        _thread_barrier()  # every thread's partial is written before the counter says so
         counter = count_ptr + (v // tail_split) * 2 + HALF
         last = gl.atomic_add(counter, 1, sem="acq_rel") == tail_split - 1
         if last:

@@ -223,6 +223,65 @@ def _operands(m, n, k, gran, bias, gen):
     return x_q, x_s.contiguous(), w_q, (w_s.reshape(()) if gran == "tensor" else w_s), w_s, b
 
 
+def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_tail: bool):
+    """The warp-specialized kernel compiled ahead of time for sm_90a by the installed Triton, on any
+    machine (its bundled ptxas): what the Gluon API of the installed Triton accepts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon import language as gl
+
+    fp8 = gl.float8e4nv
+    x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], fp8)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, 128], fp8)
+    signature = {
+        "x_desc": f"tensordesc<fp8e4nv[64, 128],{x_layout!r}>",
+        "w_desc": f"tensordesc<fp8e4nv[{block_n}, 128],{w_layout!r}>",
+        "xs_ptr": "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
+        "count_ptr": "*i32", **{name: "i32" for name in ("M", "N", "K", "whole_tiles", "tail_split", "groups_per_split",
+                                                        "stride_xsm", "stride_wsn", "stride_wsk", "stride_ym")},
+        **{name: "constexpr" for name in ("WS_GROUP_N", "W_SCALE_UNIFORM", "HAS_BIAS", "GROUP_M", "STAGES",
+                                          "SPLIT_TAIL")}}
+    constexprs = {"WS_GROUP_N": 128 if granularity == "block" else 1, "W_SCALE_UNIFORM": granularity == "block",
+                  "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "SPLIT_TAIL": split_tail}
+    return triton.compile(GluonASTSource(ws_gemm._ws_fp8_gemm_kernel, signature, constexprs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
+
+
+def _can_compile_for_hopper() -> bool:
+    if not ws_gemm.HAS_GLUON_WS:
+        return False
+    try:
+        import importlib
+
+        for module, name in (("triton.backends.compiler", "GPUTarget"),
+                             ("triton.experimental.gluon._runtime", "GluonASTSource")):
+            if not hasattr(importlib.import_module(module), name):
+                return False
+        from triton.backends.nvidia.compiler import get_ptxas
+        try:
+            get_ptxas(90)  # the argument (the target's arch) is newer Triton's
+        except TypeError:
+            get_ptxas()
+    except (ImportError, RuntimeError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs a Triton with Gluon's warp_specialize and ptxas")
+@pytest.mark.parametrize("block_n,granularity,stages,split_tail", [
+    (128, "block", 4, False), (128, "row", 3, True), (256, "block", 4, True)])
+def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, split_tail):
+    """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
+    load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
+    shared memory: checked on any machine, so a Triton upgrade that breaks it fails on CPU too."""
+    compiled = _aot_compile_for_hopper(block_n, granularity, stages, split_tail)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and a w box
+    assert ring <= compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+
+
 @pytest.mark.gpu
 @needs_ws
 @pytest.mark.parametrize("gran", ["block", "row", "tensor"])
