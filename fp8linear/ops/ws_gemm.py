@@ -48,7 +48,7 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
     # only that); the CTA barrier, `thread_barrier` in 3.6, `barrier` in 3.9.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-except ImportError:  # no Triton or no Gluon: the router never picks this kernel
+except (ImportError, AttributeError):  # no Triton, no Gluon or one without these names: never picked
     HAS_GLUON_WS = False
 
 __all__ = ["HAS_GLUON_WS", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan",
@@ -226,8 +226,7 @@ if HAS_GLUON_WS:
                 mbarrier.wait(empty.index(s), ((it // stages) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
                 _tma_load(x_desc, [off_m, k * block_k], ready.index(s), a_bufs.index(2 * s))
-                _tma_load(x_desc, [off_m + half, k * block_k], ready.index(s),
-                                                a_bufs.index(2 * s + 1))
+                _tma_load(x_desc, [off_m + half, k * block_k], ready.index(s), a_bufs.index(2 * s + 1))
                 _tma_load(w_desc, [off_n, k * block_k], ready.index(s), b_bufs.index(s))
                 it += 1
 
