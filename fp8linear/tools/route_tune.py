@@ -19,6 +19,8 @@ entries against the named optional kernels (algo: cuBLAS on M's own algorithm an
 the next two Ms and the two before; cublas: cuBLAS in every form a full sweep times), a few
 minutes instead of a full sweep, and merges per (shape, M).
 cuBLAS candidates get the weight scale in cuBLAS's layout made once, as the linear layer holds it.
+Before it is timed, each candidate's output is compared with the fp32 product of the dequantized
+operands: one whose error is above MAX_REL_ERR is logged and not timed, so it can become no entry.
 Writes the table (JSON, by a temporary file and a rename) and every candidate's time
 (``route_sweep.json``) to ``--out``; copy the table into ``fp8linear/ops/tuned_configs/routes/`` to ship it.
 """
@@ -40,7 +42,8 @@ from .grid import grid_shapes
 from .shapes import parse_shape
 from .timing import prepare_cuda, rotation_sets, time_rounds
 
-__all__ = ["TABLE_MS", "candidates", "sweep", "build_table", "write_table", "add_arguments", "run"]
+__all__ = ["MAX_REL_ERR", "TABLE_MS", "candidate_error", "candidates", "sweep", "build_table", "write_table",
+           "add_arguments", "run"]
 
 # The Ms a table is measured at: powers of two to 64, then steps of at most 1.5x (an entry serves
 # M within 1.5x, route_table.MAX_M_RATIO), up to 8192.
@@ -75,6 +78,11 @@ CUBLAS = "cublas"
 # --challengers may also name "tiled": our tiled and split-K kernels on every config a full sweep times
 # (the tables' ``ours`` and the entries of those kernels move with their kernels' speed).
 TILED = "tiled"
+# A candidate whose output differs from the fp32 product of the dequantized operands by more than
+# this (relative Frobenius error) is not timed. Every kernel the sweep times measures 1.5-1.8e-3 on
+# its random data (the bf16 output's rounding: 2**-9 relative at most); a misread scale layout or a
+# kernel broken for some tile shape gives 0.1 to inf.
+MAX_REL_ERR = 1e-2
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
 _REPLAYS = 5
@@ -340,10 +348,21 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     return out
 
 
+def candidate_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error of a candidate's output `y` (its first ref.shape[0] rows: cuBLAS's
+    padded forms may return more) against `ref`, the fp32 product of the dequantized operands; NaN
+    or inf in `y` gives inf."""
+    if y.dim() != 2 or y.shape[0] < ref.shape[0] or y.shape[1] != ref.shape[1]:
+        raise ValueError(f"a candidate returned shape {tuple(y.shape)} for a {tuple(ref.shape)} product")
+    diff = (y[:ref.shape[0]].float() - ref).norm().item()
+    return diff / max(ref.norm().item(), 1e-30) if math.isfinite(diff) else math.inf
+
+
 def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.device, deadline_s: float,
           log: Callable[[str], None], granularities: Sequence[str] = ("block",),
           challengers: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """One row per (granularity, N, K, M): every candidate's µs per call, BF16's, and the heuristic's label."""
+    """One row per (granularity, N, K, M): every candidate's µs per call, BF16's, and the heuristic's
+    label. A candidate whose output is off (candidate_error above MAX_REL_ERR) is logged and left out."""
     from ..functional import quantize_weight
     from ..ops import router
     from ..ops.cublas_gemm import cublas_fp8_gemm, cublas_row_scales, cublas_weight_scale
@@ -353,6 +372,7 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
     from ..ops.route_table import table_ms
     from ..ops.splitk_gemm import splitk_counters
     from ..ops.ws_gemm import ws_fp8_gemm
+    from ..reference import dequantize_activation_ref, dequantize_weight_ref
 
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -368,9 +388,11 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
             # 1x128 scales as Fp8BlockLinear hands them over: N-major to cuBLAS (the layer's cuBLAS route
             # holds that storage as its (K/128, N) scale) and to our kernels where the router says so
             w_sn = w_s.t().contiguous().t() if gran == "row" else w_s
+            w_ref = dequantize_weight_ref(w_q, w_s).t()
             for m in ms:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
                 x_q, x_s = act_quant(x, torch.float8_e4m3fn)
+                ref = dequantize_activation_ref(x_q, x_s) @ w_ref  # fp32 (no TF32: torch's default)
                 xp_q, xp_s = act_quant(x, torch.float8_e4m3fn, cublas_layout=True)
                 fns: dict[str, tuple[Callable, tuple]] = {"bf16": (lambda a, b: a @ b.t(), (x, w))}
                 algo_ms = sorted(set(ms) | set(TABLE_MS) | set(table_ms(device, n, k, gran)))
@@ -396,18 +418,26 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                 rounds = {}
                 for label, (fn, args) in fns.items():
                     try:
+                        err = 0.0 if label == "bf16" else candidate_error(fn(*args), ref)
+                        if not err <= MAX_REL_ERR:
+                            log(f"  {gran} {n}x{k} M={m} {label}: error {err:.2e} against the fp32 product "
+                                f"(> {MAX_REL_ERR:.0e}): not timed")
+                            continue
                         nbytes = sum(t.numel() * t.element_size() for t in args)
                         rounds[label], _ = prepare_cuda(fn, rotation_sets(args, nbytes, device), 3, True, _GRAPH_US)
                     except (RuntimeError, ValueError) as e:
                         log(f"  {gran} {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
                 us = time_rounds(rounds, _REPLAYS)
-                del rounds
+                del rounds, ref
+                if len(us) < 2:  # BF16 alone: no kernel gave a usable product
+                    log(f"  {gran} {n}x{k} M={m}: no candidate timed; no entry")
+                    continue
                 rows.append({"granularity": gran, "n": n, "k": k, "m": m, "us": us,
                              "heuristic": heuristic_label(device, m, n, k, gran)})
                 best = min((v, lab) for lab, v in us.items() if lab != "bf16")
                 log(f"[{time.monotonic() - t0:5.0f}s] {gran} {n}x{k} M={m}: BF16 {us['bf16']:.1f} "
                     f"best {best[1]} {best[0]:.1f}")
-            del w_q, w_s, w_sn
+            del w_q, w_s, w_sn, w_ref
         del w
         torch.cuda.empty_cache()
     return rows

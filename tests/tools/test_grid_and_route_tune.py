@@ -563,3 +563,55 @@ def test_the_sweeps_heuristic_may_take_cublas_wherever_cublas_takes_the_shape(mo
         assert not label.startswith("cublas")
     else:
         assert label == expected
+
+
+def test_candidate_error_is_the_relative_error_of_the_first_rows():
+    ref = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    assert route_tune.candidate_error(ref.to(torch.bfloat16), ref) == 0.0
+    assert route_tune.candidate_error(torch.tensor([[3.0, 4.0], [0.0, 0.5], [9.0, 9.0]]), ref) == pytest.approx(0.1)
+    assert route_tune.candidate_error(torch.tensor([[3.0, float("nan")], [0.0, 0.0]]), ref) == math.inf
+    assert route_tune.candidate_error(torch.tensor([[3.0, float("inf")], [0.0, 0.0]]), ref) == math.inf
+    for bad in (torch.zeros(1, 2), torch.zeros(2, 3), torch.zeros(2)):
+        with pytest.raises(ValueError, match=r"a candidate returned shape .* for a \(2, 2\) product"):
+            route_tune.candidate_error(bad, ref)
+
+
+@pytest.mark.parametrize("wrong", ["scaled", "nan", "zero_columns"])
+def test_the_sweep_times_no_candidate_whose_product_is_off(monkeypatch, wrong):
+    """A kernel that gives a wrong product (a misread scale, NaN, columns left unwritten) is logged
+    and not timed, so it can become no table entry; the correct ones are timed. A case where every
+    kernel is off gives no row."""
+    from fp8linear.ops import gemm, router
+    from fp8linear.ops import splitk_gemm
+    from fp8linear.ops.configs import GemmConfig
+    from fp8linear.reference import block_fp8_matmul_ref
+
+    good, bad = GemmConfig(64, 64, 128, num_warps=4, num_stages=3), GemmConfig(32, 32, 128, num_warps=4, num_stages=3)
+    labels = {"tiled:good": ("tiled", good), "tiled:bad": ("tiled", bad)}
+
+    def fake_gemm(x_q, x_s, w_q, w_s, gran, out_dtype, bias, config=None, counters=None):
+        y = block_fp8_matmul_ref(x_q, x_s, w_q, w_s, out_dtype)
+        if config is bad:
+            y = y * 1.05 if wrong == "scaled" else y.masked_fill(torch.ones_like(y, dtype=torch.bool), float("nan")) \
+                if wrong == "nan" else torch.cat([y[:, :64], torch.zeros_like(y[:, 64:])], 1)
+        return y
+
+    timed = []
+    monkeypatch.setattr(route_tune, "candidates", lambda *a, **kw: dict(labels))
+    monkeypatch.setattr(route_tune, "prepare_cuda", lambda fn, sets, *a: (timed.append(fn) or fn, None))
+    monkeypatch.setattr(route_tune, "rotation_sets", lambda args, nbytes, device: [args])
+    monkeypatch.setattr(route_tune, "time_rounds", lambda rounds, replays: {lab: 1.0 for lab in rounds})
+    monkeypatch.setattr(route_tune, "heuristic_label", lambda *a: "tiled:good")
+    monkeypatch.setattr(gemm, "block_fp8_gemm", fake_gemm)
+    monkeypatch.setattr(splitk_gemm, "splitk_counters", lambda n, device: None)
+    monkeypatch.setattr(router, "use_n_major_scales", lambda *a: False)
+    log = []
+    rows = route_tune.sweep([(256, 256)], [3, 16], torch.device("cpu"), 60.0, log.append)
+    assert [r["m"] for r in rows] == [3, 16] and all(set(r["us"]) == {"bf16", "tiled:good"} for r in rows)
+    dropped = [line for line in log if "tiled:bad" in line]
+    assert len(dropped) == 2 and all("against the fp32 product (> 1e-02): not timed" in line for line in dropped)
+    assert len(timed) == 4  # BF16 and the good kernel, at each M
+    labels.pop("tiled:good")
+    log.clear()
+    assert route_tune.sweep([(256, 256)], [3], torch.device("cpu"), 60.0, log.append) == []
+    assert any("no candidate timed; no entry" in line for line in log)
