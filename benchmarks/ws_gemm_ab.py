@@ -12,7 +12,10 @@ the others against it within the kernels' error bound. Prints per-M geometric me
 method's speedup over BF16.
 
     python benchmarks/ws_gemm_ab.py [--m 1000 2048 4096 8192] [--shapes 18432x7168 ...]
-        [--granularity block|row|tensor] [--configs ws128s3 ...] [--json F]
+        [--granularity block|row|tensor] [--configs ws128s3 ...] [--single-release] [--json F]
+
+``--single-release`` adds each config releasing its ring slots after every K group (``NAME-r1``,
+``ws_fp8_gemm(release_every=1)``) against the default pairs, after checking both give the same bits.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def _bytes(args: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in args if isinstance(t, torch.Tensor))
 
 
-def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: dict[str, WsConfig]) -> dict[str, float] | None:
+def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: dict[str, WsConfig],
+            single_release: bool = False) -> dict[str, float] | None:
     dev = torch.device("cuda")
     w = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -66,6 +70,10 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
     same, split_err = True, 0.0
     for cfg in configs.values():
         y = ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg)
+        if single_release and not torch.equal(
+                y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
+                                                 release_every=1).view(torch.int16)):
+            raise AssertionError(f"{n}x{k} M={m} {cfg}: releasing ring slots per group changed the bits")
         tiles = -(-m // 128) * -(-n // cfg.block_n)  # this config's output tiles, as ws_fp8_gemm plans them
         if tail_plan(tiles, sm_count(dev), -(-k // 128), cfg.tail_split)[1] == 1:
             same = same and torch.equal(y.view(torch.int16), tiled.view(torch.int16))
@@ -87,6 +95,9 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
     for name, cfg in configs.items():
         methods[name] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(a, sa, b, sb, gran, torch.bfloat16, None, cfg),
                          (x_q, x_s, w_q, w_s))
+        if single_release:  # the same config releasing its ring slots after every K group
+            methods[name + "-r1"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
+                a, sa, b, sb, gran, torch.bfloat16, None, cfg, release_every=1), (x_q, x_s, w_q, w_s))
     rounds = {}
     for name, (fn, args) in methods.items():
         rounds[name], _ = prepare_cuda(fn, rotation_sets(args, _bytes(args), dev), 3, graph_timer=True)
@@ -111,6 +122,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+")
     p.add_argument("--granularity", default="block", choices=["block", "row", "tensor"])
     p.add_argument("--configs", nargs="+", choices=list(WS_CONFIGS), default=list(WS_CONFIGS))
+    p.add_argument("--single-release", action="store_true",
+                   help="also time each config releasing its ring slots after every K group (NAME-r1)")
     p.add_argument("--json")
     a = p.parse_args()
     configs = {name: WS_CONFIGS[name] for name in a.configs}
@@ -119,7 +132,7 @@ def main() -> None:
     rows = []
     for s in shapes:
         for m in a.m:
-            t = measure(s.n, s.k, m, gen, a.granularity, configs)
+            t = measure(s.n, s.k, m, gen, a.granularity, configs, a.single_release)
             if t is None:
                 print(f"{s.n:6}x{s.k:<6} M={m:5} not TMA-addressable: skipped")
                 continue
@@ -127,7 +140,7 @@ def main() -> None:
             print(f"{s.n:6}x{s.k:<6} M={m:5} " + " ".join(f"{kk}={v:.1f}" if isinstance(v, float) else f"{kk}={v}"
                                                        for kk, v in t.items())
                   + f"  best ws/tiled={best_ws(t) / t['tiled']:.3f} /auto={best_ws(t) / t['auto']:.3f}", flush=True)
-    names = ["tensor", "auto", "triton", "tiled", *configs]
+    names = ["tensor", "auto", "triton", "tiled", *configs, *(f"{c}-r1" for c in configs if a.single_release)]
     for m in a.m:
         sel = [r for r in rows if r["m"] == m]
         if sel:

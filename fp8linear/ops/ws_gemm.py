@@ -51,7 +51,7 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
 except (ImportError, AttributeError):  # no Triton, no Gluon or one without these names: never picked
     HAS_GLUON_WS = False
 
-__all__ = ["HAS_GLUON_WS", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan",
+__all__ = ["HAS_GLUON_WS", "RELEASE_EVERY", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan",
            "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
@@ -71,6 +71,11 @@ _MAXNREG = 168
 # 128x256 tile against 64 KB for two 128x128 tiles, which is what bounds the 128-column kernel on
 # long K (H100, ncu, 18432x7168 M=4096: L2 throughput 86%, tensor pipe 53%).
 _CHUNK_COLS = 64
+# K groups a consumer of a 128-column tile takes per ring-slot release (_k_loop: pairs). Gluon's
+# lowering of a one-thread mbarrier arrive syncs the warpgroup first (bar.sync 0, 128 in the PTX,
+# Triton 3.6 and 3.9); per K group that sync was the kernel's largest stall (H200, ncu, 576x7168
+# M=2048: 3.7 of 8.7 cycles between instructions waiting at a CTA barrier).
+RELEASE_EVERY = 2
 
 
 class WsConfig:
@@ -204,7 +209,8 @@ if HAS_GLUON_WS:
     def _produce(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+                 RELEASE_EVERY: gl.constexpr):
         """The producer warp: fill the ring's slots with the K groups of the program's work units, in
         order, each slot once both consumers released it (so the next unit's first groups load while
         the consumers store the last one)."""
@@ -307,23 +313,53 @@ if HAS_GLUON_WS:
         return acc, last
 
     @gluon.jit
-    def _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk, mma: gl.constexpr,
-                W_SCALE_UNIFORM: gl.constexpr, HALF: gl.constexpr):
-        """K groups first .. end-1 of a consumer's rows of a 128-column tile into acc, the ring's slots
-        taken from counter `it` on; -> (acc, it)."""
+    def _group_product(a_bufs, b_bufs, ready, it, mma: gl.constexpr, HALF: gl.constexpr):
+        """Wait for ring counter `it`'s slot and start the consumer's 64x128 tensor-core product of it
+        (asynchronous; warpgroup_mma_wait gives it). A fresh product (zeros as the C operand, not
+        added): holding the previous product's registers as C instead left the 1x128-weight consumer
+        short of registers (ptxas spills)."""
         stages: gl.constexpr = b_bufs.type.shape[0]
-        half: gl.constexpr = acc.shape[0]
-        for k in range(first, end):
-            s = it % stages
-            mbarrier.wait(ready.index(s), (it // stages) & 1)
-            # a fresh product (zeros as the C operand, not added): holding the previous product's
-            # registers as C instead left the 1x128-weight consumer short of registers (ptxas spills)
-            product = warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)),
-                                    gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma), use_acc=False, is_async=True)
-            x_s = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
+        s = it % stages
+        mbarrier.wait(ready.index(s), (it // stages) & 1)
+        return warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)),
+                             gl.zeros([_HALF_ROWS, _PRODUCT_N], gl.float32, layout=mma), use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk, mma: gl.constexpr,
+                W_SCALE_UNIFORM: gl.constexpr, HALF: gl.constexpr, RELEASE_EVERY: gl.constexpr):
+        """K groups first .. end-1 of a consumer's rows of a 128-column tile into acc, the ring's slots
+        taken from counter `it` on; -> (acc, it). RELEASE_EVERY 1: each group's slot is released once
+        its product is in registers. 2: groups go in pairs, the second product started before the
+        first is promoted, and both slots released together (an odd last group alone): a release
+        is one thread's mbarrier arrive, which Gluon's lowering precedes with a sync of the
+        warpgroup's 128 threads, and two back to back align the warps once. The promotions run in
+        the same order either way (the same bits). 1x128 weights (per-column scales, not
+        W_SCALE_UNIFORM) go one group at a time: two groups' scales in registers spill (ptxas, sm_90a,
+        Triton 3.9: 2.8 KB of spill loads a thread against 1.1 KB)."""
+        stages: gl.constexpr = b_bufs.type.shape[0]
+        if RELEASE_EVERY == 2 and W_SCALE_UNIFORM:
+            pairs_end = first + (end - first) // 2 * 2
+            for k in range(first, pairs_end, 2):
+                p0 = _group_product(a_bufs, b_bufs, ready, it, mma, HALF)
+                x0 = gl.load(xs_ptrs + k)  # the scales load while the tensor cores run
+                w0 = gl.load(ws_ptrs + k * stride_wsk)
+                p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
+                p1 = _group_product(a_bufs, b_bufs, ready, it + 1, mma, HALF)
+                x1 = gl.load(xs_ptrs + k + 1)
+                w1 = gl.load(ws_ptrs + (k + 1) * stride_wsk)
+                acc = _promote(acc, p0, x0, w0, W_SCALE_UNIFORM)
+                p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+                mbarrier.arrive(empty.index(it % stages), count=1)
+                mbarrier.arrive(empty.index((it + 1) % stages), count=1)
+                acc = _promote(acc, p1, x1, w1, W_SCALE_UNIFORM)
+                it += 2
+            first = pairs_end
+        for k in range(first, end):  # every group (RELEASE_EVERY 1), or the odd last one
+            product = _group_product(a_bufs, b_bufs, ready, it, mma, HALF)
+            x_s = gl.load(xs_ptrs + k)
             w_s = gl.load(ws_ptrs + k * stride_wsk)
             product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-            mbarrier.arrive(empty.index(s), count=1)
+            mbarrier.arrive(empty.index(it % stages), count=1)
             acc = _promote(acc, product, x_s, w_s, W_SCALE_UNIFORM)
             it += 1
         return acc, it
@@ -413,7 +449,8 @@ if HAS_GLUON_WS:
     def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, HALF: gl.constexpr):
+                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, HALF: gl.constexpr,
+                 RELEASE_EVERY: gl.constexpr):
         """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's whole tiles, every K
         group, then the tile's store; then, with SPLIT_TAIL, its tail units (_sum_splits). A tile 256
         columns wide runs :func:`_wide_unit`."""
@@ -443,7 +480,7 @@ if HAS_GLUON_WS:
                 ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
                 acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
                 acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, 0, k_groups, it, stride_wsk,
-                                  mma, W_SCALE_UNIFORM, HALF)
+                                  mma, W_SCALE_UNIFORM, HALF, RELEASE_EVERY)
                 _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
         if SPLIT_TAIL:  # this program's units past the whole tiles
             num_units = whole_tiles + (gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n) - whole_tiles) * tail_split
@@ -461,7 +498,7 @@ if HAS_GLUON_WS:
                     ws_ptrs = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _PRODUCT_N, WS_GROUP_N, W_SCALE_UNIFORM)
                     acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
                     acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk,
-                                      mma, W_SCALE_UNIFORM, HALF)
+                                      mma, W_SCALE_UNIFORM, HALF, RELEASE_EVERY)
                     acc, last = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, rows, cols, HALF)
                     if last:
                         _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N,
@@ -474,20 +511,22 @@ if HAS_GLUON_WS:
                        part_ptr, count_ptr,
                        M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                        stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+                       GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+                 RELEASE_EVERY: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 0)
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 0, RELEASE_EVERY)
 
     @gluon.jit
     def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                         part_ptr, count_ptr,
                         M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                         stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+                        GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+                 RELEASE_EVERY: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 1)
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 1, RELEASE_EVERY)
 
     @gluon.jit
     def _ws_fp8_gemm_kernel(
@@ -495,7 +534,7 @@ if HAS_GLUON_WS:
         M, N, K, whole_tiles, tail_split, groups_per_split,
         stride_xsm, stride_wsn, stride_wsk, stride_ym,
         WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-        GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_TAIL: gl.constexpr, RELEASE_EVERY: gl.constexpr,
     ):
         """Program p runs work units p, p + P, p + 2P, ... (P programs): the first `whole_tiles` units
         are output tiles in grouped order, the rest K splits of the remaining tiles (tail_plan; only
@@ -514,15 +553,15 @@ if HAS_GLUON_WS:
             (_consume_first, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                               part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                               stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL)),
+                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, RELEASE_EVERY)),
             (_produce, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                         part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                         stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL)),
+                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, RELEASE_EVERY)),
             (_consume_second, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                                part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                                stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL)),
+                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, RELEASE_EVERY)),
         ], [1, 4], [24, 240])  # warps and registers of the producer and the second consumer
 
 
@@ -532,12 +571,16 @@ def _gl_dtype(dtype: torch.dtype):
 
 def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                 out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: WsConfig | None = None,
-                counters: torch.Tensor | None = None) -> torch.Tensor:
+                counters: torch.Tensor | None = None, release_every: int = RELEASE_EVERY) -> torch.Tensor:
     """y (M, N) in `out_dtype` for validated operands that :func:`ws_accepts`: x_q (M, K), w_q (N, K)
     FP8, x_s (M, K/128) row-major, w_s in `granularity`'s layout (0-d for "tensor").
 
     `counters`: int32 zeros (left zeroed) the split tail tiles count in, where it holds two per tail
-    tile (a :func:`fp8linear.ops.splitk_gemm.splitk_counters` does); else fresh zeros per call."""
+    tile (a :func:`fp8linear.ops.splitk_gemm.splitk_counters` does); else fresh zeros per call.
+    `release_every`: the consumers release the ring's slots after every K group (1) or in pairs (2,
+    RELEASE_EVERY); the same bits either way (benchmarks/ws_gemm_ab.py times both)."""
+    if type(release_every) is not int or release_every not in (1, 2):
+        raise ValueError(f"ws_fp8_gemm: release_every must be 1 or 2, got {release_every!r}")
     from .gemm_common import weight_scale_layout  # imports Triton; the router imports this module without it
 
     cfg = cfg or WsConfig()
@@ -571,6 +614,6 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
         x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=granularity != "row",
         HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, SPLIT_TAIL=split > 1,
-        num_warps=4, maxnreg=_MAXNREG,
+        RELEASE_EVERY=release_every, num_warps=4, maxnreg=_MAXNREG,
     )
     return y

@@ -223,7 +223,7 @@ def _operands(m, n, k, gran, bias, gen):
     return x_q, x_s.contiguous(), w_q, (w_s.reshape(()) if gran == "tensor" else w_s), w_s, b
 
 
-def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_tail: bool):
+def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_tail: bool, release_every: int = 2):
     """The warp-specialized kernel compiled ahead of time for sm_90a by the installed Triton, on any
     machine (its bundled ptxas): what the Gluon API of the installed Triton accepts."""
     import triton
@@ -241,9 +241,10 @@ def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_t
         "count_ptr": "*i32", **{name: "i32" for name in ("M", "N", "K", "whole_tiles", "tail_split", "groups_per_split",
                                                         "stride_xsm", "stride_wsn", "stride_wsk", "stride_ym")},
         **{name: "constexpr" for name in ("WS_GROUP_N", "W_SCALE_UNIFORM", "HAS_BIAS", "GROUP_M", "STAGES",
-                                          "SPLIT_TAIL")}}
+                                          "SPLIT_TAIL", "RELEASE_EVERY")}}
     constexprs = {"WS_GROUP_N": 128 if granularity == "block" else 1, "W_SCALE_UNIFORM": granularity == "block",
-                  "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "SPLIT_TAIL": split_tail}
+                  "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "SPLIT_TAIL": split_tail,
+                  "RELEASE_EVERY": release_every}
     return triton.compile(GluonASTSource(ws_gemm._ws_fp8_gemm_kernel, signature, constexprs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
 
@@ -269,17 +270,25 @@ def _can_compile_for_hopper() -> bool:
 
 
 @pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs a Triton with Gluon's warp_specialize and ptxas")
-@pytest.mark.parametrize("block_n,granularity,stages,split_tail", [
-    (128, "block", 4, False), (128, "row", 3, True), (256, "block", 4, True)])
-def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, split_tail):
+@pytest.mark.parametrize("block_n,granularity,stages,split_tail,release_every", [
+    (128, "block", 4, False, 2), (128, "row", 3, True, 2), (256, "block", 4, True, 2), (128, "block", 4, False, 1),
+    (256, "block", 3, False, 1)])
+def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, split_tail, release_every):
     """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
     load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
     shared memory: checked on any machine, so a Triton upgrade that breaks it fails on CPU too."""
-    compiled = _aot_compile_for_hopper(block_n, granularity, stages, split_tail)
+    compiled = _aot_compile_for_hopper(block_n, granularity, stages, split_tail, release_every)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and a w box
     assert ring <= compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+
+
+@pytest.mark.parametrize("bad", [0, 3, 2.0, None])
+def test_release_every_is_one_or_two(bad):
+    x = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=rf"release_every must be 1 or 2, got {bad!r}"):
+        ws_gemm.ws_fp8_gemm(x, torch.ones(4, 1), x, torch.ones(1, 1), "block", BF16, release_every=bad)
 
 
 @pytest.mark.gpu
@@ -307,6 +316,9 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
                 WsConfig(128, 3, tail_split=8), WsConfig(256, 3, 2, persistent=True, tail_split=4)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
+        # slots released after every K group instead of in pairs: the same products, the same bits
+        # (split tails: the same order of partial sums)
+        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg, release_every=1), y)
         if gran == "row":  # 1x128 scales N-major (stride (1, N), the copy Fp8BlockLinear keeps): same bits
             w_s_n = w_s.t().contiguous().t()
             assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s_n, gran, BF16, None, cfg), y)
