@@ -13,9 +13,10 @@ order, with three partitions of warps:
 - two consumer warpgroups each own 64 rows of a tile: they wait for a slot, multiply on the
   tensor cores (WGMMA), release the slot, and promote the product into their accumulator; then
   store their rows through shared memory, 16 contiguous bytes a thread. On 128-column tiles with
-  128x128 or per-tensor weight scales they take K groups in pairs (the second product started
-  before the first is promoted, both slots released together: :func:`_k_loop`). A 256-column tile is four
-  64-column products per K group, each started before the one before it is promoted.
+  128x128 or per-tensor weight scales and at least 4 ring slots they take K groups in pairs (the
+  second product started before the first is promoted, both slots released together:
+  :func:`_k_loop`). A 256-column tile is four 64-column products per K group, each started before
+  the one before it is promoted.
 
 The two consumers run independently, so one's promotion on the CUDA cores overlaps the other's
 tensor-core work, which the `tl` kernel (one instruction stream, ``wgmma.wait_group 0`` before
@@ -75,9 +76,13 @@ _MAXNREG = 168
 _CHUNK_COLS = 64
 # K groups a consumer of a 128-column tile takes per ring-slot release (_k_loop: pairs). Gluon's
 # lowering of a one-thread mbarrier arrive syncs the warpgroup first (bar.sync 0, 128 in the PTX,
-# Triton 3.6 and 3.9); per K group that sync was the kernel's largest stall (H200, ncu, 576x7168
-# M=2048: 3.7 of 8.7 cycles between instructions waiting at a CTA barrier).
+# Triton 3.6 and 3.9). With a release per K group that sync is the kernel's largest stall (H200,
+# ncu, 576x7168 M=2048: 3.7 of 8.7 cycles between instructions waiting at a CTA barrier); in pairs
+# the kernel takes 0.93x the time (H100, geomean of 8 cases at M 2048-4096, docs/benchmarks.md).
 RELEASE_EVERY = 2
+# Ring slots from which the pairs run: a consumer holds both of a pair's slots until its second
+# product is in, so with fewer slots the producer runs at most one group ahead (measured with 4).
+PAIR_MIN_STAGES = 4
 
 
 class WsConfig:
@@ -183,6 +188,7 @@ if HAS_GLUON_WS:
     _PRODUCT_N: tl.constexpr = tl.constexpr(_PRODUCT_COLS)
     _CHUNK_N: tl.constexpr = tl.constexpr(_CHUNK_COLS)
     _HALF_ROWS: tl.constexpr = tl.constexpr(_HALF_M)
+    _PAIR_MIN_STAGES: tl.constexpr = tl.constexpr(PAIR_MIN_STAGES)
 
     @gluon.jit
     def _tile_offsets(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
@@ -331,15 +337,17 @@ if HAS_GLUON_WS:
                 W_SCALE_UNIFORM: gl.constexpr, HALF: gl.constexpr, RELEASE_EVERY: gl.constexpr):
         """K groups first .. end-1 of a consumer's rows of a 128-column tile into acc, the ring's slots
         taken from counter `it` on; -> (acc, it). RELEASE_EVERY 1: each group's slot is released once
-        its product is in registers. 2: groups go in pairs, the second product started before the
-        first is promoted, and both slots released together (an odd last group alone): a release
-        is one thread's mbarrier arrive, which Gluon's lowering precedes with a sync of the
-        warpgroup's 128 threads, and two back to back align the warps once. The promotions run in
-        the same order either way (the same bits). 1x128 weights (per-column scales, not
-        W_SCALE_UNIFORM) go one group at a time: two groups' scales in registers spill (ptxas, sm_90a,
-        Triton 3.9: 2.8 KB of spill loads a thread against 1.1 KB)."""
+        its product is in registers. 2 (with at least PAIR_MIN_STAGES slots): groups go in pairs, the
+        second product started before the first is promoted, and both slots released together (an
+        odd last group alone): a release is one thread's mbarrier arrive, which Gluon's lowering
+        precedes with a sync of the warpgroup's 128 threads, and two back to back align the warps
+        once. The pairs are a loop of their own: a release in a branch inside one loop makes the
+        lowering sync before every wait too. The promotions run in the same order either way (the
+        same bits). 1x128 weights (per-column scales, not W_SCALE_UNIFORM) go one group at a time:
+        two groups' scales in registers spill (ptxas, sm_90a, Triton 3.9: 2.8 KB of spill loads a
+        thread against 1.1 KB)."""
         stages: gl.constexpr = b_bufs.type.shape[0]
-        if RELEASE_EVERY == 2 and W_SCALE_UNIFORM:
+        if RELEASE_EVERY == 2 and W_SCALE_UNIFORM and stages >= _PAIR_MIN_STAGES:
             pairs_end = first + (end - first) // 2 * 2
             for k in range(first, pairs_end, 2):
                 p0 = _group_product(a_bufs, b_bufs, ready, it, mma, HALF)
@@ -513,8 +521,7 @@ if HAS_GLUON_WS:
                        part_ptr, count_ptr,
                        M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                        stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                 RELEASE_EVERY: gl.constexpr):
+                       GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, RELEASE_EVERY: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 0, RELEASE_EVERY)
@@ -524,8 +531,7 @@ if HAS_GLUON_WS:
                         part_ptr, count_ptr,
                         M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                         stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                 RELEASE_EVERY: gl.constexpr):
+                        GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, RELEASE_EVERY: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 1, RELEASE_EVERY)

@@ -79,9 +79,11 @@ CUBLAS = "cublas"
 # (the tables' ``ours`` and the entries of those kernels move with their kernels' speed).
 TILED = "tiled"
 # A candidate whose output differs from the fp32 product of the dequantized operands by more than
-# this (relative Frobenius error) is not timed. Every kernel the sweep times measures 1.5-1.8e-3 on
-# its random data (the bf16 output's rounding: 2**-9 relative at most); a misread scale layout or a
-# kernel broken for some tile shape gives 0.1 to inf.
+# this is not timed (candidate_error: the larger of the relative Frobenius error and the largest
+# element error relative to the largest product). The bf16 output's rounding bounds both near
+# 2**-9 (Frobenius: every kernel measures 1.5-1.8e-3 on its random data); a misread scale layout
+# or a tile left unwritten gives 0.1 to inf, in the largest element error even where the tile is
+# one of thousands.
 MAX_REL_ERR = 1e-2
 # A candidate graph runs about this long (µs): many candidates per case, each timed 5 times.
 _GRAPH_US = 1500.0
@@ -349,13 +351,17 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
 
 
 def candidate_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error of a candidate's output `y` (its first ref.shape[0] rows: cuBLAS's
-    padded forms may return more) against `ref`, the fp32 product of the dequantized operands; NaN
-    or inf in `y` gives inf."""
+    """Error of a candidate's output `y` (its first ref.shape[0] rows: cuBLAS's padded forms may
+    return more) against `ref`, the fp32 product of the dequantized operands: the larger of the
+    relative Frobenius error and max |y - ref| / max |ref| (one wrong tile among thousands moves the
+    first little, the second fully). NaN or inf in `y` gives inf."""
     if y.dim() != 2 or y.shape[0] < ref.shape[0] or y.shape[1] != ref.shape[1]:
         raise ValueError(f"a candidate returned shape {tuple(y.shape)} for a {tuple(ref.shape)} product")
-    diff = (y[:ref.shape[0]].float() - ref).norm().item()
-    return diff / max(ref.norm().item(), 1e-30) if math.isfinite(diff) else math.inf
+    diff = y[:ref.shape[0]].float() - ref
+    frobenius, largest = diff.norm().item(), diff.abs().amax().item()
+    if not (math.isfinite(frobenius) and math.isfinite(largest)):
+        return math.inf
+    return max(frobenius / max(ref.norm().item(), 1e-30), largest / max(ref.abs().amax().item(), 1e-30))
 
 
 def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.device, deadline_s: float,
@@ -429,8 +435,9 @@ def sweep(shapes: Sequence[tuple[int, int]], ms: Sequence[int], device: torch.de
                         log(f"  {gran} {n}x{k} M={m} {label}: {str(e).splitlines()[0][:120]}")
                 us = time_rounds(rounds, _REPLAYS)
                 del rounds, ref
-                if len(us) < 2:  # BF16 alone: no kernel gave a usable product
-                    log(f"  {gran} {n}x{k} M={m}: no candidate timed; no entry")
+                if not any(lab != "bf16" and not _optional(lab) for lab in us):
+                    # BF16 alone, or optional kernels only (their entries need a fallback)
+                    log(f"  {gran} {n}x{k} M={m}: no kernel but optional ones gave a usable product; no entry")
                     continue
                 rows.append({"granularity": gran, "n": n, "k": k, "m": m, "us": us,
                              "heuristic": heuristic_label(device, m, n, k, gran)})
@@ -524,6 +531,11 @@ def _held_labels(held: dict[str, Any] | None) -> tuple[str | None, str | None]:
     return _label(entry.kernel, entry.config), None
 
 
+def _optional(label: str) -> bool:
+    """Whether a candidate label names an optional kernel (CUTLASS, warp-specialized)."""
+    return label.startswith(tuple(CHALLENGERS.values()))
+
+
 def _best_entry(us: dict[str, float], held: dict[str, Any] | None = None) -> dict[str, Any]:
     """The table entry of one case's times: the fastest kernel, an optional kernel (CUTLASS,
     warp-specialized) only where it beats the fastest other one by OPTIONAL_MIN_GAIN (then with that
@@ -533,15 +545,12 @@ def _best_entry(us: dict[str, float], held: dict[str, Any] | None = None) -> dic
     (and whose ``ours``' kernels) stay where the fastest other candidate is within OPTIONAL_MIN_GAIN
     of them (re-timing moves times by the timer's spread; an entry should change only for a measured
     gain)."""
-    def optional(label: str) -> bool:
-        return label.startswith(tuple(CHALLENGERS.values()))
-
     us = _drop_idle_algos(us)
 
-    others = [(v, lab) for lab, v in us.items() if lab != "bf16" and not optional(lab)]
+    others = [(v, lab) for lab, v in us.items() if lab != "bf16" and not _optional(lab)]
     if not others:
         raise ValueError(f"no kernel but optional ones was timed ({sorted(us)}): their entries need a fallback")
-    entry = _pick(others, [(v, lab) for lab, v in us.items() if optional(lab)], _held_labels(held))
+    entry = _pick(others, [(v, lab) for lab, v in us.items() if _optional(lab)], _held_labels(held))
     ours = [(v, lab) for lab, v in us.items() if lab.startswith(("tiled:", "splitk:"))]
     if entry.get("fallback", entry)["kernel"] == "cublas" and ours:
         ws = [(v, lab) for lab, v in us.items() if lab.startswith(CHALLENGERS["ws"])]

@@ -568,7 +568,11 @@ def test_the_sweeps_heuristic_may_take_cublas_wherever_cublas_takes_the_shape(mo
 def test_candidate_error_is_the_relative_error_of_the_first_rows():
     ref = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
     assert route_tune.candidate_error(ref.to(torch.bfloat16), ref) == 0.0
-    assert route_tune.candidate_error(torch.tensor([[3.0, 4.0], [0.0, 0.5], [9.0, 9.0]]), ref) == pytest.approx(0.1)
+    assert route_tune.candidate_error(torch.tensor([[3.0, 4.0], [0.0, 0.5], [9.0, 9.0]]), ref) == pytest.approx(0.125)
+    big = torch.ones(200, 200)
+    one_off = big.clone()
+    one_off[0, 0] = 0.0  # relative Frobenius error 0.005: the largest element error gives it away
+    assert route_tune.candidate_error(one_off, big) == 1.0
     assert route_tune.candidate_error(torch.tensor([[3.0, float("nan")], [0.0, 0.0]]), ref) == math.inf
     assert route_tune.candidate_error(torch.tensor([[3.0, float("inf")], [0.0, 0.0]]), ref) == math.inf
     for bad in (torch.zeros(1, 2), torch.zeros(2, 3), torch.zeros(2)):
@@ -614,4 +618,8 @@ def test_the_sweep_times_no_candidate_whose_product_is_off(monkeypatch, wrong):
     labels.pop("tiled:good")
     log.clear()
     assert route_tune.sweep([(256, 256)], [3], torch.device("cpu"), 60.0, log.append) == []
-    assert any("no candidate timed; no entry" in line for line in log)
+    assert any("no kernel but optional ones gave a usable product; no entry" in line for line in log)
+    labels["cutlass:128"] = ("tiled", good)  # an optional kernel's label alone: no entry without a fallback
+    log.clear()
+    assert route_tune.sweep([(256, 256)], [3], torch.device("cpu"), 60.0, log.append) == []
+    assert any("no kernel but optional ones gave a usable product; no entry" in line for line in log)
