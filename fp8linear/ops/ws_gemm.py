@@ -54,8 +54,8 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
 except (ImportError, AttributeError):  # no Triton, no Gluon or one without these names: never picked
     HAS_GLUON_WS = False
 
-__all__ = ["HAS_GLUON_WS", "RELEASE_EVERY", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan",
-           "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+__all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS",
+           "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
