@@ -133,9 +133,9 @@ CUTLASS_TILE_N = 128
 CUTLASS_CONFIGS = (CutlassConfig(64), CutlassConfig(64, tile_n=64), CutlassConfig(128),
                    CutlassConfig(128, tile_n=64), CutlassConfig(128, stream_k=True))
 # What tune-routes times: the built kernels, and the stream-K kernel as split-K in 2, 3 and 4 parts.
-# H200, the shipped entries re-timed against the six other than the 128x64 tiles: split-K won one entry by more than 3%
-# (8192x29568 at M=128, 72.2 against 78.3 us); on long K with tiles that leave SMs idle it did not
-# help (docs/benchmarks.md, "Split-K on CUTLASS").
+# H200, the shipped entries re-timed against the six other than the 128x64 tiles: split-K won one
+# entry by more than 3% (8192x29568 at M=128, 72.2 against 78.3 us); on long K with tiles that leave
+# SMs idle it did not help (docs/benchmarks.md, "Split-K on CUTLASS").
 CUTLASS_CANDIDATES = CUTLASS_CONFIGS + tuple(CutlassConfig(128, stream_k=True, splits=s) for s in (2, 3, 4))
 # The kernels built for 1x128 (row-wise) weights: one scale per weight row and K group, N-major.
 CUTLASS_ROW_CONFIGS = (CutlassConfig(64), CutlassConfig(128))
