@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 
 from fp8linear.ops import router
-from fp8linear.tools.route_tune import _label
+from fp8linear.ops.route_table import route_label
 
 _OURS = ("tiled", "splitk", "ws")
 _BUCKETS = ((1, 64, "1-64"), (65, 256, "65-256"), (257, 1024, "257-1024"), (1025, 1 << 62, ">1024"))
@@ -42,7 +42,7 @@ def choice(m: int, n: int, k: int, granularity: str, cublas: bool, sms: int) -> 
             mock.patch.object(router, "lookup_route", lambda *a: None):
         route = router._heuristic(dev, m, n, k, granularity, cublas, True, False)
         route = router._ws_in_place_of_tiled(route, dev, m, n, k, granularity, True)
-    return _label(route.kernel, route.config)
+    return route_label(route.kernel, route.config)
 
 
 def _bucket(m: int) -> str:

@@ -51,7 +51,7 @@ from .ws_gemm import WsConfig
 
 __all__ = ["ROUTES_FORMAT", "ROUTES_VERSION", "MAX_M_RATIO", "ROUTE_KERNELS", "OPTIONAL_KERNELS", "OURS_KERNELS",
            "ROUTE_SECTIONS", "RouteEntry", "routes_dir", "routes_path", "parse_entry", "parse_routes", "lookup_route",
-           "entry_to_json", "table_ms"]
+           "entry_to_json", "table_ms", "route_label"]
 
 ROUTES_FORMAT = "fp8linear-routes"
 ROUTES_VERSION = 1
@@ -190,6 +190,30 @@ def entry_to_json(entry: RouteEntry) -> dict[str, Any]:
     if entry.ours is not None:
         out.update(ours=entry_to_json(entry.ours))
     return out
+
+
+def route_label(kernel: str, config: Any) -> str:
+    """The short name of a kernel and its config, as tune-routes logs candidates and bench rows record
+    the route that ran (e.g. ``tiled:64x128x128w4s3g8``, ``splitk:64x64x5w4s4``, ``cublas:ws32:row``,
+    ``cutlass:128x64``, ``ws:128s4g8pt4``); the kernel's name alone for its default config."""
+    if config is None:
+        return kernel
+    if kernel == "cublas":
+        return (f"cublas:ws{config.workspace_mib}" + (":row" if config.row_scales else "")
+                + (f":a{config.algo_m}" if config.algo_m else ""))
+    if kernel in ("splitk", "decode"):
+        return (f"{kernel}:{config.block_m}x{config.block_n}x{config.split_k}w{config.num_warps}"
+                f"s{config.num_stages}")
+    if kernel == "cutlass":
+        return (f"cutlass:{config.tile_m}" + (f"x{config.tile_n}" if config.tile_n != CUTLASS_TILE_N else "")
+                + (f"k{config.splits}" if config.splits > 1 else "sk" if config.stream_k else ""))
+    if kernel == "ws":
+        return (f"ws:{config.block_n}s{config.stages}g{config.group_m}" + ("p" if config.persistent else "")
+                + (f"t{config.tail_split}" if config.tail_split > 1 else ""))
+    if kernel == "gemv":
+        return f"gemv:{config.block_n}g{config.groups_per_step}w{config.num_warps}s{config.num_stages}"
+    return (f"{kernel}:{config.block_m}x{config.block_n}x{config.block_k}w{config.num_warps}s{config.num_stages}"
+            f"g{config.group_m}")
 
 
 def parse_routes(doc: Any, source: str = "routes table",

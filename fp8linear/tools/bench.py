@@ -163,18 +163,32 @@ def _cublas_block_scale_b(w_s: torch.Tensor, layout: str) -> torch.Tensor:
     return buf[:, :kb].t()
 
 
-def _describe_config(m: int, n: int, k: int, device: torch.device) -> str:
-    if device.type != "cuda":
+def _describe_route(method: str, m: int, n: int, k: int, device: torch.device, fp8_dtype: torch.dtype,
+                    cfg: BenchConfig) -> str:
+    """The label (:func:`~fp8linear.ops.route_table.route_label`) of the route the router takes for
+    this method's GEMM, or for the whole forward; empty off CUDA."""
+    if device.type != "cuda" or cfg.backend == "reference":
         return ""
-    try:
-        from ..ops.router import select_config
-    except ImportError:
-        return ""
-    try:
-        c = select_config(device, m, n, k)
-    except (TypeError, ValueError, RuntimeError):  # informational only: never fail a row over it
-        return ""
-    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
+    try:  # informational only: never fail a row over it
+        return _route_label(method, m, n, k, device, fp8_dtype, cfg)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return f"unknown ({_first_line(e, 80)})"
+
+
+def _route_label(method: str, m: int, n: int, k: int, device: torch.device, fp8_dtype: torch.dtype,
+                 cfg: BenchConfig) -> str:
+    from ..ops.route_table import route_label
+    from ..ops.router import cublas_allowed, route_gemm, route_linear
+
+    if method == "ours_forward":
+        bias = torch.empty(n, device=device, dtype=torch.bfloat16) if cfg.bias else None
+        route = route_linear(device, m, n, k, "block", fp8_dtype, torch.bfloat16, bias, cublas_allowed(cfg.backend),
+                             k % 16 == 0, weight_contiguous=True)
+    else:
+        backend = "triton" if method == "triton_block" else cfg.backend
+        route = route_gemm(device, m, n, k, "row" if method == "ours_row" else "block", fp8_dtype, torch.bfloat16,
+                           None, cublas_allowed(backend), k % 16 == 0, True)
+    return route_label(route.kernel, route.config) + (":pdl" if route.pdl else "")
 
 
 @dataclass
@@ -419,7 +433,7 @@ def _measure_shape(shape: Shape, cfg: BenchConfig, device: torch.device, fp8_dty
             if used != cfg.timer:
                 row.note = (row.note + "; " if row.note else "") + f"timed with {used}"
             if method in ("ours_block", "triton_block", "ours_row", "ours_forward"):
-                row.config = _describe_config(m, shape.n, shape.k, device)
+                row.config = _describe_route(method, m, shape.n, shape.k, device, fp8_dtype, cfg)
             times[method] = us
         del prepared
         for row in m_rows:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..ops.route_table import route_label
 from .grid import grid_shapes
 from .shapes import parse_shape
 from .timing import prepare_cuda, rotation_sets, time_rounds
@@ -127,31 +128,12 @@ def _split_candidates(m: int, n: int, k: int, sms: int) -> list:
     return out
 
 
-def _label(kernel: str, cfg: Any) -> str:
-    if cfg is None:
-        return kernel
-    if kernel == "cublas":
-        return (f"cublas:ws{cfg.workspace_mib}" + (":row" if cfg.row_scales else "")
-                + (f":a{cfg.algo_m}" if cfg.algo_m else ""))
-    if kernel == "splitk":
-        return f"splitk:{cfg.block_m}x{cfg.block_n}x{cfg.split_k}w{cfg.num_warps}s{cfg.num_stages}"
-    if kernel == "cutlass":
-        from ..ops.cutlass_gemm import CUTLASS_TILE_N
-
-        return (f"cutlass:{cfg.tile_m}" + (f"x{cfg.tile_n}" if cfg.tile_n != CUTLASS_TILE_N else "")
-                + (f"k{cfg.splits}" if cfg.splits > 1 else "sk" if cfg.stream_k else ""))
-    if kernel == "ws":
-        return (f"ws:{cfg.block_n}s{cfg.stages}g{cfg.group_m}" + ("p" if cfg.persistent else "")
-                + (f"t{cfg.tail_split}" if cfg.tail_split > 1 else ""))
-    return f"tiled:{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}g{cfg.group_m}"
-
-
 def _cutlass_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
     from ..ops.cutlass_gemm import candidates_for, cutlass_accepts, cutlass_available
 
     if not (cutlass_accepts(n, k, granularity, torch.float8_e4m3fn, torch.bfloat16, None) and cutlass_available(device)):
         return {}
-    return {_label("cutlass", cfg): ("cutlass", cfg) for cfg in candidates_for(granularity)}
+    return {route_label("cutlass", cfg): ("cutlass", cfg) for cfg in candidates_for(granularity)}
 
 
 def _ws_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
@@ -163,7 +145,7 @@ def _ws_candidates(n: int, k: int, device: torch.device, granularity: str) -> di
     if granularity == "tensor" or k % 16 or not ws_device_ok(device):
         return {}
     configs = (WS_CONFIG, WS_WIDE_CONFIG) if granularity == "block" else (WS_CONFIG,)
-    return {_label("ws", cfg): ("ws", cfg) for cfg in configs}
+    return {route_label("ws", cfg): ("ws", cfg) for cfg in configs}
 
 
 def _optional_runs(kernel: str, n: int, k: int, device: torch.device, granularity: str) -> bool:
@@ -188,11 +170,11 @@ def _shipped_candidates(m: int, n: int, k: int, device: torch.device, granularit
     ours = entry.ours if entry is not None else None
     while ours is not None:
         if ours.kernel != "ws" or _optional_runs("ws", n, k, device, granularity):
-            out[_label(ours.kernel, ours.config)] = (ours.kernel, ours.config)
+            out[route_label(ours.kernel, ours.config)] = (ours.kernel, ours.config)
         ours = ours.fallback
     while entry is not None:
         if entry.kernel not in OPTIONAL_KERNELS or _optional_runs(entry.kernel, n, k, device, granularity):
-            out[_label(entry.kernel, entry.config)] = (entry.kernel, entry.config)
+            out[route_label(entry.kernel, entry.config)] = (entry.kernel, entry.config)
         entry = entry.fallback
     return out
 
@@ -220,7 +202,7 @@ def _algo_candidates(out: dict[str, tuple[str, Any]], m: int, algo_ms: Sequence[
     found = {}
     for config in forms:
         for cfg in [config] + [replace(config, algo_m=a) for a in rows]:
-            found[_label("cublas", cfg)] = ("cublas", cfg)
+            found[route_label("cublas", cfg)] = ("cublas", cfg)
     return found
 
 
@@ -231,11 +213,11 @@ def _cublas_candidates(granularity: str) -> dict[str, tuple[str, Any]]:
 
     out: dict[str, tuple[str, Any]] = {"cublas": ("cublas", None)}
     large = CublasConfig(workspace_mib=_LARGE_WORKSPACE_MIB)
-    out[_label("cublas", large)] = ("cublas", large)
+    out[route_label("cublas", large)] = ("cublas", large)
     if granularity == "block":
         for mib in (CublasConfig.workspace_mib, _LARGE_WORKSPACE_MIB):
             rows = CublasConfig(workspace_mib=mib, row_scales=True)
-            out[_label("cublas", rows)] = ("cublas", rows)
+            out[route_label("cublas", rows)] = ("cublas", rows)
     return out
 
 
@@ -250,7 +232,7 @@ def _drop_idle_algos(us: dict[str, float]) -> dict[str, float]:
     refused for M (then M's own runs), and an entry should name one only for a measured gain."""
     from ..ops.cublas_gemm import CublasConfig
 
-    default = _label("cublas", CublasConfig())  # timed as "cublas" (config None) in a full sweep
+    default = route_label("cublas", CublasConfig())  # timed as "cublas" (config None) in a full sweep
 
     def plain_us(label: str) -> float | None:
         plain = _plain_label(label)
@@ -268,13 +250,13 @@ def _our_candidates(m: int, n: int, k: int, device: torch.device, granularity: s
     from ..ops.configs import sm_count
 
     table_cfg = router.select_config(device, m, n, k, granularity)
-    out = {_label("tiled", table_cfg): ("tiled", table_cfg)}
+    out = {route_label("tiled", table_cfg): ("tiled", table_cfg)}
     for cfg in _tiled_candidates():
         if m > _NARROW_TILE_MAX_M and cfg.block_m * cfg.block_n < 64 * 64:
             continue
-        out.setdefault(_label("tiled", cfg), ("tiled", cfg))
+        out.setdefault(route_label("tiled", cfg), ("tiled", cfg))
     for cfg in _split_candidates(m, n, k, sm_count(device)):
-        out.setdefault(_label("splitk", cfg), ("splitk", cfg))
+        out.setdefault(route_label("splitk", cfg), ("splitk", cfg))
     return out
 
 
@@ -297,7 +279,7 @@ def heuristic_route(device: torch.device, m: int, n: int, k: int, granularity: s
 def heuristic_label(device: torch.device, m: int, n: int, k: int, granularity: str) -> str:
     """The label of :func:`heuristic_route` (what a sweep row records as the heuristic's choice)."""
     heur = heuristic_route(device, m, n, k, granularity)
-    return _label(heur.kernel, heur.config)
+    return route_label(heur.kernel, heur.config)
 
 
 def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = "block",
@@ -318,7 +300,7 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     if challengers:
         # a shape in no table: the heuristic's choice is what the challengers must beat
         out = _shipped_candidates(m, n, k, device, granularity) or {
-            _label(heur.kernel, heur.config): (heur.kernel, heur.config)}
+            route_label(heur.kernel, heur.config): (heur.kernel, heur.config)}
         for kernel in challengers:
             if kernel == ALGO:
                 if cublas_ok:
@@ -336,7 +318,7 @@ def candidates(m: int, n: int, k: int, device: torch.device, granularity: str = 
     if cublas_ok:
         out.update(_cublas_candidates(granularity))
     if heur.kernel in ("tiled", "splitk"):
-        out[_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
+        out[route_label(heur.kernel, heur.config)] = (heur.kernel, heur.config)
     for label, cand in _our_candidates(m, n, k, device, granularity).items():
         out.setdefault(label, cand)
     for label, cand in _shipped_candidates(m, n, k, device, granularity).items():
@@ -527,8 +509,8 @@ def _held_labels(held: dict[str, Any] | None) -> tuple[str | None, str | None]:
 
     entry = parse_entry(held, "base table entry")
     if entry.kernel in OPTIONAL_KERNELS:
-        return _label(entry.fallback.kernel, entry.fallback.config), _label(entry.kernel, entry.config)
-    return _label(entry.kernel, entry.config), None
+        return route_label(entry.fallback.kernel, entry.fallback.config), route_label(entry.kernel, entry.config)
+    return route_label(entry.kernel, entry.config), None
 
 
 def _optional(label: str) -> bool:

@@ -500,6 +500,17 @@ def test_bench_on_the_gpu_with_graphs():
             continue
         assert r.status == "ok", (r.shape, r.m, r.method, r.note)
         assert r.us > 0 and r.rel_err < (0.01 if r.method in ("bf16",) else 0.06), (r.shape, r.m, r.method)
+    # our rows name the route that ran: the router's, in tune-routes' labels (triton: none of cuBLAS's)
+    from fp8linear.ops.route_table import route_label
+    from fp8linear.ops.router import route_gemm
+
+    ours = {(r.n, r.m, r.method): r.config for r in rows if r.method in ("ours_block", "triton_block")}
+    for (n, m, method), label in ours.items():
+        k = 7168 if n == 1536 else 2048
+        route = route_gemm(torch.device("cuda"), m, n, k, "block", torch.float8_e4m3fn, torch.bfloat16, None,
+                           method == "ours_block", True, True)
+        assert label == route_label(route.kernel, route.config) + (":pdl" if route.pdl else ""), (n, m, method)
+        assert method == "ours_block" or not label.startswith(("cublas", "cutlass")), (n, m, label)
 
 
 @pytest.mark.gpu

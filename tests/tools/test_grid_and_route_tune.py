@@ -148,7 +148,7 @@ def test_entry_labels_round_trip_through_the_table():
 def test_cutlass_labels_round_trip(cfg):
     """Every CUTLASS candidate's label reads back as its config (split-K parts and the tile width
     included), and so does the table entry written from it."""
-    entry = route_tune._entry_from_label(route_tune._label("cutlass", cfg))
+    entry = route_tune._entry_from_label(route_table.route_label("cutlass", cfg))
     doc = {"kernel": "cutlass", **{k: v for k, v in entry.items() if k != "kernel"}, "fallback": {"kernel": "cublas"}}
     parsed = route_table._entry(doc, "test")
     assert parsed.config == cfg
@@ -219,7 +219,7 @@ def test_ours_may_be_the_warp_specialized_kernel_with_a_fallback(monkeypatch):
     from fp8linear.ops import router, ws_gemm
     from fp8linear.ops.router import WS_CONFIG
 
-    ws = route_tune._label("ws", WS_CONFIG)
+    ws = route_table.route_label("ws", WS_CONFIG)
     rows = [{"n": 8192, "k": 29568, "m": 384, "heuristic": "cublas",
              "us": {"bf16": 263.0, "cublas": 250.0, "splitk:128x128x2w8s4": 354.0, "tiled:64x64x128w4s4g8": 380.0,
                     ws: 312.0}}]
@@ -332,9 +332,9 @@ def test_ws_labels_round_trip_and_entries_need_a_margin():
     from fp8linear.ops.ws_gemm import WsConfig
 
     for cfg in (WS_CONFIG, WsConfig(256, 3, 4)):
-        entry = route_tune._entry_from_label(route_tune._label("ws", cfg))
+        entry = route_tune._entry_from_label(route_table.route_label("ws", cfg))
         assert route_table._entry({**entry, "fallback": {"kernel": "cublas"}}, "test").config == cfg
-    ws = route_tune._label("ws", WS_CONFIG)
+    ws = route_table.route_label("ws", WS_CONFIG)
     rows = [{"n": 7168, "k": 2048, "m": 2048, "heuristic": "cublas", "us": {"bf16": 80.0, "cublas": 60.0, ws: 55.0}},
             {"n": 7168, "k": 2048, "m": 4096, "heuristic": "cublas", "us": {"bf16": 160.0, "cublas": 110.0, ws: 108.0}},
             {"n": 7168, "k": 2048, "m": 8192, "heuristic": "cublas",
@@ -357,7 +357,7 @@ def test_ws_challengers_and_candidates(monkeypatch):
     from fp8linear.ops.configs import GemmConfig
     from fp8linear.ops.router import WS_CONFIG, WS_WIDE_CONFIG
 
-    ws, wide = route_tune._label("ws", WS_CONFIG), route_tune._label("ws", WS_WIDE_CONFIG)
+    ws, wide = route_table.route_label("ws", WS_CONFIG), route_table.route_label("ws", WS_WIDE_CONFIG)
     assert wide == "ws:256s4g8pt4"
     tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled))
@@ -434,7 +434,7 @@ def test_cublas_algo_labels_round_trip(label):
     from fp8linear.ops.cublas_gemm import CublasConfig
 
     entry = route_table.parse_entry(route_tune._entry_from_label(label))
-    assert isinstance(entry.config, CublasConfig) and route_tune._label("cublas", entry.config) == label
+    assert isinstance(entry.config, CublasConfig) and route_table.route_label("cublas", entry.config) == label
     for bad in ("cublas:ws32:b384", "cublas:ws32:a384:row", "cublas:ws32:row:a", "cublas:ws32:a3:a4"):
         with pytest.raises(ValueError, match="a cuBLAS label is"):
             route_tune._entry_from_label(bad)
@@ -623,3 +623,35 @@ def test_the_sweep_times_no_candidate_whose_product_is_off(monkeypatch, wrong):
     log.clear()
     assert route_tune.sweep([(256, 256)], [3], torch.device("cpu"), 60.0, log.append) == []
     assert any("no kernel but optional ones gave a usable product; no entry" in line for line in log)
+
+
+@pytest.mark.parametrize("kernel,config", [
+    ("cublas", None), ("cublas", "CublasConfig(workspace_mib=32, row_scales=True, algo_m=384)"),
+    ("cublas", "CublasConfig(workspace_mib=1)"),
+    ("tiled", "GemmConfig(64, 128, 128, group_m=4, num_warps=4, num_stages=3)"),
+    ("splitk", "SplitKConfig(64, 32, 7, num_warps=8, num_stages=3)"),
+    ("ws", "WsConfig(128, 4, persistent=True, tail_split=4)"), ("ws", "WsConfig(256, 3, group_m=4)"),
+])
+def test_route_labels_read_back_as_the_entry_they_name(kernel, config):
+    """tune-routes writes table entries from candidates' labels, and bench rows record routes by the
+    same labels: each label must parse back to its kernel and config (CUTLASS's:
+    test_cutlass_labels_round_trip)."""
+    from fp8linear.ops.configs import GemmConfig, SplitKConfig  # noqa: F401
+    from fp8linear.ops.cublas_gemm import CublasConfig  # noqa: F401
+    from fp8linear.ops.ws_gemm import WsConfig  # noqa: F401
+
+    cfg = eval(config) if config else None
+    raw = route_tune._entry_from_label(route_table.route_label(kernel, cfg))
+    fallback = None
+    if kernel in route_table.OPTIONAL_KERNELS:  # their entries carry the kernel that runs where they cannot
+        raw["fallback"], fallback = {"kernel": "cublas"}, route_table.RouteEntry("cublas")
+    assert route_table.parse_entry(raw) == route_table.RouteEntry(kernel, cfg, fallback)
+
+
+def test_route_labels_name_the_routes_no_table_holds():
+    from fp8linear.ops.configs import GemvConfig, SplitKConfig
+    from fp8linear.ops.router import PERSISTENT_CONFIG
+
+    assert route_table.route_label("decode", SplitKConfig(16, 64, 4)) == "decode:16x64x4w4s4"
+    assert route_table.route_label("gemv", GemvConfig(8, 2, num_warps=2)) == "gemv:8g2w2s3"
+    assert route_table.route_label("persistent", PERSISTENT_CONFIG) == "persistent:128x128x128w8s4g8"
