@@ -11,7 +11,10 @@ import torch
 
 from fp8linear.tools.bench import BenchRow
 from fp8linear.ops import route_table
+from fp8linear.ops.configs import GemmConfig, SplitKConfig
+from fp8linear.ops.cublas_gemm import CublasConfig
 from fp8linear.ops.cutlass_gemm import CUTLASS_CANDIDATES
+from fp8linear.ops.ws_gemm import WsConfig
 from fp8linear.tools import grid, route_tune
 
 
@@ -626,30 +629,25 @@ def test_the_sweep_times_no_candidate_whose_product_is_off(monkeypatch, wrong):
 
 
 @pytest.mark.parametrize("kernel,config", [
-    ("cublas", None), ("cublas", "CublasConfig(workspace_mib=32, row_scales=True, algo_m=384)"),
-    ("cublas", "CublasConfig(workspace_mib=1)"),
-    ("tiled", "GemmConfig(64, 128, 128, group_m=4, num_warps=4, num_stages=3)"),
-    ("splitk", "SplitKConfig(64, 32, 7, num_warps=8, num_stages=3)"),
-    ("ws", "WsConfig(128, 4, persistent=True, tail_split=4)"), ("ws", "WsConfig(256, 3, group_m=4)"),
-])
+    ("cublas", None), ("cublas", CublasConfig(workspace_mib=32, row_scales=True, algo_m=384)),
+    ("cublas", CublasConfig(workspace_mib=1)),
+    ("tiled", GemmConfig(64, 128, 128, group_m=4, num_warps=4, num_stages=3)),
+    ("splitk", SplitKConfig(64, 32, 7, num_warps=8, num_stages=3)),
+    ("ws", WsConfig(128, 4, persistent=True, tail_split=4)), ("ws", WsConfig(256, 3, group_m=4)),
+], ids=lambda v: repr(v).replace(" ", ""))
 def test_route_labels_read_back_as_the_entry_they_name(kernel, config):
     """tune-routes writes table entries from candidates' labels, and bench rows record routes by the
     same labels: each label must parse back to its kernel and config (CUTLASS's:
     test_cutlass_labels_round_trip)."""
-    from fp8linear.ops.configs import GemmConfig, SplitKConfig  # noqa: F401
-    from fp8linear.ops.cublas_gemm import CublasConfig  # noqa: F401
-    from fp8linear.ops.ws_gemm import WsConfig  # noqa: F401
-
-    cfg = eval(config) if config else None
-    raw = route_tune._entry_from_label(route_table.route_label(kernel, cfg))
+    raw = route_tune._entry_from_label(route_table.route_label(kernel, config))
     fallback = None
     if kernel in route_table.OPTIONAL_KERNELS:  # their entries carry the kernel that runs where they cannot
         raw["fallback"], fallback = {"kernel": "cublas"}, route_table.RouteEntry("cublas")
-    assert route_table.parse_entry(raw) == route_table.RouteEntry(kernel, cfg, fallback)
+    assert route_table.parse_entry(raw) == route_table.RouteEntry(kernel, config, fallback)
 
 
 def test_route_labels_name_the_routes_no_table_holds():
-    from fp8linear.ops.configs import GemvConfig, SplitKConfig
+    from fp8linear.ops.configs import GemvConfig
     from fp8linear.ops.router import PERSISTENT_CONFIG
 
     assert route_table.route_label("decode", SplitKConfig(16, 64, 4)) == "decode:16x64x4w4s4"
