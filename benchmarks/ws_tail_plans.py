@@ -23,7 +23,9 @@ from fp8linear.ops.configs import sm_count
 from fp8linear.tools.shapes import parse_shape
 from fp8linear.tools.timing import prepare_cuda, rotation_sets, time_rounds
 
-CONFIG = ws_gemm.WsConfig(128, 4, persistent=True, tail_split=4)
+CONFIG = ws_gemm.WsConfig(128, 4, persistent=True, tail_split=4)  # router.WS_CONFIG, what the tables name
+# Warm-up calls before capture and interleaved timing rounds: the defaults of `fp8linear bench`.
+WARMUP, ROUNDS = 3, 7
 # A split plan's output against the unsplit one: the kernels' bf16 rounding of a differently summed fp32.
 SPLIT_TOL = 3e-3
 
@@ -40,7 +42,7 @@ def _plan(text: str) -> tuple[int, int, int]:
 
 def measure(n: int, k: int, m: int, plans: list[tuple[int, int, int]], gen: torch.Generator) -> dict[str, float]:
     dev = torch.device("cuda")
-    w = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.bfloat16)  # a trained layer's spread
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
     w_q, w_s = quantize_weight(w, "block")
     x_q, x_s = quantize_activation(x, fp8_dtype=w_q.dtype, backend="triton")
@@ -68,10 +70,10 @@ def measure(n: int, k: int, m: int, plans: list[tuple[int, int, int]], gen: torc
             err = float((y - ref).norm() / ref.norm())
             if err > SPLIT_TOL:
                 raise AssertionError(f"{n}x{k} M={m} {name}: {err:.2e} from the unsplit output")
-            rounds[name], _ = prepare_cuda(fn, rotation_sets(args, nbytes, dev), 3, graph_timer=True)
+            rounds[name], _ = prepare_cuda(fn, rotation_sets(args, nbytes, dev), WARMUP, graph_timer=True)
     finally:
         ws_gemm.tail_plan = real_plan
-    return time_rounds(rounds, 7)
+    return time_rounds(rounds, ROUNDS)
 
 
 def main() -> None:

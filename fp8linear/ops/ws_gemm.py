@@ -54,8 +54,8 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
 except (ImportError, AttributeError):  # no Triton, no Gluon or one without these names: never picked
     HAS_GLUON_WS = False
 
-__all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS", "TAIL_MIN_K_GROUPS",
-           "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+__all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "SPLIT_MAX_STAGES", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS",
+           "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -85,6 +85,12 @@ RELEASE_EVERY = 2
 PAIR_MIN_STAGES = 4
 
 
+# The most ring slots of a 128-column kernel with a split tail: its partials' layout conversion
+# (_PARTIAL_LAYOUT) takes 48 KB of shared memory, so 4 slots use 196,680 bytes and 6 would need
+# 262,248 of an H100's 232,448 (sm_90a, compiled ahead of time with Triton 3.6 and 3.9).
+SPLIT_MAX_STAGES = 5
+
+
 class WsConfig:
     """Launch options of the warp-specialized kernel: tile width (128 or 256 columns), ring depth
     (shared memory per slot: 32 KB at 128 columns, 48 KB at 256), tile order, whether it runs
@@ -107,6 +113,9 @@ class WsConfig:
             raise TypeError(f"WsConfig.persistent must be a bool, got {type(persistent).__name__}")
         if type(tail_split) is not int or tail_split < 1:
             raise ValueError(f"WsConfig.tail_split must be an int >= 1, got {tail_split!r}")
+        if block_n == 128 and tail_split > 1 and stages > SPLIT_MAX_STAGES:
+            raise ValueError(f"WsConfig: a split tail on 128-column tiles fits at most {SPLIT_MAX_STAGES} ring "
+                             f"slots in shared memory, got stages={stages} with tail_split={tail_split}")
         self.block_n = block_n
         self.stages = stages
         self.group_m = group_m
@@ -185,11 +194,11 @@ def ws_device_ok(device: torch.device) -> bool:
 
 
 if HAS_GLUON_WS:
-    # The split tail's fp32 partials of a consumer's 64x128 rows (_sum_splits): 4 consecutive columns
-    # a thread, a warp across a row. H200, CUDA graphs, against the tensor cores' layout, the same bits
-    # (a probe of ws_fp8_gemm under forced tail plans): every 4096x4096 M=512 tile split in 4, 45.5
-    # against 66.2 us; the shipped plans at 4096x4096 M=640 29.5 against 33.0, 576x7168 M=4096 44.1
-    # against 47.1.
+    # The split tail's fp32 partials of a consumer's 64x128 rows (_sum_splits; a consumer is 4
+    # warps): 4 consecutive columns a thread, a warp across a row. H200, CUDA graphs, against the
+    # tensor cores' layout, the same bits (benchmarks/ws_tail_plans.py forces the plans): every
+    # 4096x4096 M=512 tile split in 4, 45.5 against 66.2 us; the shipped plans at 4096x4096 M=640 29.5
+    # against 33.0, 576x7168 M=4096 44.1 against 47.1.
     _PARTIAL_LAYOUT: tl.constexpr = tl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
     _PRODUCT_N: tl.constexpr = tl.constexpr(_PRODUCT_COLS)
     _CHUNK_N: tl.constexpr = tl.constexpr(_CHUNK_COLS)

@@ -166,8 +166,9 @@ def _cublas_block_scale_b(w_s: torch.Tensor, layout: str) -> torch.Tensor:
 def _describe_route(method: str, m: int, n: int, k: int, device: torch.device, fp8_dtype: torch.dtype,
                     cfg: BenchConfig) -> str:
     """The label (:func:`~fp8linear.ops.route_table.route_label`) of the route the router takes for
-    this method's GEMM, or for the whole forward; empty off CUDA."""
-    if device.type != "cuda" or cfg.backend == "reference":
+    this method's GEMM, or for the whole forward ("reference" where the reference path runs); empty
+    off CUDA, "unknown (the error)" where the router raises."""
+    if device.type != "cuda":
         return ""
     try:  # informational only: never fail a row over it
         return _route_label(method, m, n, k, device, fp8_dtype, cfg)
@@ -178,10 +179,13 @@ def _describe_route(method: str, m: int, n: int, k: int, device: torch.device, f
 def _route_label(method: str, m: int, n: int, k: int, device: torch.device, fp8_dtype: torch.dtype,
                  cfg: BenchConfig) -> str:
     from ..ops.route_table import route_label
-    from ..ops.router import cublas_allowed, route_gemm, route_linear
+    from ..ops.router import cublas_allowed, resolve_backend, route_gemm, route_linear
 
+    if resolve_backend(cfg.backend, device) == "reference":
+        return "reference"
     if method == "ours_forward":
-        bias = torch.empty(n, device=device, dtype=torch.bfloat16) if cfg.bias else None
+        # the router reads a bias's dtype and layout only
+        bias = torch.empty(n, device="meta", dtype=torch.bfloat16) if cfg.bias else None
         route = route_linear(device, m, n, k, "block", fp8_dtype, torch.bfloat16, bias, cublas_allowed(cfg.backend),
                              k % 16 == 0, weight_contiguous=True)
     else:

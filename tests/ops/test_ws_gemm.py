@@ -272,7 +272,7 @@ def _can_compile_for_hopper() -> bool:
 @pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs a Triton with Gluon's warp_specialize and ptxas")
 @pytest.mark.parametrize("block_n,granularity,stages,split_tail,release_every", [
     (128, "block", 4, False, 2), (128, "block", 4, True, 2), (128, "row", 3, True, 2), (256, "block", 4, True, 2),
-    (128, "block", 4, False, 1), (256, "block", 3, False, 1)])
+    (128, "block", 4, False, 1), (256, "block", 3, False, 1), (128, "block", ws_gemm.SPLIT_MAX_STAGES, True, 2)])
 def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, split_tail, release_every):
     """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
     load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
@@ -282,6 +282,15 @@ def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stage
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and a w box
     assert ring <= compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+
+
+def test_a_128_column_split_tail_is_refused_more_ring_slots_than_fit():
+    """Its partials' layout conversion takes shared memory: SPLIT_MAX_STAGES is the most that fits
+    (test_the_installed_triton_compiles_it_for_hopper compiles that many)."""
+    ws_gemm.WsConfig(128, ws_gemm.SPLIT_MAX_STAGES, tail_split=4)
+    ws_gemm.WsConfig(128, ws_gemm.SPLIT_MAX_STAGES + 1)  # no split: no conversion
+    with pytest.raises(ValueError, match=rf"at most {ws_gemm.SPLIT_MAX_STAGES} ring slots.*got stages=6"):
+        ws_gemm.WsConfig(128, 6, persistent=True, tail_split=4)
 
 
 @pytest.mark.parametrize("bad", [0, 3, 2.0, None])

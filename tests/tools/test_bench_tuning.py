@@ -619,3 +619,59 @@ def test_operand_copies_keep_a_views_padding_rows():
     assert c_view._base is not None and c_view._base.shape == (336, 2048) and c_view.stride() == view.stride()
     assert torch.equal(c_plain, plain) and c_plain.stride() == plain.stride() and c_plain.data_ptr() != plain.data_ptr()
     assert c_small is small
+
+
+@pytest.mark.parametrize("method,backend,allow,gran", [("ours_block", "auto", True, "block"),
+                                                        ("triton_block", "auto", False, "block"),
+                                                        ("ours_row", "auto", True, "row"),
+                                                        ("ours_block", "triton", False, "block")])
+def test_rows_name_the_route_the_router_takes(monkeypatch, method, backend, allow, gran):
+    """A GEMM row's config is the label of route_gemm's route for what the row runs: its weight
+    granularity, cuBLAS allowed only under "auto" and never for triton_block, PDL marked."""
+    from fp8linear.ops import router
+    from fp8linear.ops.configs import SplitKConfig
+
+    seen = []
+
+    def fake_route_gemm(device, m, n, k, granularity, fp8_dtype, out_dtype, bias, allow_cublas, tma_ok,
+                        contiguous):
+        seen.append((m, n, k, granularity, out_dtype, bias, allow_cublas, tma_ok, contiguous))
+        return router.Route("splitk", SplitKConfig(64, 64, 5), pdl=True)
+
+    monkeypatch.setattr(router, "route_gemm", fake_route_gemm)
+    monkeypatch.setattr(router, "resolve_backend", lambda b, d: "triton")
+    cfg = bench.BenchConfig(shapes=(bench.Shape(576, 2112, "s"),), ms=(77,), timer="wall", device="cpu",
+                            backend=backend)
+    label = bench._describe_route(method, 77, 576, 2112, torch.device("cuda"), torch.float8_e4m3fn, cfg)
+    assert label == "splitk:64x64x5w4s4:pdl"
+    assert seen == [(77, 576, 2112, gran, torch.bfloat16, None, allow, True, True)]
+    assert bench._describe_route(method, 77, 576, 2112, torch.device("cpu"), torch.float8_e4m3fn, cfg) == ""
+
+
+def test_forward_rows_name_the_whole_linears_route_and_failures_say_so(monkeypatch):
+    from fp8linear.ops import router
+    from fp8linear.ops.configs import GemvConfig
+
+    seen = []
+
+    def fake_route_linear(device, m, n, k, granularity, fp8_dtype, out_dtype, bias, allow_cublas, weight_tma_ok,
+                          eager=False, weight_contiguous=False):
+        seen.append((m, granularity, bias is not None, allow_cublas, weight_tma_ok, eager, weight_contiguous))
+        return router.Route("gemv", GemvConfig(8, 2))
+
+    monkeypatch.setattr(router, "route_linear", fake_route_linear)
+    monkeypatch.setattr(router, "resolve_backend", lambda b, d: "triton")
+    cfg = bench.BenchConfig(shapes=(bench.Shape(576, 2112, "s"),), ms=(1,), timer="wall", device="cpu",
+                            backend="auto")
+    cuda = torch.device("cuda")
+    assert bench._describe_route("ours_forward", 1, 576, 2112, cuda, torch.float8_e4m3fn, cfg) == "gemv:8g2w4s3"
+    assert seen == [(1, "block", True, True, True, False, True)]
+
+    def broken(*args, **kwargs):
+        raise ValueError("no route here")
+
+    monkeypatch.setattr(router, "route_gemm", broken)
+    assert (bench._describe_route("ours_block", 1, 576, 2112, cuda, torch.float8_e4m3fn, cfg)
+            == "unknown (ValueError: no route here)")
+    monkeypatch.setattr(router, "resolve_backend", lambda b, d: "reference")
+    assert bench._describe_route("ours_block", 1, 576, 2112, cuda, torch.float8_e4m3fn, cfg) == "reference"
