@@ -139,7 +139,9 @@ class WsConfig:
 # Where the last wave's tiles are split along K (tail_plan). The split path costs a fixed few
 # microseconds (partials through L2, a GPU-scope fence and a second pass for the last program) and
 # its whole tiles ran 3-5% slower at short K. H100 and H200, benchmarks/ws_gemm_ab.py
-# (wsp128s4 against wsp128s4t4/t8/t16) and a probe with the counters handed in, CUDA graphs:
+# (wsp128s4 against wsp128s4t4/t8/t16) and a probe with the counters handed in, CUDA graphs, the
+# partials stored in the tensor cores' layout (in _PARTIAL_LAYOUT split cases take 0.89-0.94x that
+# time; these cuts are not re-measured with it):
 # - K = 7168 with at most 8 whole waves: 0.83-0.97x (576x7168 M=4096 50.8 against 57.6 us, 1536x7168
 #   M=3000 78.7 against 88.9, 2112x7168 M=2048 77.3 against 85.8 with 4 splits, 81.4 with 8, 92.0
 #   with 16: the last program sums every split's partial);
