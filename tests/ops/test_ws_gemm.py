@@ -223,30 +223,59 @@ def _operands(m, n, k, gran, bias, gen):
     return x_q, x_s.contiguous(), w_q, (w_s.reshape(()) if gran == "tensor" else w_s), w_s, b
 
 
-def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_tail: bool, release_every: int = 2):
-    """The warp-specialized kernel compiled ahead of time for sm_90a by the installed Triton, on any
-    machine (its bundled ptxas): what the Gluon API of the installed Triton accepts."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon import language as gl
+# Compiles the kernel for sm_90a and prints its PTX and the shared memory it takes as JSON. Run in a
+# fresh interpreter: a Triton-interpreted kernel run earlier in the same process can leave
+# triton.language patched for the interpreter (Triton 3.9 restores the patches of a whole launch, not
+# those of a device function's call), and the compile then fails in `cdiv`.
+_AOT_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+from fp8linear.ops import ws_gemm
 
-    fp8 = gl.float8e4nv
-    x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], fp8)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, 128], fp8)
-    signature = {
-        "x_desc": f"tensordesc<fp8e4nv[64, 128],{x_layout!r}>",
-        "w_desc": f"tensordesc<fp8e4nv[{block_n}, 128],{w_layout!r}>",
-        "xs_ptr": "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
-        "count_ptr": "*i32", **{name: "i32" for name in ("M", "N", "K", "whole_tiles", "tail_split", "groups_per_split",
-                                                        "stride_xsm", "stride_wsn", "stride_wsk", "stride_ym")},
-        **{name: "constexpr" for name in ("WS_GROUP_N", "W_SCALE_UNIFORM", "HAS_BIAS", "GROUP_M", "STAGES",
-                                          "SPLIT_TAIL", "RELEASE_EVERY")}}
-    constexprs = {"WS_GROUP_N": 128 if granularity == "block" else 1, "W_SCALE_UNIFORM": granularity == "block",
-                  "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "SPLIT_TAIL": split_tail,
-                  "RELEASE_EVERY": release_every}
-    return triton.compile(GluonASTSource(ws_gemm._ws_fp8_gemm_kernel, signature, constexprs),
+block_n, granularity, stages, split_tail, release_every = json.loads(sys.argv[1])
+fp8 = gl.float8e4nv
+x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], fp8)
+w_layout = gl.NVMMASharedLayout.get_default_for([block_n, 128], fp8)
+signature = {
+    "x_desc": f"tensordesc<fp8e4nv[64, 128],{x_layout!r}>",
+    "w_desc": f"tensordesc<fp8e4nv[{block_n}, 128],{w_layout!r}>",
+    "xs_ptr": "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
+    "count_ptr": "*i32", **{name: "i32" for name in ("M", "N", "K", "whole_tiles", "tail_split", "groups_per_split",
+                                                    "stride_xsm", "stride_wsn", "stride_wsk", "stride_ym")},
+    **{name: "constexpr" for name in ("WS_GROUP_N", "W_SCALE_UNIFORM", "HAS_BIAS", "GROUP_M", "STAGES",
+                                      "SPLIT_TAIL", "RELEASE_EVERY")}}
+constexprs = {"WS_GROUP_N": 128 if granularity == "block" else 1, "W_SCALE_UNIFORM": granularity == "block",
+              "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "SPLIT_TAIL": split_tail,
+              "RELEASE_EVERY": release_every}
+compiled = triton.compile(GluonASTSource(ws_gemm._ws_fp8_gemm_kernel, signature, constexprs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
+print(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
+"""
+
+
+def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_tail: bool,
+                            release_every: int = 2) -> dict:
+    """The warp-specialized kernel compiled ahead of time for sm_90a by the installed Triton, on any
+    machine (its bundled ptxas): what the Gluon API of the installed Triton accepts. -> {"ptx": the
+    PTX, "shared": bytes of shared memory}."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(ws_gemm.__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    done = subprocess.run([sys.executable, "-c", _AOT_COMPILE,
+                           json.dumps([block_n, granularity, stages, split_tail, release_every])],
+                          capture_output=True, text=True, env=env, timeout=900)
+    if done.returncode:
+        raise AssertionError(f"the sm_90a compile failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _can_compile_for_hopper() -> bool:
@@ -278,10 +307,10 @@ def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stage
     load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
     shared memory: checked on any machine, so a Triton upgrade that breaks it fails on CPU too."""
     compiled = _aot_compile_for_hopper(block_n, granularity, stages, split_tail, release_every)
-    ptx = compiled.asm["ptx"]
+    ptx = compiled["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and a w box
-    assert ring <= compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    assert ring <= compiled["shared"] <= 227 * 1024, compiled["shared"]
 
 
 def test_a_128_column_split_tail_is_refused_more_ring_slots_than_fit():
