@@ -83,8 +83,6 @@ RELEASE_EVERY = 2
 # Ring slots from which the pairs run: a consumer holds both of a pair's slots until its second
 # product is in, so with fewer slots the producer runs at most one group ahead (measured with 4).
 PAIR_MIN_STAGES = 4
-
-
 # The most ring slots of a 128-column kernel with a split tail: its partials' layout conversion
 # (_PARTIAL_LAYOUT) takes 48 KB of shared memory, so 4 slots use 196,680 bytes and 6 would need
 # 262,248 of an H100's 232,448 (sm_90a, compiled ahead of time with Triton 3.6 and 3.9).

@@ -176,6 +176,12 @@ def _describe_route(method: str, m: int, n: int, k: int, device: torch.device, f
         return f"unknown ({_first_line(e, 80)})"
 
 
+def _gemm_backend(method: str, cfg: BenchConfig) -> str | None:
+    """The backend our GEMM methods run on: "triton" for triton_block (unless the run is on the
+    reference path), the run's backend for the others."""
+    return "triton" if method == "triton_block" and cfg.backend != "reference" else cfg.backend
+
+
 def _route_label(method: str, m: int, n: int, k: int, device: torch.device, fp8_dtype: torch.dtype,
                  cfg: BenchConfig) -> str:
     from ..ops.route_table import route_label
@@ -189,7 +195,7 @@ def _route_label(method: str, m: int, n: int, k: int, device: torch.device, fp8_
         route = route_linear(device, m, n, k, "block", fp8_dtype, torch.bfloat16, bias, cublas_allowed(cfg.backend),
                              k % 16 == 0, weight_contiguous=True)
     else:
-        backend = "triton" if method == "triton_block" else cfg.backend
+        backend = _gemm_backend(method, cfg)
         route = route_gemm(device, m, n, k, "row" if method == "ours_row" else "block", fp8_dtype, torch.bfloat16,
                            None, cublas_allowed(backend), k % 16 == 0, True)
     return route_label(route.kernel, route.config) + (":pdl" if route.pdl else "")
@@ -302,7 +308,7 @@ def _method_setup(
     if method in ("ours_block", "triton_block", "ours_row"):
         granularity = "row" if method == "ours_row" else "block"
         w_q, w_s = ops.quant[granularity]
-        backend = "triton" if method == "triton_block" and cfg.backend != "reference" else cfg.backend
+        backend = _gemm_backend(method, cfg)
         # The activations in the layout Fp8BlockLinear's forward writes for the path this GEMM takes:
         # where it goes to cuBLAS, act_quant's cuBLAS layout (M-major scales, M rounded up to a
         # multiple of 4 rows; as cuBLAS-blk gets them) cut to M rows, row-major for our kernels.
