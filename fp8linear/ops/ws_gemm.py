@@ -55,7 +55,7 @@ except (ImportError, AttributeError):  # no Triton, no Gluon or one without thes
     HAS_GLUON_WS = False
 
 __all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "SPLIT_MAX_STAGES", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS",
-           "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+           "TAIL_MAX_SPLIT", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -87,6 +87,10 @@ PAIR_MIN_STAGES = 4
 # (_PARTIAL_LAYOUT) takes 48 KB of shared memory, so 4 slots use 196,680 bytes and 6 would need
 # 262,248 of an H100's 232,448 (sm_90a, compiled ahead of time with Triton 3.6 and 3.9).
 SPLIT_MAX_STAGES = 5
+# The most K pieces of a split tail tile (WsConfig.tail_split): the sum holds a piece of rows of every
+# partial at once (_sum_store), next_power_of_2(tail_split) of them in 64 registers a thread, so
+# 16 leaves 4 rows of 128 columns, one a warp (the layout's smallest).
+TAIL_MAX_SPLIT = 16
 
 
 class WsConfig:
@@ -109,8 +113,8 @@ class WsConfig:
             raise ValueError(f"WsConfig.group_m must be >= 1, got {group_m}")
         if not isinstance(persistent, bool):
             raise TypeError(f"WsConfig.persistent must be a bool, got {type(persistent).__name__}")
-        if type(tail_split) is not int or tail_split < 1:
-            raise ValueError(f"WsConfig.tail_split must be an int >= 1, got {tail_split!r}")
+        if type(tail_split) is not int or not 1 <= tail_split <= TAIL_MAX_SPLIT:
+            raise ValueError(f"WsConfig.tail_split must be an int from 1 to {TAIL_MAX_SPLIT}, got {tail_split!r}")
         if block_n == 128 and tail_split > 1 and stages > SPLIT_MAX_STAGES:
             raise ValueError(f"WsConfig: a split tail on 128-column tiles fits at most {SPLIT_MAX_STAGES} ring "
                              f"slots in shared memory, got stages={stages} with tail_split={tail_split}")
@@ -194,7 +198,7 @@ def ws_device_ok(device: torch.device) -> bool:
 
 
 if HAS_GLUON_WS:
-    # The split tail's fp32 partials of a consumer's 64x128 rows (_sum_splits; a consumer is 4
+    # The split tail's fp32 partials of a consumer's 64x128 rows (_finish_split; a consumer is 4
     # warps): 4 consecutive columns a thread, a warp across a row. H200, CUDA graphs, against the
     # tensor cores' layout, the same bits (benchmarks/ws_tail_plans.py forces the plans): every
     # 4096x4096 M=512 tile split in 4, 45.5 against 66.2 us; the shipped plans at 4096x4096 M=640 29.5
@@ -232,7 +236,7 @@ if HAS_GLUON_WS:
     def _produce(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+                 GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr,
                  RELEASE_EVERY: gl.constexpr):
         """The producer warp: fill the ring's slots with the K groups of the program's work units, in
         order, each slot once both consumers released it (so the next unit's first groups load while
@@ -280,32 +284,60 @@ if HAS_GLUON_WS:
             return acc + product * (x_s[:, None] * w_s[None, :])
 
     @gluon.jit
+    def _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS: gl.constexpr):
+        """acc + bias[offs_n] in fp32 (offs_n in acc's column layout; columns past N read column 0)."""
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + gl.where(offs_n < N, offs_n, 0)).to(gl.float32)[None, :]
+        return acc
+
+    @gluon.jit
+    def _masked_store(y_ptr, out, offs_m, offs_n, M, N, stride_ym):
+        """y[offs_m, offs_n] = out, masked to (M, N) (offs_m, offs_n in out's row and column layouts)."""
+        y_ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
+        gl.store(y_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+    @gluon.jit
     def _store(y_ptr, bias_ptr, acc, off_m, off_n, M, N, stride_ym, cols: gl.constexpr, WIDTH: gl.constexpr,
                HAS_BIAS: gl.constexpr):
         """Add the bias (fp32), cast, and store a consumer's rows off_m .. +63 x columns off_n .. +WIDTH-1
         masked to (M, N). The tile goes from the tensor cores' register layout (a thread holds pairs of
         columns of 8-row strips) to one where each thread writes 16 contiguous bytes of a row: the
         conversion runs through shared memory, and the stores coalesce."""
-        if HAS_BIAS:
-            offs_b = off_n + gl.arange(0, WIDTH, layout=cols)
-            acc = acc + gl.load(bias_ptr + gl.where(offs_b < N, offs_b, 0)).to(gl.float32)[None, :]
+        acc = _add_bias(acc, bias_ptr, off_n + gl.arange(0, WIDTH, layout=cols), N, HAS_BIAS)
         dtype: gl.constexpr = y_ptr.dtype.element_ty
         per_thread: gl.constexpr = 128 // dtype.primitive_bitwidth  # 16 bytes
         across: gl.constexpr = WIDTH // per_thread
         coalesced: gl.constexpr = gl.BlockedLayout([1, per_thread], [32 // across, across], [4, 1], [1, 0])
-        out = gl.convert_layout(acc.to(dtype), coalesced)
-        offs_m = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, coalesced))
-        offs_n = off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, coalesced))
-        y_ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
-        gl.store(y_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        _masked_store(y_ptr, gl.convert_layout(acc.to(dtype), coalesced),
+                      off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, coalesced)),
+                      off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, coalesced)), M, N, stride_ym)
 
     @gluon.jit
-    def _split_sum(first, unit_stride, tail_split):
-        """Sum of the `tail_split` fp32 partials at first, first + unit_stride, ... in that order."""
-        acc = gl.load(first, cache_modifier=".cg")
-        for s in range(1, tail_split):
-            acc += gl.load(first + s * unit_stride, cache_modifier=".cg")
-        return acc
+    def _sum_store(first, unit_stride, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym,
+                   COLS: gl.constexpr, CHUNKS: gl.constexpr, HAS_BIAS: gl.constexpr, MAX_SPLIT: gl.constexpr):
+        """Sum a consumer's `tail_split` (<= MAX_SPLIT) fp32 partials of a tail tile in split order, add
+        the bias, cast and store them to rows row0 .. +63, columns off_n .. + CHUNKS * COLS - 1 of y.
+        A partial is CHUNKS row-major 64 x COLS blocks, one every 64 * COLS floats; partial s starts at
+        first + s * unit_stride. Rows go in pieces small enough that every partial's loads of a piece
+        are in flight at once (64 registers a thread for MAX_SPLIT partials), 4 consecutive columns a
+        thread, and the sums are stored from that layout (no conversion)."""
+        across: gl.constexpr = COLS // 4
+        flat: gl.constexpr = gl.BlockedLayout([1, 4], [32 // across, across], [4, 1], [1, 0])
+        rows: gl.constexpr = _HALF_ROWS * 128 // COLS // MAX_SPLIT  # rows x COLS / 128 threads x MAX_SPLIT = 64
+        piece_rows = gl.arange(0, rows, layout=gl.SliceLayout(1, flat))
+        piece_cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, flat))
+        offs = piece_rows[:, None] * COLS + piece_cols[None, :]
+        dtype: gl.constexpr = y_ptr.dtype.element_ty
+        for c in gl.static_range(CHUNKS):
+            for r in gl.static_range(_HALF_ROWS // rows):
+                piece = first + (c * _HALF_ROWS + r * rows) * COLS + offs
+                acc = gl.load(piece, cache_modifier=".cg")
+                for s in gl.static_range(1, MAX_SPLIT):  # no branch, so the loads can all be issued first
+                    part = gl.load(piece + gl.minimum(s, tail_split - 1) * unit_stride, cache_modifier=".cg")
+                    acc = gl.where(s < tail_split, acc + part, acc)
+                offs_n = off_n + c * COLS + piece_cols
+                acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
+                _masked_store(y_ptr, acc.to(dtype), row0 + r * rows + piece_rows, offs_n, M, N, stride_ym)
 
     @gluon.jit
     def _count_in(count_ptr, v, tail_split, HALF: gl.constexpr):
@@ -319,25 +351,24 @@ if HAS_GLUON_WS:
         return last
 
     @gluon.jit
-    def _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, HALF: gl.constexpr):
-        """A consumer's rows of a tail unit: store its fp32 partial, count it in, and, for the last of the
-        tile's `tail_split` units to arrive, return (sum of the partials in split order, True);
-        else (acc, False). Each consumer half counts on its own counter, left at zero.
+    def _finish_split(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, y_ptr, bias_ptr, row0, off_n, M, N,
+                      stride_ym, HAS_BIAS: gl.constexpr, HALF: gl.constexpr, MAX_SPLIT: gl.constexpr):
+        """A consumer's 64x128 rows of a tail unit: store its fp32 partial, count it in, and, for the last
+        of the tile's `tail_split` units to arrive, store the sum of the partials in split order
+        (_sum_store). Each consumer half counts on its own counter, left at zero.
 
-        The partials go through _PARTIAL_LAYOUT, where a warp writes and reads whole 512-byte rows in
-        16-byte vectors, not the tensor cores' layout (a thread's pairs of fp32 scattered over 8-row
-        strips): the same bits, 0.69-0.94x the time where tiles are split (see _PARTIAL_LAYOUT)."""
+        The partial goes through _PARTIAL_LAYOUT, where a warp writes whole 512-byte rows in 16-byte
+        vectors, not the tensor cores' layout (a thread's pairs of fp32 scattered over 8-row strips)."""
         v = u - whole_tiles
         flat: gl.constexpr = _PARTIAL_LAYOUT
         offs = (gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, flat))[:, None] * acc.shape[1]
                 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, flat))[None, :])
         size: gl.constexpr = acc.shape[0] * acc.shape[1]
         gl.store(part_ptr + (v * 2 + HALF).to(gl.int64) * size + offs, gl.convert_layout(acc, flat))
-        last = _count_in(count_ptr, v, tail_split, HALF)
-        if last:
-            first = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size + offs
-            acc = gl.convert_layout(_split_sum(first, 2 * size, tail_split), acc.type.layout)
-        return acc, last
+        if _count_in(count_ptr, v, tail_split, HALF):
+            first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size
+            _sum_store(first_part, 2 * size, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym,
+                       acc.shape[1], 1, HAS_BIAS, MAX_SPLIT)
 
     @gluon.jit
     def _group_product(a_bufs, b_bufs, ready, it, mma: gl.constexpr, HALF: gl.constexpr):
@@ -404,10 +435,10 @@ if HAS_GLUON_WS:
     def _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, off_m, off_n,
                    M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                    WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   HALF: gl.constexpr, SPLIT: gl.constexpr):
+                   HALF: gl.constexpr, SPLIT: gl.constexpr, MAX_SPLIT: gl.constexpr):
         """Consumer HALF's rows of a 128x256 tile over K groups first .. end-1: per K group four
         64-column products, each started before the one before it is promoted (two in flight), into
-        four 64x64 accumulators; then the store, or (SPLIT: a tail unit, see _sum_splits) its fp32
+        four 64x64 accumulators; then the store, or (SPLIT: a tail unit, see _finish_split) its fp32
         partial, and for the last of the tile's units to arrive the sum of the partials in split order
         and the store. -> the ring counter after the unit's groups."""
         stages: gl.constexpr = b_bufs.type.shape[0]
@@ -463,10 +494,9 @@ if HAS_GLUON_WS:
             gl.store(mine + 2 * chunk, acc2)
             gl.store(mine + 3 * chunk, acc3)
             if _count_in(count_ptr, v, tail_split, HALF):
-                first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size + offs
-                for c in gl.static_range(4):
-                    _store(y_ptr, bias_ptr, _split_sum(first_part + c * chunk, 2 * size, tail_split), row0,
-                           off_n + c * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+                first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size
+                _sum_store(first_part, 2 * size, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym, _CHUNK_N, 4,
+                           HAS_BIAS, MAX_SPLIT)
         else:
             _store(y_ptr, bias_ptr, acc0, row0, off_n, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
             _store(y_ptr, bias_ptr, acc1, row0, off_n + _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
@@ -478,10 +508,10 @@ if HAS_GLUON_WS:
     def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, HALF: gl.constexpr,
+                 GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, HALF: gl.constexpr,
                  RELEASE_EVERY: gl.constexpr):
         """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's whole tiles, every K
-        group, then the tile's store; then, with SPLIT_TAIL, its tail units (_sum_splits). A tile 256
+        group, then the tile's store; then, with MAX_SPLIT > 1, its tail units (_finish_split). A tile 256
         columns wide runs :func:`_wide_unit`."""
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
@@ -500,7 +530,8 @@ if HAS_GLUON_WS:
             if WIDE:
                 it = _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                                 off_m, off_n, M, N, 0, k_groups, it, tile, whole_tiles, tail_split, stride_xsm,
-                                stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF, False)
+                                stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF, False,
+                                MAX_SPLIT)
             else:
                 offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
                 # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
@@ -511,7 +542,7 @@ if HAS_GLUON_WS:
                 acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, 0, k_groups, it, stride_wsk,
                                   mma, W_SCALE_UNIFORM, HALF, RELEASE_EVERY)
                 _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
-        if SPLIT_TAIL:  # this program's units past the whole tiles
+        if MAX_SPLIT > 1:  # this program's units past the whole tiles
             num_units = whole_tiles + (gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n) - whole_tiles) * tail_split
             for u in range(pid + gl.cdiv(gl.maximum(whole_tiles - pid, 0), programs) * programs, num_units, programs):
                 tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
@@ -520,7 +551,7 @@ if HAS_GLUON_WS:
                     it = _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                                     off_m, off_n, M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm,
                                     stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF,
-                                    True)
+                                    True, MAX_SPLIT)
                 else:
                     offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
                     xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
@@ -528,10 +559,8 @@ if HAS_GLUON_WS:
                     acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
                     acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, first, end, it, stride_wsk,
                                       mma, W_SCALE_UNIFORM, HALF, RELEASE_EVERY)
-                    acc, last = _sum_splits(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, HALF)
-                    if last:
-                        _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N,
-                               HAS_BIAS)
+                    _finish_split(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, y_ptr, bias_ptr,
+                                  off_m + HALF * half, off_n, M, N, stride_ym, HAS_BIAS, HALF, MAX_SPLIT)
 
     # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
     # are _consume with HALF 0 and 1.
@@ -540,20 +569,20 @@ if HAS_GLUON_WS:
                        part_ptr, count_ptr,
                        M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                        stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, RELEASE_EVERY: gl.constexpr):
+                       GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 0, RELEASE_EVERY)
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 0, RELEASE_EVERY)
 
     @gluon.jit
     def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                         part_ptr, count_ptr,
                         M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                         stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        GROUP_M: gl.constexpr, SPLIT_TAIL: gl.constexpr, RELEASE_EVERY: gl.constexpr):
+                        GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr):
         _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, 1, RELEASE_EVERY)
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 1, RELEASE_EVERY)
 
     @gluon.jit
     def _ws_fp8_gemm_kernel(
@@ -561,11 +590,11 @@ if HAS_GLUON_WS:
         M, N, K, whole_tiles, tail_split, groups_per_split,
         stride_xsm, stride_wsn, stride_wsk, stride_ym,
         WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-        GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_TAIL: gl.constexpr, RELEASE_EVERY: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr,
     ):
         """Program p runs work units p, p + P, p + 2P, ... (P programs): the first `whole_tiles` units
         are output tiles in grouped order, the rest K splits of the remaining tiles (tail_plan; only
-        with SPLIT_TAIL). One unit each when P is the unit count, a persistent loop when smaller."""
+        with MAX_SPLIT > 1). One unit each when P is the unit count, a persistent loop when smaller."""
         a_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -580,15 +609,15 @@ if HAS_GLUON_WS:
             (_consume_first, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                               part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                               stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, RELEASE_EVERY)),
+                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY)),
             (_produce, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                         part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                         stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, RELEASE_EVERY)),
+                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY)),
             (_consume_second, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                                part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                                stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, SPLIT_TAIL, RELEASE_EVERY)),
+                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY)),
         ], [1, 4], [24, 240])  # warps and registers of the producer and the second consumer
 
 
@@ -640,7 +669,7 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
         m, n, k, whole, split, per_split,
         x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=granularity != "row",
-        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, SPLIT_TAIL=split > 1,
+        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, MAX_SPLIT=1 if split == 1 else 1 << (cfg.tail_split - 1).bit_length(),
         RELEASE_EVERY=release_every, num_warps=4, maxnreg=_MAXNREG,
     )
     return y

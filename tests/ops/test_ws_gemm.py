@@ -28,9 +28,10 @@ def test_config_validation():
     with pytest.raises(TypeError, match="persistent must be a bool"):
         WsConfig(128, 3, 8, 1)
     assert WsConfig(tail_split=4) != WsConfig() and "tail_split=4" in repr(WsConfig(tail_split=4))
-    for bad in (0, -2, 2.0, True):
-        with pytest.raises(ValueError, match="tail_split must be an int >= 1"):
+    for bad in (0, -2, 2.0, True, ws_gemm.TAIL_MAX_SPLIT + 1):
+        with pytest.raises(ValueError, match=rf"tail_split must be an int from 1 to {ws_gemm.TAIL_MAX_SPLIT}"):
             WsConfig(tail_split=bad)
+    assert WsConfig(tail_split=ws_gemm.TAIL_MAX_SPLIT).tail_split == ws_gemm.TAIL_MAX_SPLIT
     assert WsConfig(256, tail_split=2).tail_split == 2  # 256-column tiles split too
 
 
@@ -235,7 +236,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from fp8linear.ops import ws_gemm
 
-block_n, granularity, stages, split_tail, release_every = json.loads(sys.argv[1])
+block_n, granularity, stages, max_split, release_every = json.loads(sys.argv[1])
 fp8 = gl.float8e4nv
 x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], fp8)
 w_layout = gl.NVMMASharedLayout.get_default_for([block_n, 128], fp8)
@@ -246,9 +247,9 @@ signature = {
     "count_ptr": "*i32", **{name: "i32" for name in ("M", "N", "K", "whole_tiles", "tail_split", "groups_per_split",
                                                     "stride_xsm", "stride_wsn", "stride_wsk", "stride_ym")},
     **{name: "constexpr" for name in ("WS_GROUP_N", "W_SCALE_UNIFORM", "HAS_BIAS", "GROUP_M", "STAGES",
-                                      "SPLIT_TAIL", "RELEASE_EVERY")}}
+                                      "MAX_SPLIT", "RELEASE_EVERY")}}
 constexprs = {"WS_GROUP_N": 128 if granularity == "block" else 1, "W_SCALE_UNIFORM": granularity == "block",
-              "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "SPLIT_TAIL": split_tail,
+              "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "MAX_SPLIT": max_split,
               "RELEASE_EVERY": release_every}
 compiled = triton.compile(GluonASTSource(ws_gemm._ws_fp8_gemm_kernel, signature, constexprs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
@@ -256,7 +257,7 @@ print(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared
 """
 
 
-def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_tail: bool,
+def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, max_split: int,
                             release_every: int = 2) -> dict:
     """The warp-specialized kernel compiled ahead of time for sm_90a by the installed Triton, on any
     machine (its bundled ptxas): what the Gluon API of the installed Triton accepts. -> {"ptx": the
@@ -271,7 +272,7 @@ def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, split_t
     root = str(Path(ws_gemm.__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     done = subprocess.run([sys.executable, "-c", _AOT_COMPILE,
-                           json.dumps([block_n, granularity, stages, split_tail, release_every])],
+                           json.dumps([block_n, granularity, stages, max_split, release_every])],
                           capture_output=True, text=True, env=env, timeout=900)
     if done.returncode:
         raise AssertionError(f"the sm_90a compile failed:\n{done.stderr[-4000:]}")
@@ -299,14 +300,15 @@ def _can_compile_for_hopper() -> bool:
 
 
 @pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs a Triton with Gluon's warp_specialize and ptxas")
-@pytest.mark.parametrize("block_n,granularity,stages,split_tail,release_every", [
-    (128, "block", 4, False, 2), (128, "block", 4, True, 2), (128, "row", 3, True, 2), (256, "block", 4, True, 2),
-    (128, "block", 4, False, 1), (256, "block", 3, False, 1), (128, "block", ws_gemm.SPLIT_MAX_STAGES, True, 2)])
-def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, split_tail, release_every):
+@pytest.mark.parametrize("block_n,granularity,stages,max_split,release_every", [
+    (128, "block", 4, 1, 2), (128, "block", 4, 4, 2), (128, "row", 3, 4, 2), (256, "block", 4, 4, 2),
+    (128, "block", 4, 1, 1), (256, "block", 3, 1, 1), (128, "block", ws_gemm.SPLIT_MAX_STAGES, 4, 2),
+    (128, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2), (256, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2)])
+def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, max_split, release_every):
     """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
     load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
     shared memory: checked on any machine, so a Triton upgrade that breaks it fails on CPU too."""
-    compiled = _aot_compile_for_hopper(block_n, granularity, stages, split_tail, release_every)
+    compiled = _aot_compile_for_hopper(block_n, granularity, stages, max_split, release_every)
     ptx = compiled["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and a w box
@@ -405,6 +407,30 @@ def test_split_tail(gran, m, n, k, block_n):
     assert tail.any()
     assert same_bits(y32[~tail], unsplit[~tail])  # whole tiles (none at 333 rows): the unsplit kernel's bits
     assert not same_bits(y32[tail], unsplit[tail])  # the split tiles, summed in another order
+    # which is: each piece's fp32 partial (the unsplit kernel over that piece's K groups), added in
+    # split order, then the bias
+    assert same_bits(y32[tail], _split_order_sum(x_q, x_s, w_q, w_s, gran, b, m, n, k, cfg)[tail])
+
+
+def _split_order_sum(x_q, x_s, w_q, w_s, gran, b, m, n, k, cfg):
+    """fp32 y as a split tail tile computes it: the partials of K groups [first, end) of each piece,
+    summed in split order in fp32, plus the bias in fp32."""
+    from fp8linear.ops.configs import sm_count
+
+    k_groups = -(-k // 128)
+    _, split, per_split = ws_gemm.tail_plan(-(-m // 128) * -(-n // cfg.block_n), sm_count(torch.device("cuda")),
+                                            k_groups, cfg.tail_split)
+    unsplit = WsConfig(cfg.block_n, 4, persistent=True)
+    total = None
+    for first in range(0, k_groups, per_split):
+        end = min(first + per_split, k_groups)
+        piece_w_s = w_s if gran == "tensor" else w_s[:, first:end]
+        part = ws_gemm.ws_fp8_gemm(x_q[:, first * 128:end * 128].contiguous(), x_s[:, first:end].contiguous(),
+                                   w_q[:, first * 128:end * 128].contiguous(), piece_w_s, gran, torch.float32, None,
+                                   unsplit)
+        total = part if total is None else total + part
+    assert first // per_split + 1 == split
+    return total + b.float()
 
 
 def _tail_tiles(m, n, k, cfg):
