@@ -143,13 +143,16 @@ class WsConfig:
 # its whole tiles ran 3-5% slower at short K. H100 and H200, benchmarks/ws_gemm_ab.py
 # (wsp128s4 against wsp128s4t4/t8/t16) and a probe with the counters handed in, CUDA graphs, the
 # partials stored in the tensor cores' layout (in _PARTIAL_LAYOUT split cases take 0.89-0.94x that
-# time; these cuts are not re-measured with it):
+# time):
 # - K = 7168 with at most 8 whole waves: 0.83-0.97x (576x7168 M=4096 50.8 against 57.6 us, 1536x7168
 #   M=3000 78.7 against 88.9, 2112x7168 M=2048 77.3 against 85.8 with 4 splits, 81.4 with 8, 92.0
 #   with 16: the last program sums every split's partial);
 # - K = 7168 at 17-27 waves (18432x7168 M=2048, 3000): 1.00-1.01x; K <= 2048: 1.04-2.0x
 #   (576x576 M=1024 12.2 against 6.1 us; 7168x2048 M=1024 39.5 against 35.1; 24576x1536 M=8192 709
 #   against 674).
+# With _PARTIAL_LAYOUT and _sum_store (H200, benchmarks/ws_tail_plans.py-style forced plans): K = 3584
+# (28 groups), 3584x3584 M=640 in 4 pieces of 7, 26.6 against 26.9 unsplit; K = 2048, 7168x2048
+# M=1024 in 2 pieces of 8, 38.0 against 33.8; K = 4096, 4096x4096 M=640, 29.3 against 31.7.
 TAIL_MIN_K_GROUPS = 32
 TAIL_MAX_WAVES = 8
 # A tail tile's K split keeps at least this many 128-wide K groups per program.
@@ -320,7 +323,13 @@ if HAS_GLUON_WS:
         A partial is CHUNKS row-major 64 x COLS blocks, one every 64 * COLS floats; partial s starts at
         first + s * unit_stride. Rows go in pieces small enough that every partial's loads of a piece
         are in flight at once (64 registers a thread for MAX_SPLIT partials), 4 consecutive columns a
-        thread, and the sums are stored from that layout (no conversion)."""
+        thread, and the sums are stored from that layout (no conversion). H200, CUDA graphs, the same
+        bits as a runtime loop of loads converted back to the tensor cores' layout and stored through
+        _store: 4096x4096 M=640 29.3 against 30.6 us, every 4096x4096 M=512 tile in 4 pieces 44.7
+        against 46.1; six other plans 0.99-1.04x (576x7168 M=4096 43.3 against 43.6, 8192x29568 M=320
+        182.3 against 180.6, 3584x3584 M=640 in 2 pieces 28.8 against 27.8). A split plan takes 5-8 us
+        more than the same plan with no partials, count or sum: the partial's store, the count and
+        the sum cost about 2 us each (docs/benchmarks.md)."""
         across: gl.constexpr = COLS // 4
         flat: gl.constexpr = gl.BlockedLayout([1, 4], [32 // across, across], [4, 1], [1, 0])
         rows: gl.constexpr = _HALF_ROWS * 128 // COLS // MAX_SPLIT  # rows x COLS / 128 threads x MAX_SPLIT = 64
