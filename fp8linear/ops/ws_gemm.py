@@ -69,8 +69,10 @@ _PRODUCT_COLS = 128
 _MAXNREG = 168
 # Columns of one tensor-core product of a 256-column tile: four 64x64 fp32 products (32 registers a
 # thread each, two in flight) into four 64x64 accumulators: 192 registers of the 240, no spills with
-# 128x128 or per-tensor weight scales (1x128 weights' per-column scales spill: the routes tables
-# name 256-column tiles for 128x128 weights only). Each K group then moves 48 KB through L2 for a
+# 128x128 or per-tensor weight scales on the device's Triton 3.6 as measured when the layout was
+# chosen (Triton 3.9's ptxas, sm_90a ahead of time, --regAllocOptLevel=2, spills 816 bytes of stores
+# and 656 of loads a thread in the unsplit 256-column kernel with 128x128 scales; 1x128 weights'
+# per-column scales spill on both: the routes tables name 256-column tiles for 128x128 weights only). Each K group then moves 48 KB through L2 for a
 # 128x256 tile against 64 KB for two 128x128 tiles, which is what bounds the 128-column kernel on
 # long K (H100, ncu, 18432x7168 M=4096: L2 throughput 86%, tensor pipe 53%).
 _CHUNK_COLS = 64
@@ -150,9 +152,9 @@ class WsConfig:
 # - K = 7168 at 17-27 waves (18432x7168 M=2048, 3000): 1.00-1.01x; K <= 2048: 1.04-2.0x
 #   (576x576 M=1024 12.2 against 6.1 us; 7168x2048 M=1024 39.5 against 35.1; 24576x1536 M=8192 709
 #   against 674).
-# With _PARTIAL_LAYOUT and _sum_store (H200, benchmarks/ws_tail_plans.py-style forced plans): K = 3584
-# (28 groups), 3584x3584 M=640 in 4 pieces of 7, 26.6 against 26.9 unsplit; K = 2048, 7168x2048
-# M=1024 in 2 pieces of 8, 38.0 against 33.8; K = 4096, 4096x4096 M=640, 29.3 against 31.7.
+# With _PARTIAL_LAYOUT and _sum_store (H200, forced plans, one run): K = 3584 (28 groups), 3584x3584
+# M=640 in 4 pieces of 7, 26.6 against 26.9 unsplit; K = 2048, 7168x2048 M=1024 in 2 pieces of 8,
+# 38.0 against 33.8; K = 4096, 4096x4096 M=640 in 4 pieces of 8, 29.3 against 31.7.
 TAIL_MIN_K_GROUPS = 32
 TAIL_MAX_WAVES = 8
 # A tail tile's K split keeps at least this many 128-wide K groups per program.
@@ -203,7 +205,8 @@ def ws_device_ok(device: torch.device) -> bool:
 if HAS_GLUON_WS:
     # The split tail's fp32 partials of a consumer's 64x128 rows (_finish_split; a consumer is 4
     # warps): 4 consecutive columns a thread, a warp across a row. H200, CUDA graphs, against the
-    # tensor cores' layout, the same bits (benchmarks/ws_tail_plans.py forces the plans): every
+    # tensor cores' layout, the same bits, both with the partials summed in a runtime loop converted
+    # back to the tensor cores' layout (benchmarks/ws_tail_plans.py forces the plans): every
     # 4096x4096 M=512 tile split in 4, 45.5 against 66.2 us; the shipped plans at 4096x4096 M=640 29.5
     # against 33.0, 576x7168 M=4096 44.1 against 47.1.
     _PARTIAL_LAYOUT: tl.constexpr = tl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
@@ -323,13 +326,8 @@ if HAS_GLUON_WS:
         A partial is CHUNKS row-major 64 x COLS blocks, one every 64 * COLS floats; partial s starts at
         first + s * unit_stride. Rows go in pieces small enough that every partial's loads of a piece
         are in flight at once (64 registers a thread for MAX_SPLIT partials), 4 consecutive columns a
-        thread, and the sums are stored from that layout (no conversion). H200, CUDA graphs, the same
-        bits as a runtime loop of loads converted back to the tensor cores' layout and stored through
-        _store: 4096x4096 M=640 29.3 against 30.6 us, every 4096x4096 M=512 tile in 4 pieces 44.7
-        against 46.1; six other plans 0.99-1.04x (576x7168 M=4096 43.3 against 43.6, 8192x29568 M=320
-        182.3 against 180.6, 3584x3584 M=640 in 2 pieces 28.8 against 27.8). A split plan takes 5-8 us
-        more than the same plan with no partials, count or sum: the partial's store, the count and
-        the sum cost about 2 us each (docs/benchmarks.md)."""
+        thread, and the sums are stored from that layout (no conversion). What it and the rest of a
+        split tail cost: docs/benchmarks.md, "What a split tail costs, step by step"."""
         across: gl.constexpr = COLS // 4
         flat: gl.constexpr = gl.BlockedLayout([1, 4], [32 // across, across], [4, 1], [1, 0])
         rows: gl.constexpr = _HALF_ROWS * 128 // COLS // MAX_SPLIT  # rows x COLS / 128 threads x MAX_SPLIT = 64
@@ -673,12 +671,14 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
         count = counters if counters is not None and counters.numel() >= 2 * tail else torch.zeros(
             2 * tail, dtype=torch.int32, device=y.device)
     grid = (min(units, sms) if cfg.persistent else units,)  # one program per SM fits (shared memory)
+    # the sum's unrolled width (_sum_store): the config's, a power of two, so a config compiles once
+    max_split = 1 if split == 1 else 1 << (cfg.tail_split - 1).bit_length()
     _ws_fp8_gemm_kernel[grid](
         x_desc, w_desc, x_s, w_s, y, bias if bias is not None else y, part, count,
         m, n, k, whole, split, per_split,
         x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=granularity != "row",
-        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, MAX_SPLIT=1 if split == 1 else 1 << (cfg.tail_split - 1).bit_length(),
+        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, MAX_SPLIT=max_split,
         RELEASE_EVERY=release_every, num_warps=4, maxnreg=_MAXNREG,
     )
     return y

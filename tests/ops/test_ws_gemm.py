@@ -381,15 +381,18 @@ def _splits(m, n, k, cfg):
 @pytest.mark.parametrize("m,n,k,block_n", [(4096, 576, 7168, 128), (2049, 2112, 7168, 128), (333, 2112, 4096, 128),
                                            (1000, 2112, 4160, 128), (4093, 576, 4224, 128), (2049, 2112, 7168, 256),
                                            (333, 2112, 4096, 256), (4096, 1536, 7168, 256), (3001, 1600, 4160, 256)])
-def test_split_tail(gran, m, n, k, block_n):
-    """Shapes whose last wave is split along K (asserted on this GPU's SM count): against the
-    reference, deterministic, the whole tiles bit for bit the unsplit kernel's, and the counters
-    handed in left at zero."""
+@pytest.mark.parametrize("tail_split", [4, ws_gemm.TAIL_MAX_SPLIT])
+def test_split_tail(gran, m, n, k, block_n, tail_split):
+    """Shapes whose last wave is split along K (asserted on this GPU's SM count), at the shipped
+    split width and the widest (the sum's smallest row pieces; where a plan splits fewer ways, its
+    unrolled loads past the last piece repeat that piece's and are discarded): against the reference, deterministic, the whole tiles bit for bit the
+    unsplit kernel's, the split tiles bit for bit their pieces' partials summed in split order, and
+    the counters handed in left at zero."""
     from fp8linear.reference import block_fp8_matmul_ref
 
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     x_q, x_s, w_q, w_s, w_s_ref, b = _operands(m, n, k, gran, True, gen)
-    cfg = WsConfig(block_n, 4, persistent=True, tail_split=8)
+    cfg = WsConfig(block_n, 4, persistent=True, tail_split=tail_split)
     assert _splits(m, n, k, cfg) > 1
     counters = torch.zeros(600, dtype=torch.int32, device="cuda")
     y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, b, cfg, counters)
@@ -413,8 +416,9 @@ def test_split_tail(gran, m, n, k, block_n):
 
 
 def _split_order_sum(x_q, x_s, w_q, w_s, gran, b, m, n, k, cfg):
-    """fp32 y as a split tail tile computes it: the partials of K groups [first, end) of each piece,
-    summed in split order in fp32, plus the bias in fp32."""
+    """fp32 y as a split tail tile computes it: the partials of K groups [first, end) of each piece
+    (the unsplit kernel on that piece's K slice: this checks the split, the sum and the bias, not the
+    K loop), summed in split order in fp32, plus the bias in fp32."""
     from fp8linear.ops.configs import sm_count
 
     k_groups = -(-k // 128)
