@@ -74,7 +74,9 @@ def test_shipped_tables_parse_and_cover_every_bucket():
     (_doc({"128,256": {"4": {"kernel": "ws", "stages": 4, "tail_split": "4", "fallback": {"kernel": "cublas"}}}}),
      "tail_split must be an integer"),
     (_doc({"128,256": {"4": {"kernel": "ws", "stages": 4, "tail_split": 0, "fallback": {"kernel": "cublas"}}}}),
-     "tail_split must be an int >= 1"),
+     "tail_split must be an int from 1 to 16"),
+    (_doc({"128,256": {"4": {"kernel": "ws", "stages": 4, "tail_split": 17, "fallback": {"kernel": "cublas"}}}}),
+     "tail_split must be an int from 1 to 16, got 17"),
     (_doc({"128,256": {"4": {"kernel": "ws", "block_n": 192, "stages": 4, "tail_split": 2,
                              "fallback": {"kernel": "cublas"}}}}), "block_n must be 128 or 256"),
 ])
