@@ -72,9 +72,10 @@ _MAXNREG = 168
 # 128x128 or per-tensor weight scales on the device's Triton 3.6 as measured when the layout was
 # chosen (Triton 3.9's ptxas, sm_90a ahead of time, --regAllocOptLevel=2, spills 816 bytes of stores
 # and 656 of loads a thread in the unsplit 256-column kernel with 128x128 scales; 1x128 weights'
-# per-column scales spill on both: the routes tables name 256-column tiles for 128x128 weights only). Each K group then moves 48 KB through L2 for a
-# 128x256 tile against 64 KB for two 128x128 tiles, which is what bounds the 128-column kernel on
-# long K (H100, ncu, 18432x7168 M=4096: L2 throughput 86%, tensor pipe 53%).
+# per-column scales spill on both: the routes tables name 256-column tiles for 128x128 weights
+# only). Each K group then moves 48 KB through L2 for a 128x256 tile against 64 KB for two 128x128
+# tiles, which is what bounds the 128-column kernel on long K (H100, ncu, 18432x7168 M=4096: L2
+# throughput 86%, tensor pipe 53%).
 _CHUNK_COLS = 64
 # K groups a consumer of a 128-column tile takes per ring-slot release (_k_loop: pairs). Gluon's
 # lowering of a one-thread mbarrier arrive syncs the warpgroup first (bar.sync 0, 128 in the PTX,

@@ -385,9 +385,9 @@ def _splits(m, n, k, cfg):
 def test_split_tail(gran, m, n, k, block_n, tail_split):
     """Shapes whose last wave is split along K (asserted on this GPU's SM count), at the shipped
     split width and the widest (the sum's smallest row pieces; where a plan splits fewer ways, its
-    unrolled loads past the last piece repeat that piece's and are discarded): against the reference, deterministic, the whole tiles bit for bit the
-    unsplit kernel's, the split tiles bit for bit their pieces' partials summed in split order, and
-    the counters handed in left at zero."""
+    unrolled loads past the last piece repeat that piece's and are discarded): against the
+    reference, deterministic, the whole tiles bit for bit the unsplit kernel's, the split tiles bit
+    for bit their pieces' partials summed in split order, and the counters handed in left at zero."""
     from fp8linear.reference import block_fp8_matmul_ref
 
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
