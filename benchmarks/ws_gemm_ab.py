@@ -42,6 +42,8 @@ WS_CONFIGS = {"ws128s3": WsConfig(128, 3), "ws128s4": WsConfig(128, 4), "ws256s3
               "wsp128s4": WsConfig(128, 4, persistent=True), "wsp128s6": WsConfig(128, 6, persistent=True),
               "wsp256s3": WsConfig(256, 3, persistent=True), "wsp256s4": WsConfig(256, 4, persistent=True),
               "wsp256s4t4": WsConfig(256, 4, persistent=True, tail_split=4),
+              "wsp192s4": WsConfig(192, 4, persistent=True), "wsp192s5": WsConfig(192, 5, persistent=True),
+              "wsp192s4t4": WsConfig(192, 4, persistent=True, tail_split=4),
               "wsp128s4t4": WsConfig(128, 4, persistent=True, tail_split=4),
               "wsp128s4t8": WsConfig(128, 4, persistent=True, tail_split=8),
               "wsp128s4t16": WsConfig(128, 4, persistent=True, tail_split=16)}

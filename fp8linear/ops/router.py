@@ -56,8 +56,8 @@ GPU, a whole linear (:func:`route_linear`) or a GEMM on quantized activations (:
   for callers other than eager plans (CUDA graphs, torch.compile, the functional ops); and where a
   routes table names it: the warp-specialized Gluon kernel (:mod:`fp8linear.ops.ws_gemm`,
   WS_CONFIG: persistent; the tiled kernel's bits but where it splits a last wave of long-K tiles
-  along K, whose tiles it sums in split order; :func:`ws_config`: 128x256 tiles at long K where they
-  fill their waves);
+  along K, whose tiles it sums in split order; :func:`ws_config`: 128x192 or 128x256 tiles (the
+  latter at long K) where they take fewer waves, each wave weighed by its tiles' cost);
 - ``tiled``: everything else, with the tuned table entry for this GPU or the heuristic
   (:func:`select_config`: :func:`heuristic_config` on NVIDIA, :func:`amd_heuristic_config` on ROCm;
   MID_M_CONFIG where 128x128 tiles leave SMs idle).
@@ -146,6 +146,8 @@ __all__ = [
     "WS_MIN_M",
     "WS_MIN_ROW_FILL",
     "WS_MIN_TILES_PER_SM",
+    "WS_MID_CONFIG",
+    "WS_MID_TILE_COST",
     "WS_WIDE_CONFIG",
     "WS_WIDE_MIN_K",
     "WS_WIDE_TILE_COST",
@@ -397,6 +399,17 @@ WS_WIDE_CONFIG = WsConfig(block_n=256, stages=4, persistent=True, tail_split=4)
 WS_WIDE_MIN_K = 4096
 # Time of a 128x256 tile in 128x128 tiles' time: 2 x 0.88, the per-tile gain at 8 or more waves.
 WS_WIDE_TILE_COST = 1.76
+# 128x192 tiles (WS_MID_CONFIG: 576 columns in 3 tiles, not 4.5; 1536 in 8, not 12) where their waves
+# times WS_MID_TILE_COST are fewer than the 128-column tiles' (and the 128x256 tiles' by their rule),
+# at any K from WS_MIN_K. A 128x192 tile's time in 128x128 tiles' time at 10 or more waves, H100,
+# CUDA graphs, the kernels alone (benchmarks/ws_gemm_ab.py's wsp192s4t4 against wsp128s4t4): 1.53-1.60 (18432x7168 M=2048 530.3 against 497.7 us in 12
+# against 18 waves; 24576x1536 M=8192, 3584x3584 M=8192, 7168x2048 M=8192). Where the rule picks
+# them over 14 shapes x M 512-8192: 576x576 M=4096 8.4 against 9.8 us, 576x2048 M=4096 14.5 against
+# 18.8, 1536x576 M=2048 8.2 against 9.5, 1408x2048 M=2048 15.0 against 18.1, 576x7168 M=4096 40.7
+# against 47.7, 1536x7168 M=2048 43.5 against 51.4, 18432x7168 M=512 132.0 against 136.6 (the 128x128
+# kernel with its split tail).
+WS_MID_CONFIG = WsConfig(block_n=192, stages=4, persistent=True, tail_split=4)
+WS_MID_TILE_COST = 1.6
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
 LONG_SPLITK_K = 8192
@@ -869,13 +882,19 @@ def _ws_in_place_of_tiled(route: Route, device: torch.device, m: int, n: int, k:
 
 
 def ws_config(device: torch.device, m: int, n: int, k: int) -> WsConfig:
-    """The warp-specialized kernel's config for a GEMM of 128x128 weights without a table entry:
-    128x256 tiles where WS_WIDE_MIN_K and their waves say so (see WS_WIDE_CONFIG), else WS_CONFIG."""
+    """The warp-specialized kernel's config for a GEMM of 128x128 weights without a table entry: the
+    tile width whose waves (each counted whole) times its tile cost are fewest: 128 columns (cost 1,
+    WS_CONFIG), 192 (WS_MID_TILE_COST, WS_MID_CONFIG), 256 where K >= WS_WIDE_MIN_K and they make at
+    least a wave (WS_WIDE_TILE_COST, WS_WIDE_CONFIG); a tie keeps the narrower tiles."""
     sms = sm_count(device)
-    narrow, wide = _tiles(m, n, 128, 128), _tiles(m, n, 128, 256)
-    if k >= WS_WIDE_MIN_K and wide >= sms and _cdiv(wide, sms) * WS_WIDE_TILE_COST < _cdiv(narrow, sms):
-        return WS_WIDE_CONFIG
-    return WS_CONFIG
+    best, cost = WS_CONFIG, _cdiv(_tiles(m, n, 128, 128), sms)
+    mid = _cdiv(_tiles(m, n, 128, 192), sms) * WS_MID_TILE_COST
+    if mid < cost:
+        best, cost = WS_MID_CONFIG, mid
+    wide = _tiles(m, n, 128, 256)
+    if k >= WS_WIDE_MIN_K and wide >= sms and _cdiv(wide, sms) * WS_WIDE_TILE_COST < cost:
+        best = WS_WIDE_CONFIG
+    return best
 
 
 def _ws_rule(device: torch.device, m: int, n: int, k: int, granularity: str, operands_ok: bool) -> bool:

@@ -3,7 +3,7 @@
 y = dequant(x) @ dequant(w).T (+ bias), the tiled kernel's numerics (each 128-wide K group's
 tensor-core product promoted into an fp32 accumulator with :func:`~fp8linear.ops.gemm_common.promote`'s
 arithmetic), scheduled as DeepGEMM does on Hopper. A program computes output tiles of 128 rows
-and 128 or 256 columns, one per program or, persistent, one program per SM walking the tiles in grouped
+and 128, 192 or 256 columns, one per program or, persistent, one program per SM walking the tiles in grouped
 order, with three partitions of warps:
 
 - a producer warp streams the K groups of x (two 64-row boxes) and w of the program's tiles through
@@ -15,8 +15,9 @@ order, with three partitions of warps:
   store their rows through shared memory, 16 contiguous bytes a thread. On 128-column tiles with
   128x128 or per-tensor weight scales and at least 4 ring slots they take K groups in pairs (the
   second product started before the first is promoted, both slots released together:
-  :func:`_k_loop`). A 256-column tile is four 64-column products per K group, each started before
-  the one before it is promoted.
+  :func:`_k_loop`). A 192- or 256-column tile is three or four 64-column products per K group, each
+  started before the one before it is promoted (w in 64-row boxes at 192 columns: TMA boxes and
+  shared-memory shapes are powers of two).
 
 The two consumers run independently, so one's promotion on the CUDA cores overlaps the other's
 tensor-core work, which the `tl` kernel (one instruction stream, ``wgmma.wait_group 0`` before
@@ -60,20 +61,24 @@ __all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "SPLIT_MAX_STAGES
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
 # Columns of one tensor-core product (one WGMMA's N): a consumer holds its 64-row accumulators and
-# one 64x128 fp32 product (64 registers a thread); tiles are 128 or 256 columns (WsConfig.block_n).
+# one 64x128 fp32 product (64 registers a thread); tiles are 128, 192 or 256 columns (WsConfig.block_n).
 _PRODUCT_COLS = 128
 # Register cap the kernel is compiled with: 3 warpgroups x 128 threads x 168 <= 64K registers. The
 # partitions then reallocate them (``gl.warp_specialize``'s last argument): the producer warp's
 # warpgroup keeps 24 a thread (the minimum; it only issues TMA), the two consumer warpgroups get
 # 240 each, what is left.
 _MAXNREG = 168
-# Columns of one tensor-core product of a 256-column tile: four 64x64 fp32 products (32 registers a
-# thread each, two in flight) into four 64x64 accumulators: 192 registers of the 240, no spills with
+# Columns of one tensor-core product of a 192- or 256-column tile: three or four 64x64 fp32 products
+# (32 registers a thread each, two in flight) into as many 64x64 accumulators. 128x192 tiles take x
+# from registers (read from shared memory once a K group, not once a product): H100, CUDA graphs, 14
+# shapes x M 512-8192, 0.96x the time of x from shared memory (geomean; 8192x28672 M=2048 934.7
+# against 1113.1 us, 7168x2048 M=4096 132.9 against 146.9); 256-column tiles do not (1.41x: the
+# register copy of x spills there). A 256-column tile: 192 registers of the 240, no spills with
 # 128x128 or per-tensor weight scales on the device's Triton 3.6 as measured when the layout was
 # chosen (Triton 3.9's ptxas, sm_90a ahead of time, --regAllocOptLevel=2, spills 816 bytes of stores
 # and 656 of loads a thread in the unsplit 256-column kernel with 128x128 scales; 1x128 weights'
-# per-column scales spill on both: the routes tables name 256-column tiles for 128x128 weights
-# only). Each K group then moves 48 KB through L2 for a 128x256 tile against 64 KB for two 128x128
+# per-column scales spill on both, and in 192-column tiles with Triton 3.9's ptxas: the routes
+# tables name 192- and 256-column tiles for 128x128 weights only). Each K group then moves 48 KB through L2 for a 128x256 tile against 64 KB for two 128x128
 # tiles, which is what bounds the 128-column kernel on long K (H100, ncu, 18432x7168 M=4096: L2
 # throughput 86%, tensor pipe 53%).
 _CHUNK_COLS = 64
@@ -97,8 +102,8 @@ TAIL_MAX_SPLIT = 16
 
 
 class WsConfig:
-    """Launch options of the warp-specialized kernel: tile width (128 or 256 columns), ring depth
-    (shared memory per slot: 32 KB at 128 columns, 48 KB at 256), tile order, whether it runs
+    """Launch options of the warp-specialized kernel: tile width (128, 192 or 256 columns), ring depth
+    (shared memory per slot: 32 KB at 128 columns, 40 KB at 192, 48 KB at 256), tile order, whether it runs
     persistent (one program per SM looping over the tiles, so the loads of a program's next tile
     overlap the store of its last one and no program starts cold) or one program per tile, and
     `tail_split`: the most K splits of a tile of the last, partly filled wave (1: none; see
@@ -108,8 +113,8 @@ class WsConfig:
 
     def __init__(self, block_n: int = 128, stages: int = 3, group_m: int = 8, persistent: bool = False,
                  tail_split: int = 1) -> None:
-        if block_n not in (128, 256):
-            raise ValueError(f"WsConfig.block_n must be 128 or 256, got {block_n}")
+        if block_n not in (128, 192, 256):
+            raise ValueError(f"WsConfig.block_n must be 128, 192 or 256, got {block_n}")
         if stages < 2:
             raise ValueError(f"WsConfig.stages must be >= 2, got {stages}")
         if group_m < 1:
@@ -248,11 +253,13 @@ if HAS_GLUON_WS:
         """The producer warp: fill the ring's slots with the K groups of the program's work units, in
         order, each slot once both consumers released it (so the next unit's first groups load while
         the consumers store the last one)."""
-        stages: gl.constexpr = b_bufs.type.shape[0]
+        stages: gl.constexpr = a_bufs.type.shape[0] // 2
+        boxes: gl.constexpr = b_bufs.type.shape[0] // stages  # w boxes a slot
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
-        block_n: gl.constexpr = w_desc.block_type.shape[0]
-        nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        box_n: gl.constexpr = w_desc.block_type.shape[0]
+        block_n: gl.constexpr = boxes * box_n
+        nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + boxes * w_desc.block_type.nbytes
         k_groups = gl.cdiv(K, block_k)
         num_tiles = gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n)
         num_units = whole_tiles + (num_tiles - whole_tiles) * tail_split
@@ -267,7 +274,8 @@ if HAS_GLUON_WS:
                 mbarrier.expect(ready.index(s), nbytes)
                 _tma_load(x_desc, [off_m, k * block_k], ready.index(s), a_bufs.index(2 * s))
                 _tma_load(x_desc, [off_m + half, k * block_k], ready.index(s), a_bufs.index(2 * s + 1))
-                _tma_load(w_desc, [off_n, k * block_k], ready.index(s), b_bufs.index(s))
+                for j in gl.static_range(boxes):
+                    _tma_load(w_desc, [off_n + j * box_n, k * block_k], ready.index(s), b_bufs.index(s * boxes + j))
                 it += 1
 
     @gluon.jit
@@ -433,26 +441,33 @@ if HAS_GLUON_WS:
         return acc, it
 
     @gluon.jit
-    def _chunk_product(a, b, s_chunk: gl.constexpr, zeros):
-        """Start the 64x64 product of consumer rows `a` with columns 64*s_chunk .. +63 of the ring slot's
-        weight tile `b` (asynchronous; warpgroup_mma_wait gives it)."""
-        return warpgroup_mma(a, b.slice(s_chunk * _CHUNK_N, _CHUNK_N).permute((1, 0)), zeros, use_acc=False,
-                             is_async=True)
+    def _chunk_product(a, b_bufs, s, boxes: gl.constexpr, s_chunk: gl.constexpr, zeros):
+        """Start the 64x64 product of consumer rows `a` with columns 64*s_chunk .. +63 of ring slot `s`'s
+        weight tile (asynchronous; warpgroup_mma_wait gives it): a slice of the slot's one w box, or
+        its box `s_chunk` where a slot holds `boxes` 64-row boxes."""
+        if boxes == 1:
+            b = b_bufs.index(s).slice(s_chunk * _CHUNK_N, _CHUNK_N)
+        else:
+            b = b_bufs.index(s * boxes + s_chunk)
+        return warpgroup_mma(a, b.permute((1, 0)), zeros, use_acc=False, is_async=True)
 
     @gluon.jit
     def _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, off_m, off_n,
                    M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                    WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                    HALF: gl.constexpr, SPLIT: gl.constexpr, MAX_SPLIT: gl.constexpr):
-        """Consumer HALF's rows of a 128x256 tile over K groups first .. end-1: per K group four
-        64-column products, each started before the one before it is promoted (two in flight), into
-        four 64x64 accumulators; then the store, or (SPLIT: a tail unit, see _finish_split) its fp32
-        partial, and for the last of the tile's units to arrive the sum of the partials in split order
-        and the store. -> the ring counter after the unit's groups."""
-        stages: gl.constexpr = b_bufs.type.shape[0]
+        """Consumer HALF's rows of a 128x192 or 128x256 tile over K groups first .. end-1: per K group
+        three or four 64-column products, each started before the one before it is promoted (two in
+        flight), into as many 64x64 accumulators; then the store, or (SPLIT: a tail unit, see
+        _finish_split) its fp32 partial, and for the last of the tile's units to arrive the sum of the
+        partials in split order and the store. -> the ring counter after the unit's groups."""
+        stages: gl.constexpr = a_bufs.type.shape[0] // 2
+        boxes: gl.constexpr = b_bufs.type.shape[0] // stages
+        chunks: gl.constexpr = boxes * b_bufs.type.shape[1] // _CHUNK_N  # 3 or 4
         half: gl.constexpr = _HALF_ROWS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _CHUNK_N, 32])
+        x_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)  # 4 fp8 a 32-bit register
         rows: gl.constexpr = gl.SliceLayout(1, mma)
         cols: gl.constexpr = gl.SliceLayout(0, mma)
         offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
@@ -460,56 +475,66 @@ if HAS_GLUON_WS:
         ws0 = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
         ws1 = _scale_ptrs(ws_ptr, off_n + _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
         ws2 = _scale_ptrs(ws_ptr, off_n + 2 * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
-        ws3 = _scale_ptrs(ws_ptr, off_n + 3 * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
+        ws3 = _scale_ptrs(ws_ptr, off_n + (chunks - 1) * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N,
+                          W_SCALE_UNIFORM)  # 192 columns: ws2 again, never loaded
         zeros = gl.zeros([half, _CHUNK_N], gl.float32, layout=mma)
         acc0 = zeros
         acc1 = zeros
         acc2 = zeros
-        acc3 = zeros
+        acc3 = zeros  # 192 columns: stays zeros, never stored
         for k in range(first, end):
             s = it % stages
             mbarrier.wait(ready.index(s), (it // stages) & 1)
             a = a_bufs.index(2 * s + HALF)
-            b = b_bufs.index(s)
-            p0 = _chunk_product(a, b, 0, zeros)
+            if chunks == 3:  # x from registers: one shared-memory read for the three products (see _CHUNK_COLS)
+                a = a.load(x_operand)
+            p0 = _chunk_product(a, b_bufs, s, boxes, 0, zeros)
             x_s = gl.load(xs_ptrs + k)
             w0 = gl.load(ws0 + k * stride_wsk)
-            p1 = _chunk_product(a, b, 1, zeros)
+            p1 = _chunk_product(a, b_bufs, s, boxes, 1, zeros)
             p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
             acc0 = _promote(acc0, p0, x_s, w0, W_SCALE_UNIFORM)
-            p2 = _chunk_product(a, b, 2, zeros)
+            p2 = _chunk_product(a, b_bufs, s, boxes, 2, zeros)
             w1 = gl.load(ws1 + k * stride_wsk)
             p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
             acc1 = _promote(acc1, p1, x_s, w1, W_SCALE_UNIFORM)
-            p3 = _chunk_product(a, b, 3, zeros)
-            w2 = gl.load(ws2 + k * stride_wsk)
-            p2 = warpgroup_mma_wait(num_outstanding=1, deps=(p2,))
-            acc2 = _promote(acc2, p2, x_s, w2, W_SCALE_UNIFORM)
-            w3 = gl.load(ws3 + k * stride_wsk)
-            p3 = warpgroup_mma_wait(num_outstanding=0, deps=(p3,))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc3 = _promote(acc3, p3, x_s, w3, W_SCALE_UNIFORM)
+            if chunks == 4:
+                p3 = _chunk_product(a, b_bufs, s, boxes, 3, zeros)
+                w2 = gl.load(ws2 + k * stride_wsk)
+                p2 = warpgroup_mma_wait(num_outstanding=1, deps=(p2,))
+                acc2 = _promote(acc2, p2, x_s, w2, W_SCALE_UNIFORM)
+                w3 = gl.load(ws3 + k * stride_wsk)
+                p3 = warpgroup_mma_wait(num_outstanding=0, deps=(p3,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc3 = _promote(acc3, p3, x_s, w3, W_SCALE_UNIFORM)
+            else:
+                w2 = gl.load(ws2 + k * stride_wsk)
+                p2 = warpgroup_mma_wait(num_outstanding=0, deps=(p2,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc2 = _promote(acc2, p2, x_s, w2, W_SCALE_UNIFORM)
             it += 1
         row0 = off_m + HALF * half
         if SPLIT:
             chunk: gl.constexpr = half * _CHUNK_N
-            size: gl.constexpr = 4 * chunk  # one consumer's 64x256 partial
+            size: gl.constexpr = chunks * chunk  # one consumer's 64 x (64 * chunks) partial
             v = u - whole_tiles
             offs = gl.arange(0, half, layout=rows)[:, None] * _CHUNK_N + gl.arange(0, _CHUNK_N, layout=cols)[None, :]
             mine = part_ptr + (v * 2 + HALF).to(gl.int64) * size + offs
             gl.store(mine, acc0)
             gl.store(mine + chunk, acc1)
             gl.store(mine + 2 * chunk, acc2)
-            gl.store(mine + 3 * chunk, acc3)
+            if chunks == 4:
+                gl.store(mine + 3 * chunk, acc3)
             if _count_in(count_ptr, v, tail_split, HALF):
                 first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size
-                _sum_store(first_part, 2 * size, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym, _CHUNK_N, 4,
-                           HAS_BIAS, MAX_SPLIT)
+                _sum_store(first_part, 2 * size, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym, _CHUNK_N,
+                           chunks, HAS_BIAS, MAX_SPLIT)
         else:
             _store(y_ptr, bias_ptr, acc0, row0, off_n, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
             _store(y_ptr, bias_ptr, acc1, row0, off_n + _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
             _store(y_ptr, bias_ptr, acc2, row0, off_n + 2 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
-            _store(y_ptr, bias_ptr, acc3, row0, off_n + 3 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
+            if chunks == 4:
+                _store(y_ptr, bias_ptr, acc3, row0, off_n + 3 * _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
         return it
 
     @gluon.jit
@@ -523,8 +548,8 @@ if HAS_GLUON_WS:
         columns wide runs :func:`_wide_unit`."""
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
-        block_n: gl.constexpr = w_desc.block_type.shape[0]
-        WIDE: gl.constexpr = block_n == 2 * _PRODUCT_N
+        block_n: gl.constexpr = b_bufs.type.shape[0] // (a_bufs.type.shape[0] // 2) * w_desc.block_type.shape[0]
+        WIDE: gl.constexpr = block_n != _PRODUCT_N
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _PRODUCT_N, 32])
         rows: gl.constexpr = gl.SliceLayout(1, mma)
@@ -599,12 +624,16 @@ if HAS_GLUON_WS:
         stride_xsm, stride_wsn, stride_wsk, stride_ym,
         WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr,
+        BLOCK_N: gl.constexpr,
     ):
         """Program p runs work units p, p + P, p + 2P, ... (P programs): the first `whole_tiles` units
         are output tiles in grouped order, the rest K splits of the remaining tiles (tail_plan; only
         with MAX_SPLIT > 1). One unit each when P is the unit count, a persistent loop when smaller."""
         a_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
-        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        # a slot holds BLOCK_N rows of w in boxes of w_desc's (128x192 tiles: three 64-row boxes, TMA
+        # boxes and shared-memory shapes being powers of two)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * (BLOCK_N // w_desc.block_type.shape[0])]
+                                           + w_desc.block_type.shape, w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -656,7 +685,8 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     ws_group_n, stride_wsn, stride_wsk = weight_scale_layout(w_s, granularity)
-    x_block, w_block = [_HALF_M, GROUP_SIZE], [cfg.block_n, GROUP_SIZE]
+    x_block = [_HALF_M, GROUP_SIZE]
+    w_block = [_CHUNK_COLS if cfg.block_n == 192 else cfg.block_n, GROUP_SIZE]
     fp8 = _gl_dtype(x_q.dtype)
     x_desc = GluonTensorDescriptor.from_tensor(x_q, x_block, gl.NVMMASharedLayout.get_default_for(x_block, fp8))
     w_desc = GluonTensorDescriptor.from_tensor(w_q, w_block, gl.NVMMASharedLayout.get_default_for(w_block, fp8))
@@ -680,6 +710,6 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
         x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=granularity != "row",
         HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, MAX_SPLIT=max_split,
-        RELEASE_EVERY=release_every, num_warps=4, maxnreg=_MAXNREG,
+        RELEASE_EVERY=release_every, BLOCK_N=cfg.block_n, num_warps=4, maxnreg=_MAXNREG,
     )
     return y

@@ -77,8 +77,8 @@ def test_shipped_tables_parse_and_cover_every_bucket():
      "tail_split must be an int from 1 to 16"),
     (_doc({"128,256": {"4": {"kernel": "ws", "stages": 4, "tail_split": 17, "fallback": {"kernel": "cublas"}}}}),
      "tail_split must be an int from 1 to 16, got 17"),
-    (_doc({"128,256": {"4": {"kernel": "ws", "block_n": 192, "stages": 4, "tail_split": 2,
-                             "fallback": {"kernel": "cublas"}}}}), "block_n must be 128 or 256"),
+    (_doc({"128,256": {"4": {"kernel": "ws", "block_n": 160, "stages": 4, "tail_split": 2,
+                             "fallback": {"kernel": "cublas"}}}}), "block_n must be 128, 192 or 256, got 160"),
 ])
 def test_bad_tables_are_refused_with_a_reason(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -18,8 +18,10 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 def test_config_validation():
     assert WsConfig() == WsConfig(128, 3, 8) and hash(WsConfig(256, 3, 4)) == hash(WsConfig(256, 3, 4))
     assert WsConfig(128, 3) != WsConfig(128, 4) and WsConfig(256) != WsConfig(128)
-    with pytest.raises(ValueError, match="block_n must be 128 or 256"):
-        WsConfig(64)
+    for bad in (64, 160, 512):
+        with pytest.raises(ValueError, match=f"block_n must be 128, 192 or 256, got {bad}"):
+            WsConfig(bad)
+    assert WsConfig(192) != WsConfig(256) and "block_n=192" in repr(WsConfig(192, tail_split=4))
     with pytest.raises(ValueError, match="stages must be >= 2"):
         WsConfig(128, 1)
     with pytest.raises(ValueError, match="group_m must be >= 1"):
@@ -137,29 +139,36 @@ def test_router_rule(monkeypatch, m, n, k, gran, operands_ok, ws):
     assert router.route_gemm(dev, m, n, k, gran, FP8, BF16, None, False, operands_ok, operands_ok).kernel != "ws"
 
 
-@pytest.mark.parametrize("m,n,k,wide", [
-    (8192, 8192, 28672, True),  # 4096 tiles of 128x128: 32 waves against 16 of 128x256 tiles
-    (1024, 8192, 28672, True),  # 512 tiles: 4 waves against 2
-    (333, 18432, 7168, True),  # 432 tiles: 4 waves against 2
-    (8192, 1536, 7168, True),  # 768 tiles: 6 waves against 3
-    (4096, 7168, 7168, True),
-    (4096, 7168, 4096, True),  # K = WS_WIDE_MIN_K
-    (4096, 7168, 3968, False),  # below WS_WIDE_MIN_K
-    (4096, 24576, 1536, False),  # short K
-    (256, 8192, 28672, False),  # 64 tiles of 128x256: under a wave
-    (4096, 576, 7168, False),  # 96 tiles of 128x256, 576 columns in 768
-    (4096, 1536, 7168, False),  # 384 tiles: 3 waves against 2 of the wider tiles, 2 x 1.76 > 3
-    (2048, 7168, 16384, False),  # 896 tiles: 7 waves against 4, 4 x 1.76 > 7
+@pytest.mark.parametrize("m,n,k,width", [
+    (8192, 8192, 28672, 256),  # 4096 tiles of 128x128: 32 waves against 16 of 128x256 tiles (21 of 128x192)
+    (1024, 8192, 28672, 256),  # 512 tiles: 4 waves against 2 (3 x 1.6 > 2 x 1.76)
+    (333, 18432, 7168, 256),  # 432 tiles: 4 waves against 2
+    (8192, 1536, 7168, 256),  # 768 tiles: 6 waves against 3 (4 of 128x192: 6.4)
+    (4096, 7168, 7168, 256),
+    (4096, 7168, 4096, 256),  # K = WS_WIDE_MIN_K
+    (4096, 7168, 3968, 128),  # below WS_WIDE_MIN_K; 10 waves of 128x192 x 1.6 > 14
+    (4096, 24576, 1536, 128),  # short K; 32 waves of 128x192 x 1.6 > 47
+    (256, 8192, 28672, 128),  # 64 tiles of 128x256: under a wave
+    (4096, 1536, 7168, 128),  # 384 tiles: 3 waves against 2 of the wider tiles, 2 x 1.76 > 3, 2 x 1.6 > 3
+    (2048, 7168, 16384, 128),  # 896 tiles: 7 waves against 4, 4 x 1.76 > 7 (5 x 1.6 > 7)
+    (4096, 576, 7168, 192),  # 160 tiles: 2 waves against 1 of 96 128x192 tiles (576 columns in 3)
+    (4096, 576, 576, 192),  # at any K from WS_MIN_K
+    (8192, 576, 576, 128),  # 320 tiles: 3 waves against 2 x 1.6
+    (2048, 1536, 576, 192),  # 192 tiles: 2 waves against 1
+    (2048, 2048, 1408, 128),  # 256 tiles: 2 waves against 2 of 176 tiles
+    (512, 18432, 7168, 192),  # 576 tiles: 5 waves against 3 x 1.6 (and 3 x 1.76 of 128x256)
 ])
-def test_wide_tile_rule(monkeypatch, m, n, k, wide):
-    """Where the warp-specialized kernel runs without a table entry, 128x256 tiles at long K where
-    their waves (at WS_WIDE_TILE_COST each) beat the 128-column tiles' (router: WS_WIDE_CONFIG)."""
+def test_tile_width_rule(monkeypatch, m, n, k, width):
+    """Where the warp-specialized kernel runs without a table entry, the tile width whose waves, each
+    weighed by its tile cost (WS_MID_TILE_COST, WS_WIDE_TILE_COST), are fewest; 256 columns only at
+    long K (router: WS_CONFIG, WS_MID_CONFIG, WS_WIDE_CONFIG)."""
     from fp8linear.ops import router
 
     monkeypatch.setattr(router, "sm_count", lambda device: 132)
     cfg = router.ws_config(torch.device("cpu"), m, n, k)
-    assert cfg == (router.WS_WIDE_CONFIG if wide else router.WS_CONFIG)
+    assert cfg == {128: router.WS_CONFIG, 192: router.WS_MID_CONFIG, 256: router.WS_WIDE_CONFIG}[width]
     assert router.WS_WIDE_CONFIG.block_n == 256 and router.WS_WIDE_CONFIG.persistent
+    assert router.WS_MID_CONFIG.block_n == 192 and router.WS_MID_CONFIG.persistent
     monkeypatch.setattr(router, "ws_device_ok", lambda device: True)
     monkeypatch.setattr(router, "lookup_route", lambda *a: None)
     route = router.route_gemm(torch.device("cpu"), m, n, k, "block", FP8, BF16, None, False, True, True)
@@ -239,18 +248,19 @@ from fp8linear.ops import ws_gemm
 block_n, granularity, stages, max_split, release_every = json.loads(sys.argv[1])
 fp8 = gl.float8e4nv
 x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], fp8)
-w_layout = gl.NVMMASharedLayout.get_default_for([block_n, 128], fp8)
+w_rows = 64 if block_n == 192 else block_n  # 128x192 tiles load w in 64-row boxes
+w_layout = gl.NVMMASharedLayout.get_default_for([w_rows, 128], fp8)
 signature = {
     "x_desc": f"tensordesc<fp8e4nv[64, 128],{x_layout!r}>",
-    "w_desc": f"tensordesc<fp8e4nv[{block_n}, 128],{w_layout!r}>",
+    "w_desc": f"tensordesc<fp8e4nv[{w_rows}, 128],{w_layout!r}>",
     "xs_ptr": "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
     "count_ptr": "*i32", **{name: "i32" for name in ("M", "N", "K", "whole_tiles", "tail_split", "groups_per_split",
                                                     "stride_xsm", "stride_wsn", "stride_wsk", "stride_ym")},
     **{name: "constexpr" for name in ("WS_GROUP_N", "W_SCALE_UNIFORM", "HAS_BIAS", "GROUP_M", "STAGES",
-                                      "MAX_SPLIT", "RELEASE_EVERY")}}
+                                      "MAX_SPLIT", "RELEASE_EVERY", "BLOCK_N")}}
 constexprs = {"WS_GROUP_N": 128 if granularity == "block" else 1, "W_SCALE_UNIFORM": granularity == "block",
               "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "MAX_SPLIT": max_split,
-              "RELEASE_EVERY": release_every}
+              "RELEASE_EVERY": release_every, "BLOCK_N": block_n}
 compiled = triton.compile(GluonASTSource(ws_gemm._ws_fp8_gemm_kernel, signature, constexprs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
 print(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
@@ -303,7 +313,8 @@ def _can_compile_for_hopper() -> bool:
 @pytest.mark.parametrize("block_n,granularity,stages,max_split,release_every", [
     (128, "block", 4, 1, 2), (128, "block", 4, 4, 2), (128, "row", 3, 4, 2), (256, "block", 4, 4, 2),
     (128, "block", 4, 1, 1), (256, "block", 3, 1, 1), (128, "block", ws_gemm.SPLIT_MAX_STAGES, 4, 2),
-    (128, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2), (256, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2)])
+    (128, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2), (256, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2),
+    (192, "block", 4, 1, 2), (192, "block", 5, 4, 2), (192, "row", 3, 4, 2)])
 def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, max_split, release_every):
     """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
     load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
@@ -311,7 +322,7 @@ def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stage
     compiled = _aot_compile_for_hopper(block_n, granularity, stages, max_split, release_every)
     ptx = compiled["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and a w box
+    ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and block_n w rows
     assert ring <= compiled["shared"] <= 227 * 1024, compiled["shared"]
 
 
@@ -353,7 +364,9 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
     for cfg in (WsConfig(), WsConfig(128, 4), WsConfig(128, 2, 1), WsConfig(256, 3), WsConfig(persistent=True),
                 WsConfig(128, 2, 1, persistent=True), WsConfig(256, 4, persistent=True),
                 WsConfig(128, 4, persistent=True, tail_split=8), WsConfig(128, 2, 1, persistent=True, tail_split=3),
-                WsConfig(128, 3, tail_split=8), WsConfig(256, 3, 2, persistent=True, tail_split=4)):
+                WsConfig(128, 3, tail_split=8), WsConfig(256, 3, 2, persistent=True, tail_split=4),
+                WsConfig(192, 3), WsConfig(192, 4, persistent=True), WsConfig(192, 2, 1, persistent=True),
+                WsConfig(192, 4, persistent=True, tail_split=4)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[BF16]
         # slots released after every K group instead of in pairs: the same products, the same bits
@@ -380,7 +393,8 @@ def _splits(m, n, k, cfg):
 @pytest.mark.parametrize("gran", ["block", "tensor"])
 @pytest.mark.parametrize("m,n,k,block_n", [(4096, 576, 7168, 128), (2049, 2112, 7168, 128), (333, 2112, 4096, 128),
                                            (1000, 2112, 4160, 128), (4093, 576, 4224, 128), (2049, 2112, 7168, 256),
-                                           (333, 2112, 4096, 256), (4096, 1536, 7168, 256), (3001, 1600, 4160, 256)])
+                                           (333, 2112, 4096, 256), (4096, 1536, 7168, 256), (3001, 1600, 4160, 256),
+                                           (2049, 2112, 7168, 192), (333, 1600, 4160, 192)])
 @pytest.mark.parametrize("tail_split", [4, ws_gemm.TAIL_MAX_SPLIT])
 def test_split_tail(gran, m, n, k, block_n, tail_split):
     """Shapes whose last wave is split along K (asserted on this GPU's SM count), at the shipped
@@ -461,7 +475,7 @@ def test_bias_and_output_dtypes(out, gran):
     x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 4096, gran, True, gen)  # 51 tiles, 2 splits each
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
     for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True), WsConfig(persistent=True, tail_split=8),
-                WsConfig(256, persistent=True, tail_split=8)):
+                WsConfig(256, persistent=True, tail_split=8), WsConfig(192), WsConfig(192, persistent=True, tail_split=8)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
         assert y.dtype == out
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]

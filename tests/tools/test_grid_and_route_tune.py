@@ -358,25 +358,29 @@ def test_ws_challengers_and_candidates(monkeypatch):
     fallback) against the warp-specialized kernel; a full sweep times it too, where it runs."""
     from fp8linear.ops import ws_gemm
     from fp8linear.ops.configs import GemmConfig
-    from fp8linear.ops.router import WS_CONFIG, WS_WIDE_CONFIG
+    from fp8linear.ops.router import WS_CONFIG, WS_MID_CONFIG, WS_WIDE_CONFIG
 
     ws, wide = route_table.route_label("ws", WS_CONFIG), route_table.route_label("ws", WS_WIDE_CONFIG)
-    assert wide == "ws:256s4g8pt4"
+    mid = route_table.route_label("ws", WS_MID_CONFIG)
+    assert wide == "ws:256s4g8pt4" and mid == "ws:192s4g8pt4"
     tiled = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: route_table.RouteEntry("tiled", tiled))
     monkeypatch.setattr(ws_gemm, "ws_device_ok", lambda device: True)
     dev = torch.device("cpu")
     assert route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("ws",)) == {
-        "tiled:64x64x128w4s4g8": ("tiled", tiled), ws: ("ws", WS_CONFIG), wide: ("ws", WS_WIDE_CONFIG)}
+        "tiled:64x64x128w4s4g8": ("tiled", tiled), ws: ("ws", WS_CONFIG), mid: ("ws", WS_MID_CONFIG),
+        wide: ("ws", WS_WIDE_CONFIG)}
     row = route_tune.candidates(2048, 7168, 2048, dev, "row")
-    assert ws in row and wide not in row  # 1x128 weights' per-column scales spill on 256-column tiles
+    assert ws in row and wide not in row and mid not in row  # 1x128 weights' per-column scales spill there
+    assert route_table.RouteEntry("ws", WS_MID_CONFIG, route_table.RouteEntry("tiled", tiled)) == route_table.parse_entry(
+        {**route_tune._entry_from_label(mid), "fallback": route_tune._entry_from_label("tiled:64x64x128w4s4g8")})
     assert route_table.RouteEntry("ws", WS_WIDE_CONFIG, route_table.RouteEntry("tiled", tiled)) == route_table.parse_entry(
         {**route_tune._entry_from_label(wide), "fallback": route_tune._entry_from_label("tiled:64x64x128w4s4g8")})
     assert ws not in route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("cutlass",))
     entry = route_table.RouteEntry("ws", WS_CONFIG, route_table.RouteEntry("tiled", tiled))
     monkeypatch.setattr(route_table, "lookup_route", lambda *a: entry)
     assert set(route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("ws",))) == {
-        "tiled:64x64x128w4s4g8", ws, wide}
+        "tiled:64x64x128w4s4g8", ws, mid, wide}
     monkeypatch.setattr(ws_gemm, "ws_device_ok", lambda device: False)
     assert route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("ws",)) == {
         "tiled:64x64x128w4s4g8": ("tiled", tiled)}
