@@ -399,15 +399,15 @@ WS_WIDE_CONFIG = WsConfig(block_n=256, stages=4, persistent=True, tail_split=4)
 WS_WIDE_MIN_K = 4096
 # Time of a 128x256 tile in 128x128 tiles' time: 2 x 0.88, the per-tile gain at 8 or more waves.
 WS_WIDE_TILE_COST = 1.76
-# 128x192 tiles (WS_MID_CONFIG: 576 columns in 3 tiles, not 4.5; 1536 in 8, not 12) where their waves
-# times WS_MID_TILE_COST are fewer than the 128-column tiles' (and the 128x256 tiles' by their rule),
-# at any K from WS_MIN_K. A 128x192 tile's time in 128x128 tiles' time at 10 or more waves, H100,
-# CUDA graphs, the kernels alone (benchmarks/ws_gemm_ab.py's wsp192s4t4 against wsp128s4t4): 1.53-1.60 (18432x7168 M=2048 530.3 against 497.7 us in 12
-# against 18 waves; 24576x1536 M=8192, 3584x3584 M=8192, 7168x2048 M=8192). Where the rule picks
-# them over 14 shapes x M 512-8192: 576x576 M=4096 8.4 against 9.8 us, 576x2048 M=4096 14.5 against
-# 18.8, 1536x576 M=2048 8.2 against 9.5, 1408x2048 M=2048 15.0 against 18.1, 576x7168 M=4096 40.7
-# against 47.7, 1536x7168 M=2048 43.5 against 51.4, 18432x7168 M=512 132.0 against 136.6 (the 128x128
-# kernel with its split tail).
+# 128x192 tiles (WS_MID_CONFIG: 576 columns in 3 tiles, not 4.5; 1536 in 8, not 12) where their
+# waves times WS_MID_TILE_COST are fewer than the 128-column tiles' (and the 128x256 tiles' by their
+# rule), at any K from WS_MIN_K. A wave of 128x192 tiles takes 1.53-1.60 times a wave of 128x128
+# tiles at 10 or more waves (H100, CUDA graphs, the kernels alone, benchmarks/ws_gemm_ab.py's
+# wsp192s4t4 against wsp128s4t4: 18432x7168 M=2048 530.3 against 497.7 us in 12 against 18 waves;
+# 24576x1536 M=8192, 3584x3584 M=8192, 7168x2048 M=8192). Where the rule picks them over 14 shapes x M 512-8192:
+# 576x576 M=4096 8.4 against 9.8 us, 576x2048 M=4096 14.5 against 18.8, 1536x576 M=2048 8.2 against
+# 9.5, 1408x2048 M=2048 15.0 against 18.1, 576x7168 M=4096 40.7 against 47.7, 1536x7168 M=2048 43.5
+# against 51.4, 18432x7168 M=512 132.0 against 136.6 (the 128x128 kernel with its split tail).
 WS_MID_CONFIG = WsConfig(block_n=192, stages=4, persistent=True, tail_split=4)
 WS_MID_TILE_COST = 1.6
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
@@ -888,11 +888,11 @@ def ws_config(device: torch.device, m: int, n: int, k: int) -> WsConfig:
     least a wave (WS_WIDE_TILE_COST, WS_WIDE_CONFIG); a tie keeps the narrower tiles."""
     sms = sm_count(device)
     best, cost = WS_CONFIG, _cdiv(_tiles(m, n, 128, 128), sms)
-    mid = _cdiv(_tiles(m, n, 128, 192), sms) * WS_MID_TILE_COST
+    mid = round(_cdiv(_tiles(m, n, 128, 192), sms) * WS_MID_TILE_COST, 6)  # rounded: exact ties stay ties
     if mid < cost:
         best, cost = WS_MID_CONFIG, mid
     wide = _tiles(m, n, 128, 256)
-    if k >= WS_WIDE_MIN_K and wide >= sms and _cdiv(wide, sms) * WS_WIDE_TILE_COST < cost:
+    if k >= WS_WIDE_MIN_K and wide >= sms and round(_cdiv(wide, sms) * WS_WIDE_TILE_COST, 6) < cost:
         best = WS_WIDE_CONFIG
     return best
 

@@ -77,10 +77,12 @@ _MAXNREG = 168
 # 128x128 or per-tensor weight scales on the device's Triton 3.6 as measured when the layout was
 # chosen (Triton 3.9's ptxas, sm_90a ahead of time, --regAllocOptLevel=2, spills 816 bytes of stores
 # and 656 of loads a thread in the unsplit 256-column kernel with 128x128 scales; 1x128 weights'
-# per-column scales spill on both, and in 192-column tiles with Triton 3.9's ptxas: the routes
-# tables name 192- and 256-column tiles for 128x128 weights only). Each K group then moves 48 KB through L2 for a 128x256 tile against 64 KB for two 128x128
-# tiles, which is what bounds the 128-column kernel on long K (H100, ncu, 18432x7168 M=4096: L2
-# throughput 86%, tensor pipe 53%).
+# per-column scales spill on both, and in 192-column tiles with Triton 3.9's ptxas, 1.2 KB a thread:
+# the routes tables name 192- and 256-column tiles for 128x128 weights only; with 128x128 scales the
+# 192-column kernel spills 100 bytes of stores and 84 of loads there, 0 with x from shared memory).
+# A K group of a 128x256 tile moves 48 KB through L2 against 64 KB for two 128x128 tiles (128x192:
+# 40 KB against 48), and L2 is what bounds the 128-column kernel on long K (H100, ncu, 18432x7168
+# M=4096: L2 throughput 86%, tensor pipe 53%).
 _CHUNK_COLS = 64
 # K groups a consumer of a 128-column tile takes per ring-slot release (_k_loop: pairs). Gluon's
 # lowering of a one-thread mbarrier arrive syncs the warpgroup first (bar.sync 0, 128 in the PTX,
@@ -392,7 +394,7 @@ if HAS_GLUON_WS:
         (asynchronous; warpgroup_mma_wait gives it). A fresh product (zeros as the C operand, not
         added): holding the previous product's registers as C instead left the 1x128-weight consumer
         short of registers (ptxas spills)."""
-        stages: gl.constexpr = b_bufs.type.shape[0]
+        stages: gl.constexpr = a_bufs.type.shape[0] // 2  # two x boxes a slot
         s = it % stages
         mbarrier.wait(ready.index(s), (it // stages) & 1)
         return warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)),
@@ -412,7 +414,7 @@ if HAS_GLUON_WS:
         same bits). 1x128 weights (per-column scales, not W_SCALE_UNIFORM) go one group at a time:
         two groups' scales in registers spill (ptxas, sm_90a, Triton 3.9: 2.8 KB of spill loads a
         thread against 1.1 KB)."""
-        stages: gl.constexpr = b_bufs.type.shape[0]
+        stages: gl.constexpr = a_bufs.type.shape[0] // 2  # two x boxes a slot
         if RELEASE_EVERY == 2 and W_SCALE_UNIFORM and stages >= _PAIR_MIN_STAGES:
             pairs_end = first + (end - first) // 2 * 2
             for k in range(first, pairs_end, 2):
@@ -475,8 +477,8 @@ if HAS_GLUON_WS:
         ws0 = _scale_ptrs(ws_ptr, off_n, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
         ws1 = _scale_ptrs(ws_ptr, off_n + _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
         ws2 = _scale_ptrs(ws_ptr, off_n + 2 * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
-        ws3 = _scale_ptrs(ws_ptr, off_n + (chunks - 1) * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N,
-                          W_SCALE_UNIFORM)  # 192 columns: ws2 again, never loaded
+        if chunks == 4:
+            ws3 = _scale_ptrs(ws_ptr, off_n + 3 * _CHUNK_N, N, stride_wsn, cols, _CHUNK_N, WS_GROUP_N, W_SCALE_UNIFORM)
         zeros = gl.zeros([half, _CHUNK_N], gl.float32, layout=mma)
         acc0 = zeros
         acc1 = zeros
@@ -544,8 +546,8 @@ if HAS_GLUON_WS:
                  GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, HALF: gl.constexpr,
                  RELEASE_EVERY: gl.constexpr):
         """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's whole tiles, every K
-        group, then the tile's store; then, with MAX_SPLIT > 1, its tail units (_finish_split). A tile 256
-        columns wide runs :func:`_wide_unit`."""
+        group, then the tile's store; then, with MAX_SPLIT > 1, its tail units (_finish_split). A tile 192
+        or 256 columns wide runs :func:`_wide_unit`."""
         half: gl.constexpr = x_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
         block_n: gl.constexpr = b_bufs.type.shape[0] // (a_bufs.type.shape[0] // 2) * w_desc.block_type.shape[0]

@@ -475,7 +475,8 @@ def test_bias_and_output_dtypes(out, gran):
     x_q, x_s, w_q, w_s, w_s_ref, b = _operands(300, 2112, 4096, gran, True, gen)  # 51 tiles, 2 splits each
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
     for cfg in (WsConfig(128), WsConfig(256), WsConfig(persistent=True), WsConfig(persistent=True, tail_split=8),
-                WsConfig(256, persistent=True, tail_split=8), WsConfig(192), WsConfig(192, persistent=True, tail_split=8)):
+                WsConfig(256, persistent=True, tail_split=8), WsConfig(192),
+                WsConfig(192, persistent=True, tail_split=8)):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
         assert y.dtype == out
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]

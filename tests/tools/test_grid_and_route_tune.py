@@ -372,8 +372,9 @@ def test_ws_challengers_and_candidates(monkeypatch):
         wide: ("ws", WS_WIDE_CONFIG)}
     row = route_tune.candidates(2048, 7168, 2048, dev, "row")
     assert ws in row and wide not in row and mid not in row  # 1x128 weights' per-column scales spill there
-    assert route_table.RouteEntry("ws", WS_MID_CONFIG, route_table.RouteEntry("tiled", tiled)) == route_table.parse_entry(
-        {**route_tune._entry_from_label(mid), "fallback": route_tune._entry_from_label("tiled:64x64x128w4s4g8")})
+    mid_entry = {**route_tune._entry_from_label(mid), "fallback": route_tune._entry_from_label("tiled:64x64x128w4s4g8")}
+    assert route_table.parse_entry(mid_entry) == route_table.RouteEntry(
+        "ws", WS_MID_CONFIG, route_table.RouteEntry("tiled", tiled))
     assert route_table.RouteEntry("ws", WS_WIDE_CONFIG, route_table.RouteEntry("tiled", tiled)) == route_table.parse_entry(
         {**route_tune._entry_from_label(wide), "fallback": route_tune._entry_from_label("tiled:64x64x128w4s4g8")})
     assert ws not in route_tune.candidates(2048, 7168, 2048, dev, "block", challengers=("cutlass",))
