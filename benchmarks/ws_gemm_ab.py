@@ -5,7 +5,8 @@ weights, bf16 output: BF16 ``x @ w.T``, per-tensor cuBLAS FP8, the router's choi
 our Triton kernels alone (``triton``: what backend="triton" runs), the tiled kernel on 128x128 tiles
 (``tiled``), and the warp-specialized kernel on 128- and 256-column tiles with 3 and 4 ring slots
 (``ws128s3`` ...), persistent (one program per SM) with 3, 4 and 6 slots (``wsp128s3`` ...) and on
-256-column tiles with 3 and 4 slots (``wsp256s3``, ``wsp256s4``, ``wsp256s4t4`` with the split tail), and
+256-column tiles with 3 and 4 slots (``wsp256s3``, ``wsp256s4``, ``wsp256s4t4`` with the split tail), on
+192-column tiles with 4 and 5 slots (``wsp192s4``, ``wsp192s5``, ``wsp192s4t4``), and
 persistent with the last wave's tiles split along K into up to 4, 8 or 16 pieces (``wsp128s4t4``
 ...). It checks the configs that split nothing here against the tiled kernel bit for bit first, and
 the others against it within the kernels' error bound. Prints per-M geometric means of each
