@@ -369,6 +369,17 @@ if HAS_GLUON_WS:
         return last
 
     @gluon.jit
+    def _sum_if_last(part_ptr, count_ptr, v, tail_split, size: gl.constexpr, y_ptr, bias_ptr, row0, off_n, M, N,
+                     stride_ym, COLS: gl.constexpr, CHUNKS: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
+                     MAX_SPLIT: gl.constexpr):
+        """Once tail unit `v`'s partial (`size` floats a consumer) is stored: count it in, and for the last
+        of the tile's `tail_split` units to arrive, store the sum of the tile's partials (_sum_store)."""
+        if _count_in(count_ptr, v, tail_split, HALF):
+            first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size
+            _sum_store(first_part, 2 * size, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym, COLS, CHUNKS,
+                       HAS_BIAS, MAX_SPLIT)
+
+    @gluon.jit
     def _finish_split(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, y_ptr, bias_ptr, row0, off_n, M, N,
                       stride_ym, HAS_BIAS: gl.constexpr, HALF: gl.constexpr, MAX_SPLIT: gl.constexpr):
         """A consumer's 64x128 rows of a tail unit: store its fp32 partial, count it in, and, for the last
@@ -383,10 +394,8 @@ if HAS_GLUON_WS:
                 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, flat))[None, :])
         size: gl.constexpr = acc.shape[0] * acc.shape[1]
         gl.store(part_ptr + (v * 2 + HALF).to(gl.int64) * size + offs, gl.convert_layout(acc, flat))
-        if _count_in(count_ptr, v, tail_split, HALF):
-            first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size
-            _sum_store(first_part, 2 * size, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym,
-                       acc.shape[1], 1, HAS_BIAS, MAX_SPLIT)
+        _sum_if_last(part_ptr, count_ptr, v, tail_split, size, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym,
+                     acc.shape[1], 1, HAS_BIAS, HALF, MAX_SPLIT)
 
     @gluon.jit
     def _group_product(a_bufs, b_bufs, ready, it, mma: gl.constexpr, HALF: gl.constexpr):
@@ -527,10 +536,8 @@ if HAS_GLUON_WS:
             gl.store(mine + 2 * chunk, acc2)
             if chunks == 4:
                 gl.store(mine + 3 * chunk, acc3)
-            if _count_in(count_ptr, v, tail_split, HALF):
-                first_part = part_ptr + ((v - v % tail_split) * 2 + HALF).to(gl.int64) * size
-                _sum_store(first_part, 2 * size, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym, _CHUNK_N,
-                           chunks, HAS_BIAS, MAX_SPLIT)
+            _sum_if_last(part_ptr, count_ptr, v, tail_split, size, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym,
+                         _CHUNK_N, chunks, HAS_BIAS, HALF, MAX_SPLIT)
         else:
             _store(y_ptr, bias_ptr, acc0, row0, off_n, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
             _store(y_ptr, bias_ptr, acc1, row0, off_n + _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
