@@ -56,7 +56,8 @@ except (ImportError, AttributeError):  # no Triton, no Gluon or one without thes
     HAS_GLUON_WS = False
 
 __all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "SPLIT_MAX_STAGES", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS",
-           "TAIL_MAX_SPLIT", "TAIL_MIN_K_GROUPS", "WsConfig", "tail_plan", "ws_accepts", "ws_device_ok", "ws_fp8_gemm"]
+           "TAIL_MAX_SPLIT", "TAIL_MIN_K_GROUPS", "WsConfig", "sum_width", "tail_plan", "ws_accepts", "ws_device_ok",
+           "ws_fp8_gemm"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -187,6 +188,15 @@ def tail_plan(tiles: int, programs: int, k_groups: int, max_split: int) -> tuple
         return tiles, 1, k_groups
     per_split = -(-k_groups // split)
     return tiles - tail, -(-k_groups // per_split), per_split
+
+
+def sum_width(split: int) -> int:
+    """The split tail sum's unrolled width (the kernel's MAX_SPLIT, see _sum_store) for a plan of
+    `split` pieces a tile: `split` rounded up to a power of two (1: no split), so the loads past the
+    last piece are fewer than `split`. Not the config's bound: a 2-piece split summed 2 wide takes
+    0.91-0.99x the time of 4 wide, same bits (H200, 5 plans; docs/benchmarks.md, "What a split tail
+    costs, step by step")."""
+    return 1 if split <= 1 else 1 << (split - 1).bit_length()
 
 
 def ws_accepts(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -711,8 +721,7 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
         count = counters if counters is not None and counters.numel() >= 2 * tail else torch.zeros(
             2 * tail, dtype=torch.int32, device=y.device)
     grid = (min(units, sms) if cfg.persistent else units,)  # one program per SM fits (shared memory)
-    # the sum's unrolled width (_sum_store): the config's, a power of two, so a config compiles once
-    max_split = 1 if split == 1 else 1 << (cfg.tail_split - 1).bit_length()
+    max_split = sum_width(split)  # the sum's unrolled width (_sum_store)
     _ws_fp8_gemm_kernel[grid](
         x_desc, w_desc, x_s, w_s, y, bias if bias is not None else y, part, count,
         m, n, k, whole, split, per_split,

@@ -69,6 +69,14 @@ def test_tail_plan_examples():
     assert ws_gemm.tail_plan(40, 132, 56, 4) == (0, 3, 19)  # one partial wave: every tile split
 
 
+@pytest.mark.parametrize("split,width", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (11, 16), (16, 16)])
+def test_sum_width(split, width):
+    """The split sum unrolls to the plan's own split rounded up to a power of two, whatever the
+    config's bound: a 2-piece plan of a tail_split=4 config sums 2 wide."""
+    assert ws_gemm.sum_width(split) == width
+    assert width <= ws_gemm.TAIL_MAX_SPLIT
+
+
 def test_device_rule(monkeypatch):
     """Only a Hopper GPU under CUDA, outside the CPU interpreter, with Gluon's warp specialization."""
     cuda = torch.device("cuda", 0)
@@ -398,8 +406,9 @@ def _splits(m, n, k, cfg):
 @pytest.mark.parametrize("tail_split", [4, ws_gemm.TAIL_MAX_SPLIT])
 def test_split_tail(gran, m, n, k, block_n, tail_split):
     """Shapes whose last wave is split along K (asserted on this GPU's SM count), at the shipped
-    split width and the widest (the sum's smallest row pieces; where a plan splits fewer ways, its
-    unrolled loads past the last piece repeat that piece's and are discarded): against the
+    split bound and the widest (on 132 SMs, plans of 2 to 11 pieces; the sum unrolls to the split
+    rounded up to a power of two, and its loads past the last piece, as at 3, 5, 6 and 11 pieces,
+    repeat that piece's and are discarded): against the
     reference, deterministic, the whole tiles bit for bit the unsplit kernel's, the split tiles bit
     for bit their pieces' partials summed in split order, and the counters handed in left at zero."""
     from fp8linear.reference import block_fp8_matmul_ref
@@ -547,7 +556,8 @@ def test_routed_forward_runs_it():
 @pytest.mark.gpu
 @needs_ws
 def test_routed_split_tail_in_a_captured_layer():
-    """A layer whose routed WS launch splits its last wave (1000x2112x4160: 136 tiles, 33 K groups):
+    """A layer whose routed WS launch splits its last wave (1000x4300x4160: 272 tiles of 128x128 for
+    3 waves, where 128x192 tiles' 2 waves cost more; 33 K groups):
     captured in a CUDA graph it counts in the layer's own counters (no memset in the graph), leaves
     them at zero, and gives the functional path's bits; its eager plans (the tiled kernel) agree with
     the float64 reference."""
@@ -556,7 +566,8 @@ def test_routed_split_tail_in_a_captured_layer():
     from fp8linear.ops import router
 
     gen = torch.Generator(device="cuda").manual_seed(13)
-    m, n, k = 1000, 2112, 4160
+    m, n, k = 1000, 4300, 4160
+    assert router.ws_config(torch.device("cuda"), m, n, k) == router.WS_CONFIG
     assert _splits(m, n, k, router.WS_CONFIG) > 1
     layer = fp8linear.Fp8BlockLinear.from_linear(torch.nn.Linear(k, n, bias=True, dtype=BF16, device="cuda"),
                                                  backend="triton")
