@@ -99,8 +99,8 @@ PAIR_MIN_STAGES = 4
 # 262,248 of an H100's 232,448 (sm_90a, compiled ahead of time with Triton 3.6 and 3.9).
 SPLIT_MAX_STAGES = 5
 # The most K pieces of a split tail tile (WsConfig.tail_split): the sum holds a piece of rows of every
-# partial at once (_sum_store), next_power_of_2(tail_split) of them in 64 registers a thread, so
-# 16 leaves 4 rows of 128 columns, one a warp (the layout's smallest).
+# partial at once (_sum_store), sum_width(split) of them (the plan's split rounded up to a power of
+# two) in 64 registers a thread, so 16 leaves 4 rows of 128 columns, one a warp (the layout's smallest).
 TAIL_MAX_SPLIT = 16
 
 

@@ -322,7 +322,8 @@ def _can_compile_for_hopper() -> bool:
     (128, "block", 4, 1, 2), (128, "block", 4, 4, 2), (128, "row", 3, 4, 2), (256, "block", 4, 4, 2),
     (128, "block", 4, 1, 1), (256, "block", 3, 1, 1), (128, "block", ws_gemm.SPLIT_MAX_STAGES, 4, 2),
     (128, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2), (256, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2),
-    (192, "block", 4, 1, 2), (192, "block", 5, 4, 2), (192, "row", 3, 4, 2)])
+    (192, "block", 4, 1, 2), (192, "block", 5, 4, 2), (192, "row", 3, 4, 2), (128, "block", 4, 2, 2),
+    (192, "block", 4, 2, 2), (256, "block", 4, 2, 2)])
 def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, max_split, release_every):
     """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
     load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
