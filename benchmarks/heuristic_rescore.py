@@ -7,11 +7,16 @@ cuBLAS allowed where the sweep timed cuBLAS's default form ("cublas") and withou
 ``backend="triton"``), and prints that choice's time over the fastest candidate's, per granularity
 and M bucket. So a heuristic can be refitted on a CPU from a sweep made once on the GPU.
 
-    python benchmarks/heuristic_rescore.py route_sweep.json [--sms 132]
+    python benchmarks/heuristic_rescore.py route_sweep.json [--sms 132] [--wide-costs 1.6 2.0 inf]
 
 The device-dependent inputs are fixed: `--sms` streaming multiprocessors (H100 and H200: 132), a
 Hopper GPU (warp-specialized kernel available), no persistent TMA kernel, no tables. A choice the
 sweep did not time is counted apart.
+
+It also scores the warp-specialized kernel's tile-width rule (`router.ws_config`) alone, on the
+rows where the sweep timed all three of its persistent configs (`tune-routes --challengers ws`):
+the rule's width against the fastest of the three, at the shipped `WS_WIDE_TILE_COST` and at each
+of `--wide-costs` (``inf``: never 128x256 tiles).
 """
 
 from __future__ import annotations
@@ -45,6 +50,30 @@ def choice(m: int, n: int, k: int, granularity: str, cublas: bool, sms: int) -> 
     return route_label(route.kernel, route.config)
 
 
+def ws_width_scores(rows: list[dict], sms: int, wide_costs: list[float]) -> list[str]:
+    """One line per 128x256 tile cost (the shipped one first): the rule's width's time over the
+    fastest width's, on the block rows that timed WS_CONFIG, WS_MID_CONFIG and WS_WIDE_CONFIG."""
+    labels = {cfg.block_n: route_label("ws", cfg) for cfg in (router.WS_CONFIG, router.WS_MID_CONFIG,
+                                                              router.WS_WIDE_CONFIG)}
+    timed = [r for r in rows if r.get("granularity", "block") == "block" and all(v in r["us"] for v in labels.values())]
+    if not timed:
+        return ["ws widths: no row timed all three widths (tune-routes --challengers ws)"]
+    lines = []
+    for cost in [router.WS_WIDE_TILE_COST] + wide_costs:
+        ratios, picked = [], defaultdict(int)
+        with mock.patch.object(router, "sm_count", lambda d: sms), \
+                mock.patch.object(router, "WS_WIDE_TILE_COST", cost):
+            for r in timed:
+                width = router.ws_config(torch.device("cuda", 0), r["m"], r["n"], r["k"]).block_n
+                picked[width] += 1
+                ratios.append(r["us"][labels[width]] / min(r["us"][v] for v in labels.values()))
+        gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"ws widths, WS_WIDE_TILE_COST {cost:g}: rule / fastest width geomean {gm:.3f}, "
+                     f"max {max(ratios):.2f}, within 1.1x in {sum(x <= 1.1 for x in ratios)} of {len(ratios)}; "
+                     "picked " + " ".join(f"{w}:{picked[w]}" for w in sorted(picked)))
+    return lines
+
+
 def _bucket(m: int) -> str:
     return next(label for lo, hi, label in _BUCKETS if lo <= m <= hi)
 
@@ -53,6 +82,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("sweep")
     p.add_argument("--sms", type=int, default=132)
+    p.add_argument("--wide-costs", nargs="*", type=float, default=[],
+                   help="also score the tile-width rule at these 128x256 tile costs (inf: never)")
     a = p.parse_args()
     rows = json.load(open(a.sweep))["rows"]
     for cublas in (True, False):
@@ -79,6 +110,8 @@ def main() -> None:
                           f"within 1.2x in {sum(x <= 1.2 for x in v)} of {len(v)}")
             if untimed:
                 print(f"{what:11} {gran:5} choices the sweep did not time: {dict(untimed)}")
+    for line in ws_width_scores(rows, a.sms, a.wide_costs):
+        print(line)
 
 
 if __name__ == "__main__":
