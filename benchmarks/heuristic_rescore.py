@@ -7,7 +7,7 @@ cuBLAS allowed where the sweep timed cuBLAS's default form ("cublas") and withou
 ``backend="triton"``), and prints that choice's time over the fastest candidate's, per granularity
 and M bucket. So a heuristic can be refitted on a CPU from a sweep made once on the GPU.
 
-    python benchmarks/heuristic_rescore.py route_sweep.json [--sms 132] [--wide-costs 1.6 2.0 inf]
+    python benchmarks/heuristic_rescore.py route_sweep.json[.gz] [--sms 132] [--wide-costs 1.6 2.0 inf]
 
 The device-dependent inputs are fixed: `--sms` streaming multiprocessors (H100 and H200: 132), a
 Hopper GPU (warp-specialized kernel available), no persistent TMA kernel, no tables. A choice the
@@ -22,6 +22,7 @@ of `--wide-costs` (``inf``: never 128x256 tiles).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from collections import defaultdict
@@ -85,7 +86,8 @@ def main() -> None:
     p.add_argument("--wide-costs", nargs="*", type=float, default=[],
                    help="also score the tile-width rule at these 128x256 tile costs (inf: never)")
     a = p.parse_args()
-    rows = json.load(open(a.sweep))["rows"]
+    with (gzip.open if a.sweep.endswith(".gz") else open)(a.sweep, "rt") as f:
+        rows = json.load(f)["rows"]
     for cublas in (True, False):
         for gran in dict.fromkeys(r.get("granularity", "block") for r in rows):
             ratios: dict[str, list[float]] = defaultdict(list)

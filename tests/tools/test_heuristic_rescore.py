@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import runpy
 import sys
@@ -51,8 +52,8 @@ def test_ws_width_rule_scored_against_the_fastest_width(tmp_path, capsys, monkey
                         "within 1.1x in 2 of 2; picked 128:1 192:1")
     assert mod["ws_width_scores"](rows[2:], 132, []) == [
         "ws widths: no row timed all three widths (tune-routes --challengers ws)"]
-    sweep = tmp_path / "route_sweep.json"
-    sweep.write_text(json.dumps({"rows": rows}))
+    sweep = tmp_path / "route_sweep.json.gz"  # a sweep kept gzipped, as docs/results/routes holds them
+    sweep.write_bytes(gzip.compress(json.dumps({"rows": rows}).encode()))
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), str(sweep), "--wide-costs", "inf"])
     mod["main"]()
     assert lines[1] in capsys.readouterr().out
