@@ -53,9 +53,8 @@ def choice(m: int, n: int, k: int, granularity: str, cublas: bool, sms: int) -> 
 
 def ws_width_scores(rows: list[dict], sms: int, wide_costs: list[float]) -> list[str]:
     """One line per 128x256 tile cost (the shipped one first): the rule's width's time over the
-    fastest width's, on the block rows that timed WS_CONFIG, WS_MID_CONFIG and WS_WIDE_CONFIG."""
-    labels = {cfg.block_n: route_label("ws", cfg) for cfg in (router.WS_CONFIG, router.WS_MID_CONFIG,
-                                                              router.WS_WIDE_CONFIG)}
+    fastest width's, on the block rows that timed every config of router.WS_CONFIGS_BY_WIDTH."""
+    labels = {width: route_label("ws", cfg) for width, cfg in router.WS_CONFIGS_BY_WIDTH.items()}
     timed = [r for r in rows if r.get("granularity", "block") == "block" and all(v in r["us"] for v in labels.values())]
     if not timed:
         return ["ws widths: no row timed all three widths (tune-routes --challengers ws)"]

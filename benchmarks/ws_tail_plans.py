@@ -7,7 +7,7 @@ tiles, then every other tile in S pieces of G K groups; ``0,4,8`` cuts every til
 ``--sum-widths`` also times each split plan with the split sum unrolled to each given width (a
 power of two, at least the plan's split; `ws_gemm.sum_width` picks the split rounded up to one).
 Per (N, K, M), in one run of interleaved CUDA-graph replays over operands rotated past L2, 128x128
-weights, bf16 output, the persistent config with 4 ring slots and `--block-n` columns; each plan's
+weights, bf16 output, the router's config of `--block-n` columns (`WS_CONFIGS_BY_WIDTH`); each plan's
 output is checked against the unsplit one (the pieces' fp32 sums round once more into bf16), and
 each forced width's output is bit for bit its plan's.
 
@@ -22,6 +22,7 @@ import argparse
 import torch
 
 import fp8linear.ops.ws_gemm as ws_gemm
+from fp8linear.ops import router
 from fp8linear import quantize_activation, quantize_weight
 from fp8linear.ops.configs import sm_count
 from fp8linear.tools.shapes import parse_shape
@@ -58,8 +59,7 @@ def measure(n: int, k: int, m: int, plans: list[tuple[int, int, int]], widths: l
             gen: torch.Generator) -> dict[str, float]:
     """Times of each forced (plan, sum width) at this shape, in µs, keyed by their names."""
     dev = torch.device("cuda")
-    # the persistent config with a split tail, as router.WS_CONFIG / WS_MID_CONFIG / WS_WIDE_CONFIG
-    config = ws_gemm.WsConfig(block_n, 4, persistent=True, tail_split=4)
+    config = router.WS_CONFIGS_BY_WIDTH[block_n]  # the shipped persistent config with a split tail
     w = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.bfloat16)  # a trained layer's spread
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
     w_q, w_s = quantize_weight(w, "block")

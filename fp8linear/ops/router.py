@@ -146,6 +146,7 @@ __all__ = [
     "WS_MIN_M",
     "WS_MIN_ROW_FILL",
     "WS_MIN_TILES_PER_SM",
+    "WS_CONFIGS_BY_WIDTH",
     "WS_MID_CONFIG",
     "WS_MID_TILE_COST",
     "WS_WIDE_CONFIG",
@@ -410,6 +411,8 @@ WS_WIDE_TILE_COST = 1.76
 # against 51.4, 18432x7168 M=512 132.0 against 136.6 (the 128x128 kernel with its split tail).
 WS_MID_CONFIG = WsConfig(block_n=192, stages=4, persistent=True, tail_split=4)
 WS_MID_TILE_COST = 1.6
+# The config of each tile width, as ws_config picks them (what tune-routes times for 128x128 weights).
+WS_CONFIGS_BY_WIDTH = {cfg.block_n: cfg for cfg in (WS_CONFIG, WS_MID_CONFIG, WS_WIDE_CONFIG)}
 # Split-K GEMMs with a longer K get no early release under PDL: measured at K=16384 and 18432
 # (slower with it) and K=7168 (faster); the cut is between.
 LONG_SPLITK_K = 8192

@@ -139,12 +139,12 @@ def _cutlass_candidates(n: int, k: int, device: torch.device, granularity: str) 
 def _ws_candidates(n: int, k: int, device: torch.device, granularity: str) -> dict[str, tuple[str, Any]]:
     """The warp-specialized kernel's configs: 128-column tiles, and for 128x128 weights 192- and
     256-column ones (1x128 weights' per-column scales spill there)."""
-    from ..ops.router import WS_CONFIG, WS_MID_CONFIG, WS_WIDE_CONFIG
+    from ..ops.router import WS_CONFIG, WS_CONFIGS_BY_WIDTH
     from ..ops.ws_gemm import ws_device_ok
 
     if granularity == "tensor" or k % 16 or not ws_device_ok(device):
         return {}
-    configs = (WS_CONFIG, WS_MID_CONFIG, WS_WIDE_CONFIG) if granularity == "block" else (WS_CONFIG,)
+    configs = WS_CONFIGS_BY_WIDTH.values() if granularity == "block" else (WS_CONFIG,)
     return {route_label("ws", cfg): ("ws", cfg) for cfg in configs}
 
 
