@@ -17,6 +17,9 @@ method's speedup over BF16.
 
 ``--single-release`` adds each config releasing its ring slots after every K group (``NAME-r1``,
 ``ws_fp8_gemm(release_every=1)``) against the default pairs, after checking both give the same bits.
+``--store-ab`` adds each config storing its tiles from the consumers' registers (``NAME-regs``,
+``ws_fp8_gemm(tma_store=False)``) against the default (through shared memory by TMA where
+:func:`~fp8linear.ops.ws_gemm.tma_store_ok` allows), after checking both give the same bits.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _bytes(args: tuple) -> int:
 
 
 def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: dict[str, WsConfig],
-            single_release: bool = False) -> dict[str, float] | None:
+            single_release: bool = False, store_ab: bool = False) -> dict[str, float] | None:
     dev = torch.device("cuda")
     w = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -77,6 +80,10 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
                 y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
                                                  release_every=1).view(torch.int16)):
             raise AssertionError(f"{n}x{k} M={m} {cfg}: releasing ring slots per group changed the bits")
+        if store_ab and not torch.equal(
+                y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
+                                                 tma_store=False).view(torch.int16)):
+            raise AssertionError(f"{n}x{k} M={m} {cfg}: the store from registers changed the bits")
         tiles = -(-m // 128) * -(-n // cfg.block_n)  # this config's output tiles, as ws_fp8_gemm plans them
         if tail_plan(tiles, sm_count(dev), -(-k // 128), cfg.tail_split)[1] == 1:
             same = same and torch.equal(y.view(torch.int16), tiled.view(torch.int16))
@@ -101,6 +108,9 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
         if single_release:  # the same config releasing its ring slots after every K group
             methods[name + "-r1"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
                 a, sa, b, sb, gran, torch.bfloat16, None, cfg, release_every=1), (x_q, x_s, w_q, w_s))
+        if store_ab:  # the same config storing its tiles from the consumers' registers
+            methods[name + "-regs"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
+                a, sa, b, sb, gran, torch.bfloat16, None, cfg, tma_store=False), (x_q, x_s, w_q, w_s))
     rounds = {}
     for name, (fn, args) in methods.items():
         rounds[name], _ = prepare_cuda(fn, rotation_sets(args, _bytes(args), dev), 3, graph_timer=True)
@@ -127,6 +137,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", choices=list(WS_CONFIGS), default=list(WS_CONFIGS))
     p.add_argument("--single-release", action="store_true",
                    help="also time each config releasing its ring slots after every K group (NAME-r1)")
+    p.add_argument("--store-ab", action="store_true",
+                   help="also time each config storing its tiles from the consumers' registers (NAME-regs)")
     p.add_argument("--json")
     a = p.parse_args()
     configs = {name: WS_CONFIGS[name] for name in a.configs}
@@ -135,7 +147,7 @@ def main() -> None:
     rows = []
     for s in shapes:
         for m in a.m:
-            t = measure(s.n, s.k, m, gen, a.granularity, configs, a.single_release)
+            t = measure(s.n, s.k, m, gen, a.granularity, configs, a.single_release, a.store_ab)
             if t is None:
                 print(f"{s.n:6}x{s.k:<6} M={m:5} not TMA-addressable: skipped")
                 continue
@@ -143,7 +155,8 @@ def main() -> None:
             print(f"{s.n:6}x{s.k:<6} M={m:5} " + " ".join(f"{kk}={v:.1f}" if isinstance(v, float) else f"{kk}={v}"
                                                        for kk, v in t.items())
                   + f"  best ws/tiled={best_ws(t) / t['tiled']:.3f} /auto={best_ws(t) / t['auto']:.3f}", flush=True)
-    names = ["tensor", "auto", "triton", "tiled", *configs, *(f"{c}-r1" for c in configs if a.single_release)]
+    names = ["tensor", "auto", "triton", "tiled", *configs, *(f"{c}-r1" for c in configs if a.single_release),
+             *(f"{c}-regs" for c in configs if a.store_ab)]
     for m in a.m:
         sel = [r for r in rows if r["m"] == m]
         if sel:

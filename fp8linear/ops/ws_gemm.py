@@ -43,7 +43,8 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     HAS_GLUON_WS = hasattr(gl, "warp_specialize")
@@ -51,13 +52,14 @@ try:  # Gluon with warp specialization and Hopper's WGMMA (Triton 3.6)
     # shared memory, `async_copy_global_to_shared` in Triton 3.6, `async_load` in newer ones (3.9 has
     # only that); the CTA barrier, `thread_barrier` in 3.6, `barrier` in 3.9.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except (ImportError, AttributeError):  # no Triton, no Gluon or one without these names: never picked
     HAS_GLUON_WS = False
 
 __all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "SPLIT_MAX_STAGES", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS",
-           "TAIL_MAX_SPLIT", "TAIL_MIN_K_GROUPS", "WsConfig", "sum_width", "tail_plan", "ws_accepts", "ws_device_ok",
-           "ws_fp8_gemm"]
+           "TAIL_MAX_SPLIT", "TAIL_MIN_K_GROUPS", "SHARED_LIMIT", "WsConfig", "sum_width", "tail_plan", "tma_store_ok",
+           "tma_store_pays", "ws_accepts", "ws_device_ok", "ws_fp8_gemm", "ws_shared_bytes"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -199,6 +201,51 @@ def sum_width(split: int) -> int:
     return 1 if split <= 1 else 1 << (split - 1).bit_length()
 
 
+# Shared memory a block may opt in to on an H100 or H200 (227 KB).
+SHARED_LIMIT = 232_448
+# Shared memory of the kernel besides its ring and output boxes: its barriers (16 bytes a ring slot
+# and 192 more), 32 bytes with a split tail, and in a 128-column kernel with a split tail the
+# partials' layout conversion (_PARTIAL_LAYOUT, both consumers). sm_90a, compiled ahead of time with
+# Triton 3.9: the estimate is at most 8 bytes over the compiler's (tests/ops/test_ws_gemm.py compiles
+# configs and checks it).
+_SHARED_PER_SLOT_BARRIERS = 16
+_SHARED_OTHER = 192
+_SHARED_SPLIT = 32
+_SHARED_PARTIAL_CONVERSION = 65_328
+
+
+def ws_shared_bytes(cfg: WsConfig, split: bool) -> int:
+    """Shared memory of the kernel with `cfg` storing its tiles by TMA, `split`: with a split tail.
+    The ring (two 64x128 x boxes and block_n rows of w a slot), each consumer's output boxes (64 x
+    block_n 16-bit values), the barriers, and for a 128-column kernel with a split tail the partials'
+    layout conversion."""
+    ring = cfg.stages * (2 * _HALF_M * GROUP_SIZE + cfg.block_n * GROUP_SIZE)
+    boxes = 2 * _HALF_M * cfg.block_n * 2
+    conversion = _SHARED_PARTIAL_CONVERSION if cfg.block_n == _PRODUCT_COLS else 0
+    tail = _SHARED_SPLIT + conversion if split else 0
+    return ring + boxes + tail + cfg.stages * _SHARED_PER_SLOT_BARRIERS + _SHARED_OTHER
+
+
+def tma_store_pays(cfg: WsConfig, units: int, programs: int) -> bool:
+    """Whether the default stores whole tiles by TMA (where :func:`tma_store_ok`): in a persistent
+    launch of 128-column tiles whose programs run more than one unit each, where a tile's store then
+    runs on while the consumers start the next one. H200, CUDA graphs, 7 shapes x M 1000-8192,
+    benchmarks/ws_gemm_ab.py --store-ab, time against the store from registers: persistent 128x128
+    tiles with more units than SMs 0.94-1.00x (7168x2048 M=8192 233.4 against 247.3 us, 576x576 M=8192
+    11.9 against 12.6), with one unit a program 1.00-1.03x; 128x192 tiles 0.96-1.03x (geomean 0.997:
+    not taken); one program a tile 1.00-1.05x (the program's last store is waited for, nothing to
+    overlap)."""
+    return cfg.persistent and cfg.block_n == _PRODUCT_COLS and units > programs
+
+
+def tma_store_ok(y: torch.Tensor, cfg: WsConfig, split: int) -> bool:
+    """Whether the kernel can store output `y`'s whole tiles through shared memory by TMA with `cfg`
+    and `split` pieces a tail tile: a 16-bit output (fp32 boxes would not fit beside the ring) whose
+    rows are a multiple of 16 bytes from a 16-byte aligned base, and room for the boxes."""
+    return (y.dtype in (torch.bfloat16, torch.float16) and y.stride(1) == 1 and (y.stride(0) * 2) % 16 == 0
+            and y.data_ptr() % 16 == 0 and ws_shared_bytes(cfg, split > 1) <= SHARED_LIMIT)
+
+
 def ws_accepts(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the kernel can take these operands: contiguous FP8 rows whose length K is a multiple
     of 16 bytes and 16-byte aligned bases (TMA), bf16/fp16/fp32 output."""
@@ -257,11 +304,11 @@ if HAS_GLUON_WS:
         return tile, first, end
 
     @gluon.jit
-    def _produce(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    def _produce(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                  GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr,
-                 RELEASE_EVERY: gl.constexpr):
+                 RELEASE_EVERY: gl.constexpr, TMA_STORE: gl.constexpr):
         """The producer warp: fill the ring's slots with the K groups of the program's work units, in
         order, each slot once both consumers released it (so the next unit's first groups load while
         the consumers store the last one)."""
@@ -338,6 +385,14 @@ if HAS_GLUON_WS:
         _masked_store(y_ptr, gl.convert_layout(acc.to(dtype), coalesced),
                       off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, coalesced)),
                       off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, coalesced)), M, N, stride_ym)
+
+    @gluon.jit
+    def _stage_chunk(buf, bias_ptr, acc, off_n, N, cols: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Add the bias (fp32) to a consumer's accumulator of columns off_n .. + its width - 1, cast it to
+        the output's dtype and write it to `buf`, its shared-memory box of the output tile (the tensor
+        cores' register layout straight into the swizzled box: no conversion)."""
+        acc = _add_bias(acc, bias_ptr, off_n + gl.arange(0, acc.shape[1], layout=cols), N, HAS_BIAS)
+        buf.store(acc.to(buf.dtype))
 
     @gluon.jit
     def _sum_store(first, unit_stride, tail_split, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym,
@@ -473,10 +528,10 @@ if HAS_GLUON_WS:
         return warpgroup_mma(a, b.permute((1, 0)), zeros, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, off_m, off_n,
+    def _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, off_m, off_n,
                    M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                    WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   HALF: gl.constexpr, SPLIT: gl.constexpr, MAX_SPLIT: gl.constexpr):
+                   HALF: gl.constexpr, SPLIT: gl.constexpr, MAX_SPLIT: gl.constexpr, TMA_STORE: gl.constexpr):
         """Consumer HALF's rows of a 128x192 or 128x256 tile over K groups first .. end-1: per K group
         three or four 64-column products, each started before the one before it is promoted (two in
         flight), into as many 64x64 accumulators; then the store, or (SPLIT: a tail unit, see
@@ -548,6 +603,18 @@ if HAS_GLUON_WS:
                 gl.store(mine + 3 * chunk, acc3)
             _sum_if_last(part_ptr, count_ptr, v, tail_split, size, y_ptr, bias_ptr, row0, off_n, M, N, stride_ym,
                          _CHUNK_N, chunks, HAS_BIAS, HALF, MAX_SPLIT)
+        elif TMA_STORE:
+            # the consumer's chunks go out through its boxes in shared memory, by TMA (clipped to M
+            # and N); the consumer waits for its last tile's stores to have read them first
+            tma.store_wait(0)
+            _stage_chunk(c_bufs.index(HALF * chunks), bias_ptr, acc0, off_n, N, cols, HAS_BIAS)
+            _stage_chunk(c_bufs.index(HALF * chunks + 1), bias_ptr, acc1, off_n + _CHUNK_N, N, cols, HAS_BIAS)
+            _stage_chunk(c_bufs.index(HALF * chunks + 2), bias_ptr, acc2, off_n + 2 * _CHUNK_N, N, cols, HAS_BIAS)
+            if chunks == 4:
+                _stage_chunk(c_bufs.index(HALF * chunks + 3), bias_ptr, acc3, off_n + 3 * _CHUNK_N, N, cols, HAS_BIAS)
+            fence_async_shared()
+            for c in gl.static_range(chunks):
+                _tma_store(y_desc, [row0, off_n + c * _CHUNK_N], c_bufs.index(HALF * chunks + c))
         else:
             _store(y_ptr, bias_ptr, acc0, row0, off_n, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
             _store(y_ptr, bias_ptr, acc1, row0, off_n + _CHUNK_N, M, N, stride_ym, cols, _CHUNK_N, HAS_BIAS)
@@ -557,11 +624,11 @@ if HAS_GLUON_WS:
         return it
 
     @gluon.jit
-    def _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    def _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                  GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, HALF: gl.constexpr,
-                 RELEASE_EVERY: gl.constexpr):
+                 RELEASE_EVERY: gl.constexpr, TMA_STORE: gl.constexpr):
         """Consumer warpgroup HALF: rows 64*HALF .. +63 of each of the program's whole tiles, every K
         group, then the tile's store; then, with MAX_SPLIT > 1, its tail units (_finish_split). A tile 192
         or 256 columns wide runs :func:`_wide_unit`."""
@@ -580,10 +647,10 @@ if HAS_GLUON_WS:
         for tile in range(pid, whole_tiles, programs):
             off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
             if WIDE:
-                it = _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                it = _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                                 off_m, off_n, M, N, 0, k_groups, it, tile, whole_tiles, tail_split, stride_xsm,
                                 stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF, False,
-                                MAX_SPLIT)
+                                MAX_SPLIT, TMA_STORE)
             else:
                 offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
                 # rows past M read row 0's scales (a valid address); TMA zero-filled their operands and
@@ -593,17 +660,24 @@ if HAS_GLUON_WS:
                 acc = gl.zeros([half, _PRODUCT_N], gl.float32, layout=mma)
                 acc, it = _k_loop(a_bufs, b_bufs, ready, empty, xs_ptrs, ws_ptrs, acc, 0, k_groups, it, stride_wsk,
                                   mma, W_SCALE_UNIFORM, HALF, RELEASE_EVERY)
-                _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N, HAS_BIAS)
+                if TMA_STORE:  # through the consumer's box in shared memory, by TMA (see _wide_unit)
+                    tma.store_wait(0)
+                    _stage_chunk(c_bufs.index(HALF), bias_ptr, acc, off_n, N, cols, HAS_BIAS)
+                    fence_async_shared()
+                    _tma_store(y_desc, [off_m + HALF * half, off_n], c_bufs.index(HALF))
+                else:
+                    _store(y_ptr, bias_ptr, acc, off_m + HALF * half, off_n, M, N, stride_ym, cols, _PRODUCT_N,
+                           HAS_BIAS)
         if MAX_SPLIT > 1:  # this program's units past the whole tiles
             num_units = whole_tiles + (gl.cdiv(M, 2 * half) * gl.cdiv(N, block_n) - whole_tiles) * tail_split
             for u in range(pid + gl.cdiv(gl.maximum(whole_tiles - pid, 0), programs) * programs, num_units, programs):
                 tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
                 off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
                 if WIDE:
-                    it = _wide_unit(a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                    it = _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                                     off_m, off_n, M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm,
                                     stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF,
-                                    True, MAX_SPLIT)
+                                    True, MAX_SPLIT, TMA_STORE)
                 else:
                     offs_m = off_m + HALF * half + gl.arange(0, half, layout=rows)
                     xs_ptrs = xs_ptr + gl.where(offs_m < M, offs_m, 0).to(gl.int64) * stride_xsm
@@ -613,37 +687,39 @@ if HAS_GLUON_WS:
                                       mma, W_SCALE_UNIFORM, HALF, RELEASE_EVERY)
                     _finish_split(part_ptr, count_ptr, acc, u, whole_tiles, tail_split, y_ptr, bias_ptr,
                                   off_m + HALF * half, off_n, M, N, stride_ym, HAS_BIAS, HALF, MAX_SPLIT)
+        if TMA_STORE:
+            tma.store_wait(0)  # the boxes stay allocated until the stores have read them
 
     # gl.warp_specialize takes one function per partition (no constexpr of its own): the two consumers
     # are _consume with HALF 0 and 1.
     @gluon.jit
-    def _consume_first(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+    def _consume_first(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                        part_ptr, count_ptr,
                        M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                        stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr):
-        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                       GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr, TMA_STORE: gl.constexpr):
+        _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 0, RELEASE_EVERY)
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 0, RELEASE_EVERY, TMA_STORE)
 
     @gluon.jit
-    def _consume_second(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+    def _consume_second(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                         part_ptr, count_ptr,
                         M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                         stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr):
-        _consume(x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                        GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr, TMA_STORE: gl.constexpr):
+        _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 1, RELEASE_EVERY)
+                 WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 1, RELEASE_EVERY, TMA_STORE)
 
     @gluon.jit
     def _ws_fp8_gemm_kernel(
-        x_desc, w_desc, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+        x_desc, w_desc, y_desc, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
         M, N, K, whole_tiles, tail_split, groups_per_split,
         stride_xsm, stride_wsn, stride_wsk, stride_ym,
         WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        BLOCK_N: gl.constexpr, TMA_STORE: gl.constexpr,
     ):
         """Program p runs work units p, p + P, p + 2P, ... (P programs): the first `whole_tiles` units
         are output tiles in grouped order, the rest K splits of the remaining tiles (tail_plan; only
@@ -653,6 +729,11 @@ if HAS_GLUON_WS:
         # boxes and shared-memory shapes being powers of two)
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * (BLOCK_N // w_desc.block_type.shape[0])]
                                            + w_desc.block_type.shape, w_desc.layout)
+        if TMA_STORE:  # each consumer's boxes of an output tile (BLOCK_N // box columns each)
+            c_bufs = gl.allocate_shared_memory(y_desc.dtype, [2 * (BLOCK_N // y_desc.block_type.shape[1])]
+                                               + y_desc.block_type.shape, y_desc.layout)
+        else:
+            c_bufs = a_bufs  # not used
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -662,37 +743,43 @@ if HAS_GLUON_WS:
         # The partitions' arguments are written out in each tuple: a tuple assigned to a variable
         # first would turn its constexprs into runtime values.
         gl.warp_specialize([
-            (_consume_first, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+            (_consume_first, (x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                               part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                               stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY)),
-            (_produce, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                              WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY, TMA_STORE)),
+            (_produce, (x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                         part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                         stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY)),
-            (_consume_second, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                        WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY, TMA_STORE)),
+            (_consume_second, (x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
                                part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                                stride_xsm, stride_wsn, stride_wsk, stride_ym,
-                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY)),
+                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY, TMA_STORE)),
         ], [1, 4], [24, 240])  # warps and registers of the producer and the second consumer
 
 
 def _gl_dtype(dtype: torch.dtype):
-    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}[dtype]
+    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
+            torch.float16: gl.float16}[dtype]
 
 
 def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
                 out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: WsConfig | None = None,
-                counters: torch.Tensor | None = None, release_every: int = RELEASE_EVERY) -> torch.Tensor:
+                counters: torch.Tensor | None = None, release_every: int = RELEASE_EVERY,
+                tma_store: bool | None = None) -> torch.Tensor:
     """y (M, N) in `out_dtype` for validated operands that :func:`ws_accepts`: x_q (M, K), w_q (N, K)
     FP8, x_s (M, K/128) row-major, w_s in `granularity`'s layout (0-d for "tensor").
 
     `counters`: int32 zeros (left zeroed) the split tail tiles count in, where it holds two per tail
     tile (a :func:`fp8linear.ops.splitk_gemm.splitk_counters` does); else fresh zeros per call.
     `release_every`: the consumers release the ring's slots after every K group (1) or in pairs (2,
-    RELEASE_EVERY); the same bits either way (benchmarks/ws_gemm_ab.py times both)."""
+    RELEASE_EVERY); the same bits either way (benchmarks/ws_gemm_ab.py times both).
+    `tma_store`: whole tiles leave through shared memory by TMA (True) or by the consumers' own stores
+    (False); None: TMA where :func:`tma_store_pays` and :func:`tma_store_ok`. The same bits either way."""
     if type(release_every) is not int or release_every not in (1, 2):
         raise ValueError(f"ws_fp8_gemm: release_every must be 1 or 2, got {release_every!r}")
+    if tma_store is not None and not isinstance(tma_store, bool):
+        raise TypeError(f"ws_fp8_gemm: tma_store must be a bool or None, got {type(tma_store).__name__}")
     from .gemm_common import weight_scale_layout  # imports Triton; the router imports this module without it
 
     cfg = cfg or WsConfig()
@@ -721,13 +808,23 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
         count = counters if counters is not None and counters.numel() >= 2 * tail else torch.zeros(
             2 * tail, dtype=torch.int32, device=y.device)
     grid = (min(units, sms) if cfg.persistent else units,)  # one program per SM fits (shared memory)
+    if tma_store is None:
+        tma_store = tma_store_pays(cfg, units, grid[0]) and tma_store_ok(y, cfg, split)
+    elif tma_store and not tma_store_ok(y, cfg, split):
+        raise ValueError(f"ws_fp8_gemm: tma_store=True needs a 16-bit output with rows of a multiple of 16 bytes "
+                         f"and {cfg} with its output boxes in shared memory; got {y.dtype} output, N={n}")
+    y_desc = x_desc  # not used without the TMA store
+    if tma_store:
+        y_box = [_HALF_M, _PRODUCT_COLS if cfg.block_n == 128 else _CHUNK_COLS]
+        y_desc = GluonTensorDescriptor.from_tensor(y, y_box, gl.NVMMASharedLayout.get_default_for(
+            y_box, _gl_dtype(y.dtype)))
     max_split = sum_width(split)  # the sum's unrolled width (_sum_store)
     _ws_fp8_gemm_kernel[grid](
-        x_desc, w_desc, x_s, w_s, y, bias if bias is not None else y, part, count,
+        x_desc, w_desc, y_desc, x_s, w_s, y, bias if bias is not None else y, part, count,
         m, n, k, whole, split, per_split,
         x_s.stride(0), stride_wsn, stride_wsk, y.stride(0),
         WS_GROUP_N=ws_group_n, W_SCALE_UNIFORM=granularity != "row",
         HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, MAX_SPLIT=max_split,
-        RELEASE_EVERY=release_every, BLOCK_N=cfg.block_n, num_warps=4, maxnreg=_MAXNREG,
+        RELEASE_EVERY=release_every, BLOCK_N=cfg.block_n, TMA_STORE=tma_store, num_warps=4, maxnreg=_MAXNREG,
     )
     return y

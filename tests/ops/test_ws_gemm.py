@@ -253,22 +253,26 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from fp8linear.ops import ws_gemm
 
-block_n, granularity, stages, max_split, release_every = json.loads(sys.argv[1])
+block_n, granularity, stages, max_split, release_every, tma_store = json.loads(sys.argv[1])
 fp8 = gl.float8e4nv
 x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], fp8)
 w_rows = 64 if block_n == 192 else block_n  # 128x192 tiles load w in 64-row boxes
 w_layout = gl.NVMMASharedLayout.get_default_for([w_rows, 128], fp8)
+y_cols = 128 if block_n == 128 else 64  # the output's TMA box: a consumer's 64 rows of one product
+y_layout = gl.NVMMASharedLayout.get_default_for([64, y_cols], gl.bfloat16)
 signature = {
     "x_desc": f"tensordesc<fp8e4nv[64, 128],{x_layout!r}>",
     "w_desc": f"tensordesc<fp8e4nv[{w_rows}, 128],{w_layout!r}>",
+    "y_desc": (f"tensordesc<bf16[64, {y_cols}],{y_layout!r}>" if tma_store
+               else f"tensordesc<fp8e4nv[64, 128],{x_layout!r}>"),
     "xs_ptr": "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
     "count_ptr": "*i32", **{name: "i32" for name in ("M", "N", "K", "whole_tiles", "tail_split", "groups_per_split",
                                                     "stride_xsm", "stride_wsn", "stride_wsk", "stride_ym")},
     **{name: "constexpr" for name in ("WS_GROUP_N", "W_SCALE_UNIFORM", "HAS_BIAS", "GROUP_M", "STAGES",
-                                      "MAX_SPLIT", "RELEASE_EVERY", "BLOCK_N")}}
+                                      "MAX_SPLIT", "RELEASE_EVERY", "BLOCK_N", "TMA_STORE")}}
 constexprs = {"WS_GROUP_N": 128 if granularity == "block" else 1, "W_SCALE_UNIFORM": granularity == "block",
               "HAS_BIAS": True, "GROUP_M": 8, "STAGES": stages, "MAX_SPLIT": max_split,
-              "RELEASE_EVERY": release_every, "BLOCK_N": block_n}
+              "RELEASE_EVERY": release_every, "BLOCK_N": block_n, "TMA_STORE": tma_store}
 compiled = triton.compile(GluonASTSource(ws_gemm._ws_fp8_gemm_kernel, signature, constexprs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
 print(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
@@ -276,7 +280,7 @@ print(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared
 
 
 def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, max_split: int,
-                            release_every: int = 2) -> dict:
+                            release_every: int = 2, tma_store: bool = False) -> dict:
     """The warp-specialized kernel compiled ahead of time for sm_90a by the installed Triton, on any
     machine (its bundled ptxas): what the Gluon API of the installed Triton accepts. -> {"ptx": the
     PTX, "shared": bytes of shared memory}."""
@@ -290,7 +294,7 @@ def _aot_compile_for_hopper(block_n: int, granularity: str, stages: int, max_spl
     root = str(Path(ws_gemm.__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     done = subprocess.run([sys.executable, "-c", _AOT_COMPILE,
-                           json.dumps([block_n, granularity, stages, max_split, release_every])],
+                           json.dumps([block_n, granularity, stages, max_split, release_every, tma_store])],
                           capture_output=True, text=True, env=env, timeout=900)
     if done.returncode:
         raise AssertionError(f"the sm_90a compile failed:\n{done.stderr[-4000:]}")
@@ -318,21 +322,32 @@ def _can_compile_for_hopper() -> bool:
 
 
 @pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs a Triton with Gluon's warp_specialize and ptxas")
-@pytest.mark.parametrize("block_n,granularity,stages,max_split,release_every", [
-    (128, "block", 4, 1, 2), (128, "block", 4, 4, 2), (128, "row", 3, 4, 2), (256, "block", 4, 4, 2),
-    (128, "block", 4, 1, 1), (256, "block", 3, 1, 1), (128, "block", ws_gemm.SPLIT_MAX_STAGES, 4, 2),
-    (128, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2), (256, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2),
-    (192, "block", 4, 1, 2), (192, "block", 5, 4, 2), (192, "row", 3, 4, 2), (128, "block", 4, 2, 2),
-    (192, "block", 4, 2, 2), (256, "block", 4, 2, 2)])
-def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, max_split, release_every):
+@pytest.mark.parametrize("block_n,granularity,stages,max_split,release_every,tma_store", [
+    (128, "block", 4, 1, 2, False), (128, "block", 4, 4, 2, False), (128, "row", 3, 4, 2, False),
+    (256, "block", 4, 4, 2, False), (128, "block", 4, 1, 1, False), (256, "block", 3, 1, 1, False),
+    (128, "block", ws_gemm.SPLIT_MAX_STAGES, 4, 2, False), (128, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2, False),
+    (256, "block", 4, ws_gemm.TAIL_MAX_SPLIT, 2, False), (192, "block", 4, 1, 2, False),
+    (192, "block", 5, 4, 2, False), (192, "row", 3, 4, 2, False), (128, "block", 4, 2, 2, False),
+    (192, "block", 4, 2, 2, False), (256, "block", 4, 2, 2, False),
+    (128, "block", 4, 1, 2, True), (128, "block", 4, 4, 2, True), (128, "row", 3, 4, 2, True),
+    (192, "block", 4, 1, 2, True), (192, "block", 4, 2, 2, True), (192, "row", 3, 4, 2, True),
+    (256, "block", 3, 1, 2, True), (128, "block", 6, 1, 2, True)])
+def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, max_split, release_every,
+                                                     tma_store):
     """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
     load is `async_load` in newer ones, `async_copy_global_to_shared` in older) and it fits an H100's
-    shared memory: checked on any machine, so a Triton upgrade that breaks it fails on CPU too."""
-    compiled = _aot_compile_for_hopper(block_n, granularity, stages, max_split, release_every)
+    shared memory: checked on any machine, so a Triton upgrade that breaks it fails on CPU too. With
+    the TMA store, the launcher's estimate of its shared memory is the compiler's, at most 8 bytes
+    over, and the tiles leave by bulk tensor stores."""
+    compiled = _aot_compile_for_hopper(block_n, granularity, stages, max_split, release_every, tma_store)
     ptx = compiled["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     ring = stages * (2 * 64 * 128 + block_n * 128)  # the ring's slots: two 64-row x boxes and block_n w rows
-    assert ring <= compiled["shared"] <= 227 * 1024, compiled["shared"]
+    assert ring <= compiled["shared"] <= ws_gemm.SHARED_LIMIT, compiled["shared"]
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store
+    if tma_store:
+        estimate = ws_gemm.ws_shared_bytes(ws_gemm.WsConfig(block_n, stages), max_split > 1)
+        assert 0 <= estimate - compiled["shared"] <= 8, (estimate, compiled["shared"])
 
 
 def test_a_128_column_split_tail_is_refused_more_ring_slots_than_fit():
@@ -349,6 +364,49 @@ def test_release_every_is_one_or_two(bad):
     x = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=rf"release_every must be 1 or 2, got {bad!r}"):
         ws_gemm.ws_fp8_gemm(x, torch.ones(4, 1), x, torch.ones(1, 1), "block", BF16, release_every=bad)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", 0.0])
+def test_tma_store_is_a_bool_or_none(bad):
+    x = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="tma_store must be a bool or None"):
+        ws_gemm.ws_fp8_gemm(x, torch.ones(4, 1), x, torch.ones(1, 1), "block", BF16, tma_store=bad)
+
+
+@pytest.mark.parametrize("cfg,units,programs,pays", [
+    (WsConfig(128, 4, persistent=True), 384, 132, True),
+    (WsConfig(128, 4, persistent=True, tail_split=4), 136, 132, True),
+    (WsConfig(128, 4, persistent=True), 132, 132, False),  # one unit a program: nothing to overlap
+    (WsConfig(128, 4, persistent=True), 40, 40, False),
+    (WsConfig(128, 3), 384, 384, False),  # one program a tile
+    (WsConfig(192, 4, persistent=True), 384, 132, False),  # measured even on 128x192 tiles
+    (WsConfig(256, 3, persistent=True), 384, 132, False),
+])
+def test_tma_store_pays(cfg, units, programs, pays):
+    assert ws_gemm.tma_store_pays(cfg, units, programs) is pays
+
+
+@pytest.mark.parametrize("dtype,n,cfg,split,ok", [
+    (BF16, 576, WsConfig(192, 4), 1, True),
+    (torch.float16, 2112, WsConfig(128, 4), 4, True),  # 229,456 bytes with the partials' conversion
+    (torch.float32, 576, WsConfig(128, 3), 1, False),  # fp32 boxes: not taken
+    (BF16, 300, WsConfig(128, 3), 1, False),  # rows of 600 bytes: not TMA-addressable
+    (BF16, 304, WsConfig(128, 3), 1, True),
+    (BF16, 576, WsConfig(256, 4), 1, False),  # 4 slots of 48 KB and 64 KB of boxes: over 227 KB
+    (BF16, 576, WsConfig(256, 3), 1, True),
+    (BF16, 576, WsConfig(192, 5), 1, False),
+    (BF16, 576, WsConfig(128, 5, tail_split=4), 2, False),  # the conversion takes the room
+    (BF16, 576, WsConfig(128, 5, tail_split=4), 1, True),  # planned without a split: no conversion
+])
+def test_tma_store_rule(dtype, n, cfg, split, ok):
+    """Where whole tiles leave through shared memory by TMA: a 16-bit output with rows of a multiple
+    of 16 bytes, and the config's ring, boxes (and a 128-column split's conversion) within an H100's
+    shared memory."""
+    y = torch.empty(8, n, dtype=dtype)
+    assert ws_gemm.tma_store_ok(y, cfg, split) is ok
+    assert (ws_gemm.ws_shared_bytes(cfg, split > 1) <= ws_gemm.SHARED_LIMIT) is (ok or dtype is torch.float32
+                                                                                  or n == 300)
+    assert not ws_gemm.tma_store_ok(torch.empty(n, 8, dtype=dtype).t(), cfg, split)  # columns not contiguous
 
 
 @pytest.mark.gpu
@@ -388,6 +446,8 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
             assert same_bits(y, tiled)
         else:  # split tail tiles sum their partials in split order: the same bits every call
             assert same_bits(y, ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg))
+        # whole tiles stored from the consumers' registers, not through shared memory by TMA: same bits
+        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg, tma_store=False), y)
 
 
 def _splits(m, n, k, cfg):
@@ -490,6 +550,46 @@ def test_bias_and_output_dtypes(out, gran):
         y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg)
         assert y.dtype == out
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("out", [BF16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(77, 576, 576), (333, 2112, 4096), (4099, 1536, 1536), (8192, 576, 576),
+                                   (1000, 4296, 4160), (130, 1000, 1024)])
+def test_tma_store_same_bits_as_the_register_store(out, m, n, k):
+    """Whole tiles through shared memory by TMA (clipped to M and N: ragged M and N here) and from the
+    consumers' registers: the same bits, with bias, every tile width, one program a tile or
+    persistent, with and without a split tail (1000x4296: 272 tiles of 128x128, a split last wave),
+    and the default's choice (tma_store_pays)."""
+    from fp8linear.reference import block_fp8_matmul_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x_q, x_s, w_q, w_s, w_s_ref, b = _operands(m, n, k, "block", True, gen)
+    ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
+    y_like = torch.empty(m, n, dtype=out, device="cuda")
+    for cfg in (WsConfig(128, 3), WsConfig(128, 4, persistent=True), WsConfig(128, 4, persistent=True, tail_split=4),
+                WsConfig(192, 4), WsConfig(192, 4, persistent=True), WsConfig(192, 4, persistent=True, tail_split=4),
+                WsConfig(256, 3, persistent=True), WsConfig(128, 6, persistent=True)):
+        assert ws_gemm.tma_store_ok(y_like, cfg, _splits(m, n, k, cfg))
+        y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", out, b, cfg, tma_store=True)
+        assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]
+        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", out, b, cfg), y)  # the default
+        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", out, b, cfg, tma_store=False), y)
+
+
+@pytest.mark.gpu
+@needs_ws
+def test_tma_store_refused_where_it_cannot_run():
+    """Rows of 600 bytes (N = 300) or a config without room for the boxes: the default stores from
+    registers, and asking for the TMA store is a clear error."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for n, cfg in ((300, WsConfig(128, 3)), (576, WsConfig(256, 4, persistent=True))):
+        x_q, x_s, w_q, w_s, _, _ = _operands(333, n, 1024, "block", False, gen)
+        y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", BF16, None, cfg)
+        assert same_bits(y, ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", BF16, None, cfg, tma_store=False))
+        with pytest.raises(ValueError, match="tma_store=True needs a 16-bit output"):
+            ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", BF16, None, cfg, tma_store=True)
 
 
 @pytest.mark.gpu
