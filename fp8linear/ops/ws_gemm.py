@@ -12,7 +12,9 @@ order, with three partitions of warps:
   it); the ring runs on across tiles, so a tile's first groups load while the last one is stored;
 - two consumer warpgroups each own 64 rows of a tile: they wait for a slot, multiply on the
   tensor cores (WGMMA), release the slot, and promote the product into their accumulator; then
-  store their rows through shared memory, 16 contiguous bytes a thread. On 128-column tiles with
+  store their rows through shared memory, 16 contiguous bytes a thread, or (persistent 128-column
+  launches whose programs run several tiles: :func:`tma_store_pays`) write them into their own
+  boxes in shared memory for TMA to store while they start the next tile. On 128-column tiles with
   128x128 or per-tensor weight scales and at least 4 ring slots they take K groups in pairs (the
   second product started before the first is promoted, both slots released together:
   :func:`_k_loop`). A 192- or 256-column tile is three or four 64-column products per K group, each
