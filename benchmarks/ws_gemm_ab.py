@@ -17,9 +17,11 @@ method's speedup over BF16.
 
 ``--single-release`` adds each config releasing its ring slots after every K group (``NAME-r1``,
 ``ws_fp8_gemm(release_every=1)``) against the default pairs, after checking both give the same bits.
-``--store-ab`` adds each config storing its tiles from the consumers' registers (``NAME-regs``,
-``ws_fp8_gemm(tma_store=False)``) against the default (through shared memory by TMA where
-:func:`~fp8linear.ops.ws_gemm.tma_store_ok` allows), after checking both give the same bits.
+``--store-ab`` adds each config storing its whole tiles through shared memory by TMA (``NAME-tma``,
+``ws_fp8_gemm(tma_store=True)``, where :func:`~fp8linear.ops.ws_gemm.tma_store_ok` allows it) and
+from the consumers' registers (``NAME-regs``, ``tma_store=False``) beside the default (``NAME``: the
+TMA store where :func:`~fp8linear.ops.ws_gemm.tma_store_pays` too), after checking all give the
+same bits.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
 from fp8linear.ops.configs import GemmConfig
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.configs import sm_count
-from fp8linear.ops.ws_gemm import WsConfig, tail_plan, ws_accepts, ws_fp8_gemm
+from fp8linear.ops.ws_gemm import WsConfig, tail_plan, tma_store_ok, ws_accepts, ws_fp8_gemm
 from fp8linear.ops.router import route_gemm, tma_ok
 from fp8linear.tools.bench import _routed_to_cublas
 from fp8linear.tools.grid import grid_shapes
@@ -61,6 +63,13 @@ def _bytes(args: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in args if isinstance(t, torch.Tensor))
 
 
+def _tma_ok(m: int, n: int, k: int, cfg: WsConfig, dev: torch.device) -> bool:
+    """Whether `cfg` can store a bf16 (m, n) output's tiles by TMA on `dev` (its split as planned)."""
+    tiles = -(-m // 128) * -(-n // cfg.block_n)
+    split = tail_plan(tiles, sm_count(dev), -(-k // 128), cfg.tail_split)[1]
+    return tma_store_ok(torch.empty(m, n, dtype=torch.bfloat16, device=dev), cfg, split)
+
+
 def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: dict[str, WsConfig],
             single_release: bool = False, store_ab: bool = False) -> dict[str, float] | None:
     dev = torch.device("cuda")
@@ -80,10 +89,10 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
                 y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
                                                  release_every=1).view(torch.int16)):
             raise AssertionError(f"{n}x{k} M={m} {cfg}: releasing ring slots per group changed the bits")
-        if store_ab and not torch.equal(
-                y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
-                                                 tma_store=False).view(torch.int16)):
-            raise AssertionError(f"{n}x{k} M={m} {cfg}: the store from registers changed the bits")
+        for forced in ((False, True) if store_ab and _tma_ok(m, n, k, cfg, dev) else (False,) if store_ab else ()):
+            if not torch.equal(y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
+                                                                tma_store=forced).view(torch.int16)):
+                raise AssertionError(f"{n}x{k} M={m} {cfg}: tma_store={forced} changed the bits")
         tiles = -(-m // 128) * -(-n // cfg.block_n)  # this config's output tiles, as ws_fp8_gemm plans them
         if tail_plan(tiles, sm_count(dev), -(-k // 128), cfg.tail_split)[1] == 1:
             same = same and torch.equal(y.view(torch.int16), tiled.view(torch.int16))
@@ -108,7 +117,10 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
         if single_release:  # the same config releasing its ring slots after every K group
             methods[name + "-r1"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
                 a, sa, b, sb, gran, torch.bfloat16, None, cfg, release_every=1), (x_q, x_s, w_q, w_s))
-        if store_ab:  # the same config storing its tiles from the consumers' registers
+        if store_ab:  # the same config storing its tiles by TMA and from the consumers' registers
+            if _tma_ok(m, n, k, cfg, dev):
+                methods[name + "-tma"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
+                    a, sa, b, sb, gran, torch.bfloat16, None, cfg, tma_store=True), (x_q, x_s, w_q, w_s))
             methods[name + "-regs"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
                 a, sa, b, sb, gran, torch.bfloat16, None, cfg, tma_store=False), (x_q, x_s, w_q, w_s))
     rounds = {}
@@ -125,6 +137,17 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
     return t
 
 
+def _geomeans(rows: list[dict], names: list[str]) -> dict[str, float]:
+    """Geomean speedup over BF16 of each method, over the rows that timed it (NAME-tma: where the
+    config can store by TMA)."""
+    out = {}
+    for nm in names:
+        have = [r for r in rows if nm in r]
+        if have:
+            out[nm] = math.exp(sum(math.log(r["bf16"] / r[nm]) for r in have) / len(have))
+    return out
+
+
 def best_ws(t: dict[str, float]) -> float:
     return min(t[name] for name in WS_CONFIGS if name in t)
 
@@ -138,7 +161,7 @@ def main() -> None:
     p.add_argument("--single-release", action="store_true",
                    help="also time each config releasing its ring slots after every K group (NAME-r1)")
     p.add_argument("--store-ab", action="store_true",
-                   help="also time each config storing its tiles from the consumers' registers (NAME-regs)")
+                   help="also time each config storing its tiles by TMA (NAME-tma) and from registers (NAME-regs)")
     p.add_argument("--json")
     a = p.parse_args()
     configs = {name: WS_CONFIGS[name] for name in a.configs}
@@ -156,13 +179,13 @@ def main() -> None:
                                                        for kk, v in t.items())
                   + f"  best ws/tiled={best_ws(t) / t['tiled']:.3f} /auto={best_ws(t) / t['auto']:.3f}", flush=True)
     names = ["tensor", "auto", "triton", "tiled", *configs, *(f"{c}-r1" for c in configs if a.single_release),
-             *(f"{c}-regs" for c in configs if a.store_ab)]
+             *(f"{c}-{arm}" for c in configs for arm in ("tma", "regs") if a.store_ab)]
     for m in a.m:
         sel = [r for r in rows if r["m"] == m]
         if sel:
-            gm = {nm: math.exp(sum(math.log(r["bf16"] / r[nm]) for r in sel) / len(sel)) for nm in names}
+            gm = _geomeans(sel, names)
             print(f"M={m}: x BF16 geomean over {len(sel)}: " + " ".join(f"{nm} {v:.3f}" for nm, v in gm.items()))
-    gm_all = {nm: math.exp(sum(math.log(r["bf16"] / r[nm]) for r in rows) / max(1, len(rows))) for nm in names}
+    gm_all = _geomeans(rows, names)
     print("all: x BF16 geomean: " + " ".join(f"{nm} {v:.3f}" for nm, v in gm_all.items()))
     print(f"every unsplit ws config same bits as tiled in {sum(r['same_bits'] for r in rows):.0f} of {len(rows)}; "
           f"split configs' largest relative difference {max((r['split_rel_err'] for r in rows), default=0):.2e}")

@@ -13,7 +13,7 @@ order, with three partitions of warps:
 - two consumer warpgroups each own 64 rows of a tile: they wait for a slot, multiply on the
   tensor cores (WGMMA), release the slot, and promote the product into their accumulator; then
   store their rows through shared memory, 16 contiguous bytes a thread, or (persistent 128-column
-  launches whose programs run several tiles: :func:`tma_store_pays`) write them into their own
+  launches with more work units than programs: :func:`tma_store_pays`) write them into their own
   boxes in shared memory for TMA to store while they start the next tile. On 128-column tiles with
   128x128 or per-tensor weight scales and at least 4 ring slots they take K groups in pairs (the
   second product started before the first is promoted, both slots released together:
@@ -207,9 +207,9 @@ def sum_width(split: int) -> int:
 SHARED_LIMIT = 232_448
 # Shared memory of the kernel besides its ring and output boxes: its barriers (16 bytes a ring slot
 # and 192 more), 32 bytes with a split tail, and in a 128-column kernel with a split tail the
-# partials' layout conversion (_PARTIAL_LAYOUT, both consumers). sm_90a, compiled ahead of time with
-# Triton 3.9: the estimate is at most 8 bytes over the compiler's (tests/ops/test_ws_gemm.py compiles
-# configs and checks it).
+# partials' layout conversion (_PARTIAL_LAYOUT, both consumers). Measured as sm_90a compiled ahead
+# of time with Triton 3.9 (the estimate is at most 8 bytes over the compiler's); the test that
+# compiles the configs with the installed Triton checks it (tests/ops/test_ws_gemm.py).
 _SHARED_PER_SLOT_BARRIERS = 16
 _SHARED_OTHER = 192
 _SHARED_SPLIT = 32
@@ -230,20 +230,21 @@ def ws_shared_bytes(cfg: WsConfig, split: bool) -> int:
 
 def tma_store_pays(cfg: WsConfig, units: int, programs: int) -> bool:
     """Whether the default stores whole tiles by TMA (where :func:`tma_store_ok`): in a persistent
-    launch of 128-column tiles whose programs run more than one unit each, where a tile's store then
-    runs on while the consumers start the next one. H200, CUDA graphs, 7 shapes x M 1000-8192,
-    benchmarks/ws_gemm_ab.py --store-ab, time against the store from registers: persistent 128x128
-    tiles with more units than SMs 0.94-1.00x (7168x2048 M=8192 233.4 against 247.3 us, 576x576 M=8192
-    11.9 against 12.6), with one unit a program 1.00-1.03x; 128x192 tiles 0.96-1.03x (geomean 0.997:
-    not taken); one program a tile 1.00-1.05x (the program's last store is waited for, nothing to
-    overlap)."""
+    launch of 128-column tiles with more work units than programs (so programs run several), where a
+    tile's store runs on while the consumers start the next one. H200, CUDA graphs, 7 shapes x M
+    1000-8192, the TMA store forced on against the store from registers
+    (benchmarks/ws_gemm_ab.py --store-ab): persistent 128x128 tiles with more units than SMs
+    0.94-1.00x (7168x2048 M=8192 233.4 against 247.3 us, 576x576 M=8192 11.9 against 12.6), with one
+    unit a program 1.00-1.03x; 128x192 tiles 0.96-1.03x (geomean 0.997: not taken); one program a
+    tile 1.00-1.05x (the program's last store is waited for, nothing to overlap)."""
     return cfg.persistent and cfg.block_n == _PRODUCT_COLS and units > programs
 
 
 def tma_store_ok(y: torch.Tensor, cfg: WsConfig, split: int) -> bool:
     """Whether the kernel can store output `y`'s whole tiles through shared memory by TMA with `cfg`
-    and `split` pieces a tail tile: a 16-bit output (fp32 boxes would not fit beside the ring) whose
-    rows are a multiple of 16 bytes from a 16-byte aligned base, and room for the boxes."""
+    and `split` pieces a tail tile: a 16-bit output (the kernel stages 16-bit boxes; fp32 outputs keep
+    the register store) whose rows are a multiple of 16 bytes from a 16-byte aligned base (TMA), and
+    room for the boxes beside the ring."""
     return (y.dtype in (torch.bfloat16, torch.float16) and y.stride(1) == 1 and (y.stride(0) * 2) % 16 == 0
             and y.data_ptr() % 16 == 0 and ws_shared_bytes(cfg, split > 1) <= SHARED_LIMIT)
 
@@ -306,7 +307,8 @@ if HAS_GLUON_WS:
         return tile, first, end
 
     @gluon.jit
-    def _produce(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    def _produce(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                  GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr,
@@ -530,7 +532,8 @@ if HAS_GLUON_WS:
         return warpgroup_mma(a, b.permute((1, 0)), zeros, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, off_m, off_n,
+    def _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                   off_m, off_n,
                    M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                    WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                    HALF: gl.constexpr, SPLIT: gl.constexpr, MAX_SPLIT: gl.constexpr, TMA_STORE: gl.constexpr):
@@ -626,7 +629,8 @@ if HAS_GLUON_WS:
         return it
 
     @gluon.jit
-    def _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+    def _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                  GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, HALF: gl.constexpr,
@@ -649,7 +653,8 @@ if HAS_GLUON_WS:
         for tile in range(pid, whole_tiles, programs):
             off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
             if WIDE:
-                it = _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                it = _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                                part_ptr, count_ptr,
                                 off_m, off_n, M, N, 0, k_groups, it, tile, whole_tiles, tail_split, stride_xsm,
                                 stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF, False,
                                 MAX_SPLIT, TMA_STORE)
@@ -676,7 +681,8 @@ if HAS_GLUON_WS:
                 tile, first, end = _unit(u, whole_tiles, tail_split, groups_per_split, k_groups)
                 off_m, off_n = _tile_offsets(tile, M, N, 2 * half, block_n, GROUP_M)
                 if WIDE:
-                    it = _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                    it = _wide_unit(y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                                    part_ptr, count_ptr,
                                     off_m, off_n, M, N, first, end, it, u, whole_tiles, tail_split, stride_xsm,
                                     stride_wsn, stride_wsk, stride_ym, WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, HALF,
                                     True, MAX_SPLIT, TMA_STORE)
@@ -699,8 +705,10 @@ if HAS_GLUON_WS:
                        part_ptr, count_ptr,
                        M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                        stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr, TMA_STORE: gl.constexpr):
-        _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                       GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr,
+                       TMA_STORE: gl.constexpr):
+        _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 0, RELEASE_EVERY, TMA_STORE)
 
@@ -709,8 +717,10 @@ if HAS_GLUON_WS:
                         part_ptr, count_ptr,
                         M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk,
                         stride_ym, WS_GROUP_N: gl.constexpr, W_SCALE_UNIFORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr, TMA_STORE: gl.constexpr):
-        _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr,
+                        GROUP_M: gl.constexpr, MAX_SPLIT: gl.constexpr, RELEASE_EVERY: gl.constexpr,
+                        TMA_STORE: gl.constexpr):
+        _consume(x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+                 part_ptr, count_ptr,
                  M, N, K, whole_tiles, tail_split, groups_per_split, stride_xsm, stride_wsn, stride_wsk, stride_ym,
                  WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, 1, RELEASE_EVERY, TMA_STORE)
 
@@ -745,7 +755,8 @@ if HAS_GLUON_WS:
         # The partitions' arguments are written out in each tuple: a tuple assigned to a variable
         # first would turn its constexprs into runtime values.
         gl.warp_specialize([
-            (_consume_first, (x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+            (_consume_first, (x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr,
+                              bias_ptr,
                               part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                               stride_xsm, stride_wsn, stride_wsk, stride_ym,
                               WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY, TMA_STORE)),
@@ -753,7 +764,8 @@ if HAS_GLUON_WS:
                         part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                         stride_xsm, stride_wsn, stride_wsk, stride_ym,
                         WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY, TMA_STORE)),
-            (_consume_second, (x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr, bias_ptr,
+            (_consume_second, (x_desc, w_desc, y_desc, a_bufs, b_bufs, c_bufs, ready, empty, xs_ptr, ws_ptr, y_ptr,
+                               bias_ptr,
                                part_ptr, count_ptr, M, N, K, whole_tiles, tail_split, groups_per_split,
                                stride_xsm, stride_wsn, stride_wsk, stride_ym,
                                WS_GROUP_N, W_SCALE_UNIFORM, HAS_BIAS, GROUP_M, MAX_SPLIT, RELEASE_EVERY, TMA_STORE)),
@@ -763,6 +775,12 @@ if HAS_GLUON_WS:
 def _gl_dtype(dtype: torch.dtype):
     return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
             torch.float16: gl.float16}[dtype]
+
+
+def _tma_store_refused(y: torch.Tensor, cfg: WsConfig, split: int) -> str:
+    return (f"ws_fp8_gemm: tma_store=True needs a 16-bit output with rows of a multiple of 16 bytes and room "
+            f"for the output boxes in shared memory (ws_shared_bytes <= {SHARED_LIMIT}); got {y.dtype} output "
+            f"with rows of {y.stride(0) * y.element_size()} bytes, {cfg}, a tail split in {split}")
 
 
 def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, granularity: str,
@@ -788,6 +806,8 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
     m, k = x_q.shape
     n = w_q.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if tma_store and not tma_store_ok(y, cfg, 1):  # also where nothing is launched (the split: below)
+        raise ValueError(_tma_store_refused(y, cfg, 1))
     if m == 0 or n == 0:
         return y
     if k == 0:
@@ -813,8 +833,7 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
     if tma_store is None:
         tma_store = tma_store_pays(cfg, units, grid[0]) and tma_store_ok(y, cfg, split)
     elif tma_store and not tma_store_ok(y, cfg, split):
-        raise ValueError(f"ws_fp8_gemm: tma_store=True needs a 16-bit output with rows of a multiple of 16 bytes "
-                         f"and {cfg} with its output boxes in shared memory; got {y.dtype} output, N={n}")
+        raise ValueError(_tma_store_refused(y, cfg, split))
     y_desc = x_desc  # not used without the TMA store
     if tma_store:
         y_box = [_HALF_M, _PRODUCT_COLS if cfg.block_n == 128 else _CHUNK_COLS]

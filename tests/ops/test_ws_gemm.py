@@ -331,7 +331,7 @@ def _can_compile_for_hopper() -> bool:
     (192, "block", 4, 2, 2, False), (256, "block", 4, 2, 2, False),
     (128, "block", 4, 1, 2, True), (128, "block", 4, 4, 2, True), (128, "row", 3, 4, 2, True),
     (192, "block", 4, 1, 2, True), (192, "block", 4, 2, 2, True), (192, "row", 3, 4, 2, True),
-    (256, "block", 3, 1, 2, True), (128, "block", 6, 1, 2, True)])
+    (256, "block", 3, 1, 2, True), (256, "block", 3, 4, 2, True), (128, "block", 6, 1, 2, True)])
 def test_the_installed_triton_compiles_it_for_hopper(block_n, granularity, stages, max_split, release_every,
                                                      tma_store):
     """The kernel's Gluon calls exist in the installed Triton (names move between releases: its TMA
@@ -371,6 +371,17 @@ def test_tma_store_is_a_bool_or_none(bad):
     x = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="tma_store must be a bool or None"):
         ws_gemm.ws_fp8_gemm(x, torch.ones(4, 1), x, torch.ones(1, 1), "block", BF16, tma_store=bad)
+
+
+def test_tma_store_refused_before_an_empty_launch():
+    """Asking for the TMA store with an output it cannot stage (fp32) is an error even where nothing
+    would be launched."""
+    x = torch.zeros(0, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="tma_store=True needs a 16-bit output"):
+        ws_gemm.ws_fp8_gemm(x, torch.ones(0, 1), w, torch.ones(2, 1), "block", torch.float32, tma_store=True)
+    empty = ws_gemm.ws_fp8_gemm(x, torch.ones(0, 1), w, torch.ones(2, 1), "block", BF16, tma_store=True)
+    assert empty.shape == (0, 256)
 
 
 @pytest.mark.parametrize("cfg,units,programs,pays", [
@@ -446,7 +457,10 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
             assert same_bits(y, tiled)
         else:  # split tail tiles sum their partials in split order: the same bits every call
             assert same_bits(y, ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg))
-        # whole tiles stored from the consumers' registers, not through shared memory by TMA: same bits
+        # whole tiles stored through shared memory by TMA (where the config can) and from the
+        # consumers' registers, whichever the default took: the same bits
+        if ws_gemm.tma_store_ok(y, cfg, _splits(m, n, k, cfg)):
+            assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg, tma_store=True), y)
         assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, BF16, None, cfg, tma_store=False), y)
 
 
@@ -554,10 +568,10 @@ def test_bias_and_output_dtypes(out, gran):
 
 @pytest.mark.gpu
 @needs_ws
-@pytest.mark.parametrize("out", [BF16, torch.float16])
+@pytest.mark.parametrize("out,gran", [(BF16, "block"), (torch.float16, "block"), (BF16, "row")])
 @pytest.mark.parametrize("m,n,k", [(77, 576, 576), (333, 2112, 4096), (4099, 1536, 1536), (8192, 576, 576),
                                    (1000, 4296, 4160), (130, 1000, 1024)])
-def test_tma_store_same_bits_as_the_register_store(out, m, n, k):
+def test_tma_store_same_bits_as_the_register_store(out, gran, m, n, k):
     """Whole tiles through shared memory by TMA (clipped to M and N: ragged M and N here) and from the
     consumers' registers: the same bits, with bias, every tile width, one program a tile or
     persistent, with and without a split tail (1000x4296: 272 tiles of 128x128, a split last wave),
@@ -565,17 +579,18 @@ def test_tma_store_same_bits_as_the_register_store(out, m, n, k):
     from fp8linear.reference import block_fp8_matmul_ref
 
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
-    x_q, x_s, w_q, w_s, w_s_ref, b = _operands(m, n, k, "block", True, gen)
+    x_q, x_s, w_q, w_s, w_s_ref, b = _operands(m, n, k, gran, True, gen)
     ref = block_fp8_matmul_ref(x_q, x_s, w_q, w_s_ref, torch.float64, b)
     y_like = torch.empty(m, n, dtype=out, device="cuda")
     for cfg in (WsConfig(128, 3), WsConfig(128, 4, persistent=True), WsConfig(128, 4, persistent=True, tail_split=4),
                 WsConfig(192, 4), WsConfig(192, 4, persistent=True), WsConfig(192, 4, persistent=True, tail_split=4),
-                WsConfig(256, 3, persistent=True), WsConfig(128, 6, persistent=True)):
+                WsConfig(256, 3, persistent=True), WsConfig(256, 3, persistent=True, tail_split=4),
+                WsConfig(128, 6, persistent=True)):
         assert ws_gemm.tma_store_ok(y_like, cfg, _splits(m, n, k, cfg))
-        y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", out, b, cfg, tma_store=True)
+        y = ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg, tma_store=True)
         assert rel_err(y, ref) < KERNEL_GEMM_TOL[out]
-        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", out, b, cfg), y)  # the default
-        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, "block", out, b, cfg, tma_store=False), y)
+        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg), y)  # the default
+        assert same_bits(ws_gemm.ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, out, b, cfg, tma_store=False), y)
 
 
 @pytest.mark.gpu
