@@ -36,7 +36,7 @@ from fp8linear import block_fp8_matmul, quantize_activation, quantize_weight
 from fp8linear.ops.configs import GemmConfig
 from fp8linear.ops.gemm import block_fp8_gemm
 from fp8linear.ops.configs import sm_count
-from fp8linear.ops.ws_gemm import WsConfig, tail_plan, tma_store_ok, ws_accepts, ws_fp8_gemm
+from fp8linear.ops.ws_gemm import WsConfig, tma_store_ok, ws_accepts, ws_fp8_gemm, ws_plan
 from fp8linear.ops.router import route_gemm, tma_ok
 from fp8linear.tools.bench import _routed_to_cublas
 from fp8linear.tools.grid import grid_shapes
@@ -65,8 +65,7 @@ def _bytes(args: tuple) -> int:
 
 def _tma_ok(m: int, n: int, k: int, cfg: WsConfig, dev: torch.device) -> bool:
     """Whether `cfg` can store a bf16 (m, n) output's tiles by TMA on `dev` (its split as planned)."""
-    tiles = -(-m // 128) * -(-n // cfg.block_n)
-    split = tail_plan(tiles, sm_count(dev), -(-k // 128), cfg.tail_split)[1]
+    split = ws_plan(m, n, k, cfg, sm_count(dev))[2]
     return tma_store_ok(torch.empty(m, n, dtype=torch.bfloat16, device=dev), cfg, split)
 
 
@@ -83,18 +82,20 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
         return None
     tiled = block_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, TILED)
     same, split_err = True, 0.0
-    for cfg in configs.values():
+    # the stores each config is timed and checked with beside its default (--store-ab)
+    arms = {name: [False] + ([True] if _tma_ok(m, n, k, cfg, dev) else []) if store_ab else []
+            for name, cfg in configs.items()}
+    for name, cfg in configs.items():
         y = ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg)
         if single_release and not torch.equal(
                 y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
                                                  release_every=1).view(torch.int16)):
             raise AssertionError(f"{n}x{k} M={m} {cfg}: releasing ring slots per group changed the bits")
-        for forced in ((False, True) if store_ab and _tma_ok(m, n, k, cfg, dev) else (False,) if store_ab else ()):
+        for forced in arms[name]:
             if not torch.equal(y.view(torch.int16), ws_fp8_gemm(x_q, x_s, w_q, w_s, gran, torch.bfloat16, None, cfg,
                                                                 tma_store=forced).view(torch.int16)):
                 raise AssertionError(f"{n}x{k} M={m} {cfg}: tma_store={forced} changed the bits")
-        tiles = -(-m // 128) * -(-n // cfg.block_n)  # this config's output tiles, as ws_fp8_gemm plans them
-        if tail_plan(tiles, sm_count(dev), -(-k // 128), cfg.tail_split)[1] == 1:
+        if ws_plan(m, n, k, cfg, sm_count(dev))[2] == 1:  # as ws_fp8_gemm plans it
             same = same and torch.equal(y.view(torch.int16), tiled.view(torch.int16))
         else:
             split_err = max(split_err, float((y.double() - tiled.double()).norm() / tiled.double().norm()))
@@ -117,12 +118,9 @@ def measure(n: int, k: int, m: int, gen: torch.Generator, gran: str, configs: di
         if single_release:  # the same config releasing its ring slots after every K group
             methods[name + "-r1"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
                 a, sa, b, sb, gran, torch.bfloat16, None, cfg, release_every=1), (x_q, x_s, w_q, w_s))
-        if store_ab:  # the same config storing its tiles by TMA and from the consumers' registers
-            if _tma_ok(m, n, k, cfg, dev):
-                methods[name + "-tma"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
-                    a, sa, b, sb, gran, torch.bfloat16, None, cfg, tma_store=True), (x_q, x_s, w_q, w_s))
-            methods[name + "-regs"] = (lambda a, sa, b, sb, cfg=cfg: ws_fp8_gemm(
-                a, sa, b, sb, gran, torch.bfloat16, None, cfg, tma_store=False), (x_q, x_s, w_q, w_s))
+        for forced in arms[name]:  # the same config storing its tiles by TMA or from the consumers' registers
+            methods[name + ("-tma" if forced else "-regs")] = (lambda a, sa, b, sb, cfg=cfg, forced=forced: ws_fp8_gemm(
+                a, sa, b, sb, gran, torch.bfloat16, None, cfg, tma_store=forced), (x_q, x_s, w_q, w_s))
     rounds = {}
     for name, (fn, args) in methods.items():
         rounds[name], _ = prepare_cuda(fn, rotation_sets(args, _bytes(args), dev), 3, graph_timer=True)

@@ -66,8 +66,8 @@ def measure(n: int, k: int, m: int, plans: list[tuple[int, int, int]], widths: l
     x_q, x_s = quantize_activation(x, fp8_dtype=w_q.dtype, backend="triton")
     args = (x_q, x_s.contiguous(), w_q, w_s)
     nbytes = sum(t.numel() * t.element_size() for t in args)
-    tiles, groups = -(-m // 128) * -(-n // block_n), -(-k // 128)
-    shipped = ws_gemm.tail_plan(tiles, sm_count(dev), groups, config.tail_split)
+    tiles, *shipped = ws_gemm.ws_plan(m, n, k, config, sm_count(dev))
+    shipped, groups = tuple(shipped), -(-k // 128)
     forced = {"unsplit": (tiles, 1, groups), f"shipped{shipped}": shipped}
     for whole, split, per in plans:
         if whole > tiles or (whole < tiles and split * per < groups):

@@ -61,7 +61,7 @@ except (ImportError, AttributeError):  # no Triton, no Gluon or one without thes
 
 __all__ = ["HAS_GLUON_WS", "PAIR_MIN_STAGES", "RELEASE_EVERY", "SPLIT_MAX_STAGES", "TAIL_MAX_WAVES", "TAIL_MIN_GROUPS",
            "TAIL_MAX_SPLIT", "TAIL_MIN_K_GROUPS", "SHARED_LIMIT", "WsConfig", "sum_width", "tail_plan", "tma_store_ok",
-           "tma_store_pays", "ws_accepts", "ws_device_ok", "ws_fp8_gemm", "ws_shared_bytes"]
+           "tma_store_pays", "ws_accepts", "ws_device_ok", "ws_fp8_gemm", "ws_plan", "ws_shared_bytes"]
 
 # Rows per consumer warpgroup (one WGMMA's M) and consumers per program: 128-row tiles.
 _HALF_M = 64
@@ -192,6 +192,13 @@ def tail_plan(tiles: int, programs: int, k_groups: int, max_split: int) -> tuple
         return tiles, 1, k_groups
     per_split = -(-k_groups // split)
     return tiles - tail, -(-k_groups // per_split), per_split
+
+
+def ws_plan(m: int, n: int, k: int, cfg: WsConfig, programs: int) -> tuple[int, int, int, int]:
+    """(output tiles, whole tiles, pieces a tail tile, K groups a piece) of an (m, n, k) launch with
+    `cfg` over `programs` concurrent programs: :func:`tail_plan` over its 128 x block_n tiles."""
+    tiles = -(-m // (2 * _HALF_M)) * -(-n // cfg.block_n)
+    return (tiles, *tail_plan(tiles, programs, -(-k // GROUP_SIZE), cfg.tail_split))
 
 
 def sum_width(split: int) -> int:
@@ -819,9 +826,8 @@ def ws_fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: to
     x_desc = GluonTensorDescriptor.from_tensor(x_q, x_block, gl.NVMMASharedLayout.get_default_for(x_block, fp8))
     w_desc = GluonTensorDescriptor.from_tensor(w_q, w_block, gl.NVMMASharedLayout.get_default_for(w_block, fp8))
     x_s = x_s.contiguous()
-    tiles = -(-m // (2 * _HALF_M)) * -(-n // cfg.block_n)
     sms = sm_count(x_q.device)
-    whole, split, per_split = tail_plan(tiles, sms, -(-k // GROUP_SIZE), cfg.tail_split)
+    tiles, whole, split, per_split = ws_plan(m, n, k, cfg, sms)
     units = whole + (tiles - whole) * split
     part = count = y  # unused without a split
     if split > 1:

@@ -67,6 +67,9 @@ def test_tail_plan_examples():
     assert ws_gemm.tail_plan(160, 132, 18, 8) == (160, 1, 18)  # K = 2304: the split costs more than it saves
     assert ws_gemm.tail_plan(2304, 132, 56, 8) == (2304, 1, 56)  # 17 whole waves
     assert ws_gemm.tail_plan(40, 132, 56, 4) == (0, 3, 19)  # one partial wave: every tile split
+    # a launch's plan: 4096x576 (K = 7168) in 32 x 5 tiles of 128x128, 28 left over 132 SMs
+    assert ws_gemm.ws_plan(4096, 576, 7168, WsConfig(128, 4, persistent=True, tail_split=4), 132) == (160, 132, 4, 14)
+    assert ws_gemm.ws_plan(4096, 576, 7168, WsConfig(192, 4, persistent=True, tail_split=4), 132) == (96, 96, 1, 56)
 
 
 @pytest.mark.parametrize("split,width", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (11, 16), (16, 16)])
@@ -467,8 +470,7 @@ def test_matches_reference_and_tiled_kernel(gran, m, n, k):
 def _splits(m, n, k, cfg):
     from fp8linear.ops.configs import sm_count
 
-    tiles = -(-m // 128) * -(-n // cfg.block_n)
-    return ws_gemm.tail_plan(tiles, sm_count(torch.device("cuda")), -(-k // 128), cfg.tail_split)[1]
+    return ws_gemm.ws_plan(m, n, k, cfg, sm_count(torch.device("cuda")))[2]
 
 
 @pytest.mark.gpu
@@ -520,8 +522,7 @@ def _split_order_sum(x_q, x_s, w_q, w_s, gran, b, m, n, k, cfg):
     from fp8linear.ops.configs import sm_count
 
     k_groups = -(-k // 128)
-    _, split, per_split = ws_gemm.tail_plan(-(-m // 128) * -(-n // cfg.block_n), sm_count(torch.device("cuda")),
-                                            k_groups, cfg.tail_split)
+    _, _, split, per_split = ws_gemm.ws_plan(m, n, k, cfg, sm_count(torch.device("cuda")))
     unsplit = WsConfig(cfg.block_n, 4, persistent=True)
     total = None
     for first in range(0, k_groups, per_split):
@@ -540,7 +541,7 @@ def _tail_tiles(m, n, k, cfg):
     from fp8linear.ops.configs import sm_count
 
     num_m, num_n = -(-m // 128), -(-n // cfg.block_n)
-    whole = ws_gemm.tail_plan(num_m * num_n, sm_count(torch.device("cuda")), -(-k // 128), cfg.tail_split)[0]
+    whole = ws_gemm.ws_plan(m, n, k, cfg, sm_count(torch.device("cuda")))[1]
     for tile in range(whole, num_m * num_n):
         per_group = cfg.group_m * num_n
         first_m = tile // per_group * cfg.group_m
